@@ -1,0 +1,156 @@
+"""Attention that also returns its log-sum-exp, and the exact merge of partial results.
+
+Conventions (all of cpbook): ``q`` is ``[tokens_q, num_q_heads, head_dim]``, ``k`` is
+``[tokens_k, num_kv_heads, head_dim]``, ``v`` is ``[tokens_k, num_kv_heads, v_head_dim]``; query
+head ``h`` reads KV head ``h // (num_q_heads // num_kv_heads)`` (GQA, as vLLM and HF).  The LSE
+is ``[tokens_q, num_q_heads]`` in natural log: ``lse = log Σ_j exp(s_j)`` over the keys a query
+sees.  A query that sees no key gets output 0 and LSE ``-inf``.
+
+Causal masking uses absolute positions: query ``i`` is at ``q_offset + i``, key ``j`` at
+``k_offset + j``, and the query sees the key iff ``k_offset + j <= q_offset + i``.  That lets a
+rank attend a chunk of queries to any chunk of keys (PCP, chunked prefill) without a mask tensor.
+
+Because ``softmax`` over a union of disjoint key sets is the LSE-weighted mix of the softmaxes
+over each set, :func:`merge_attn_states` recombines partial results exactly:
+``lse = log Σ_p exp(lse_p)`` and ``out = Σ_p exp(lse_p − lse) · out_p``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+__all__ = ["dense_attention", "attention_with_lse", "merge_attn_states"]
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(f"[attention-shapes] requires 3-D [tokens, heads, dim] tensors; got "
+                         f"q{tuple(q.shape)}, k{tuple(k.shape)}, v{tuple(v.shape)}")
+    if k.shape[:2] != v.shape[:2] or q.shape[2] != k.shape[2] or q.shape[1] % k.shape[1]:
+        raise ValueError(f"[attention-shapes] requires k, v with equal [tokens, heads], q/k equal "
+                         f"head_dim and num_q_heads % num_kv_heads == 0; got q{tuple(q.shape)}, "
+                         f"k{tuple(k.shape)}, v{tuple(v.shape)}")
+    return q.shape[1] // k.shape[1]
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+                    q_offset: int = 0, k_offset: int = 0,
+                    scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference: materialised scores, float64 when any input is float64 (else float32).
+
+    Returns ``(out [Tq, Hq, Dv] in q.dtype, lse [Tq, Hq])``.  Exact up to the compute dtype's
+    rounding; this is what every distributed path is checked against.
+    """
+    group = _check(q, k, v)
+    ct = torch.float64 if torch.float64 in (q.dtype, k.dtype, v.dtype) else torch.float32
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    kk = k.to(ct).repeat_interleave(group, dim=1)
+    vv = v.to(ct).repeat_interleave(group, dim=1)
+    s = torch.einsum("qhd,khd->hqk", q.to(ct), kk) * scale
+    if causal:
+        qp = torch.arange(q.shape[0], device=q.device) + q_offset
+        kp = torch.arange(k.shape[0], device=q.device) + k_offset
+        s = s.masked_fill(kp[None, None, :] > qp[None, :, None], float("-inf"))
+    lse = torch.logsumexp(s, dim=-1) if k.shape[0] else s.new_full(s.shape[:2], float("-inf"))
+    p = torch.exp(s - lse.nan_to_num(neginf=0.0)[..., None])  # rows with no key: exp(-inf) = 0
+    out = torch.einsum("hqk,khd->qhd", p, vv)
+    return out.to(q.dtype), lse.T.contiguous()
+
+
+def _kernel(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, causal: bool,
+            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One fused call on ``[1, H, T, D]`` tensors; returns ``(out [1,H,Tq,Dv], lse [1,H,Tq])``.
+
+    The fused kernels need one head size for q, k and v: zero-padding v (or q and k) to the
+    larger size leaves scores and outputs unchanged, so MLA's 576/512 split works too.
+    """
+    dq, dv = q4.shape[-1], v4.shape[-1]
+    if dq != dv:
+        pad = torch.nn.functional.pad
+        if dv < dq:
+            out, lse = _kernel(q4, k4, pad(v4, (0, dq - dv)), causal, scale)
+            return out[..., :dv], lse
+        return _kernel(pad(q4, (0, dv - dq)), pad(k4, (0, dv - dq)), v4, causal, scale)
+    if q4.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q4, k4, v4, 0.0, causal, scale=scale)
+    if q4.dtype != torch.float64:  # CUDA: memory-efficient kernel returns the LSE (padded)
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+            q4, k4, v4, None, True, 0.0, causal, scale=scale)[:2]
+        return out, lse[..., : q4.shape[2]]
+    o, l = dense_attention(q4[0].transpose(0, 1), k4[0].transpose(0, 1), v4[0].transpose(0, 1),
+                           causal=causal, scale=scale)
+    return o.transpose(0, 1)[None], l.T[None]
+
+
+def _fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+           group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Non-empty q and k; causal means top-left aligned (query i sees keys 0..i)."""
+    tq, hq, _ = q.shape
+    if group > 1 and not causal:  # fold the query heads of a KV head into the query axis
+        hk = k.shape[1]
+        q4 = q.view(tq, hk, group, -1).permute(1, 2, 0, 3).reshape(1, hk, group * tq, -1)
+        out, lse = _kernel(q4, k.transpose(0, 1)[None], v.transpose(0, 1)[None], False, scale)
+        out = out[0].view(hk, group, tq, -1).permute(2, 0, 1, 3).reshape(tq, hq, -1)
+        return out, lse[0].view(hk, group, tq).permute(2, 0, 1).reshape(tq, hq)
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    out, lse = _kernel(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                       causal, scale)
+    return out[0].transpose(0, 1), lse[0].T
+
+
+def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+                       q_offset: int = 0, k_offset: int = 0,
+                       scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as :func:`dense_attention`, on PyTorch's fused SDPA kernels.
+
+    CPU: ``aten._scaled_dot_product_flash_attention_for_cpu`` (returns the LSE; float64 works).
+    A causal chunk whose queries start after its keys is split into a fully visible prefix and
+    a top-left-aligned diagonal part, merged exactly.  Empty shards return zeros and ``-inf``.
+    """
+    group = _check(q, k, v)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    tq, tk = q.shape[0], k.shape[0]
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    empty_out = q.new_zeros(tq, q.shape[1], v.shape[2])
+    empty_lse = torch.full((tq, q.shape[1]), float("-inf"), dtype=lse_dtype, device=q.device)
+    d = q_offset - k_offset  # key j is visible to query i iff j <= i + d
+    if tq == 0 or tk == 0 or (causal and d + tq - 1 < 0):
+        return empty_out, empty_lse
+    if not causal or d >= tk - 1:
+        out, lse = _fused(q, k, v, False, scale, group)
+        return out, lse.to(lse_dtype)
+    if d < 0:  # the first -d queries see nothing; the rest are top-left aligned
+        out, lse = attention_with_lse(q[-d:], k, v, True, 0, 0, scale)
+        return torch.cat([empty_out[:-d], out]), torch.cat([empty_lse[:-d], lse])
+    diag = _fused(q, k[d:], v[d:], True, scale, group)
+    if d == 0:
+        return diag[0], diag[1].to(lse_dtype)
+    prefix = _fused(q, k[:d], v[:d], False, scale, group)
+    return merge_attn_states([prefix[0], diag[0]], [prefix[1].to(lse_dtype), diag[1].to(lse_dtype)])
+
+
+def merge_attn_states(outs: Sequence[torch.Tensor],
+                      lses: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine attention results over disjoint key sets into the result over their union.
+
+    ``outs[p]`` is ``[T, H, D]``, ``lses[p]`` is ``[T, H]``.  Exact; a part with LSE ``-inf``
+    (empty shard) gets weight 0; NaN or ``+inf`` LSEs are treated as ``-inf`` (as vLLM's
+    ``correct_attn_out``).  A row where every part is empty gets output 0 and LSE ``-inf``.
+    """
+    if len(outs) != len(lses) or not outs:
+        raise ValueError(f"[merge-parts] requires as many outputs as LSEs (at least one); "
+                         f"got {len(outs)} outputs and {len(lses)} LSEs")
+    lse = torch.stack(list(lses))
+    lse = torch.where(torch.isnan(lse) | (lse == float("inf")), float("-inf"), lse)
+    m = lse.max(dim=0).values
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    w = torch.exp(lse - m)  # [P, T, H]; -inf parts weigh 0
+    tot = w.sum(dim=0)
+    out_dtype = outs[0].dtype
+    stacked = torch.stack([o.to(lse.dtype) for o in outs])
+    out = (w[..., None] * stacked).sum(dim=0) / torch.where(tot > 0, tot, torch.ones_like(tot))[..., None]
+    return out.to(out_dtype), torch.log(tot) + m

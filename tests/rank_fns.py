@@ -1,0 +1,56 @@
+"""Per-rank functions the tests run on both backends (importable by torchrun workers)."""
+from __future__ import annotations
+
+import torch
+
+from cpbook.comm import RankContext
+from cpbook.groups import RankGrid, make_groups
+
+
+def every_collective(ctx: RankContext) -> dict:
+    """Exercise every Group call on the world and on an uneven partition; integer-valued data."""
+    r, n = ctx.rank, ctx.world_size
+    g = ctx.world
+    t = (torch.arange(6 * n, dtype=torch.float64) + 100 * r).reshape(2 * n, 3)
+    out = {
+        "all_gather0": g.all_gather(t, dim=0),
+        "all_gather1": g.all_gather(t, dim=1),
+        "all_gather_v": g.all_gather_v(torch.full((r + 1, 2), float(r)), dim=0)[0],
+        "reduce_scatter0": g.reduce_scatter(t, dim=0),
+        "reduce_scatter1": g.reduce_scatter(t.T.contiguous(), dim=1),
+        "all_reduce": g.all_reduce(t),
+        "all_to_all": g.all_to_all(t, scatter_dim=0, gather_dim=1),
+        "ring": g.sendrecv(t + 0.5, dst=(r + 1) % n, src=(r - 1) % n),
+    }
+    if r == 0:
+        g.send(t[:1].contiguous(), dst=n - 1)
+    if r == n - 1:
+        out["recv"] = g.recv(t[:1], src=0)
+    g.barrier()
+    odd = ctx.new_group([[0, n - 1], list(range(1, n - 1))] if n > 2 else [[0], [1]], "odd")
+    out["odd"] = odd.all_gather(torch.tensor([float(r)]))
+    out["odd_ranks"] = list(odd.ranks)
+    return out
+
+
+def grid_groups(ctx: RankContext, tp: int, pcp: int, dcp: int) -> dict:
+    """Build the TP/PCP/DCP groups and all-gather global ranks inside each."""
+    pg = make_groups(ctx, RankGrid(tp, pcp, dcp))
+    me = torch.tensor([float(ctx.rank)])
+    return {k: [int(x) for x in getattr(pg, k).all_gather(me)] for k in ("tp", "pcp", "dcp")} | {
+        "dcp_rank": pg.coords.dcp_rank, "group_rank": pg.dcp.rank}
+
+
+def fail_on_rank(ctx: RankContext, bad: int = 1) -> int:
+    """Rank ``bad`` raises before the collective; the others wait in it."""
+    if ctx.rank == bad:
+        raise ValueError(f"deliberate failure on rank {bad}")
+    ctx.world.all_gather(torch.ones(1))
+    return ctx.rank
+
+
+def skip_collective(ctx: RankContext) -> int:
+    """Rank 0 waits in an all_gather nobody else calls: it must time out, not hang."""
+    if ctx.rank == 0:
+        ctx.world.all_gather(torch.ones(1))
+    return ctx.rank
