@@ -1,0 +1,267 @@
+"""Hardware and model specs (each one sourced) and KV-cache capacity arithmetic.
+
+Every number here carries a ``source``: one or more BibTeX keys of
+``book/references.bib``, comma-separated so the string can be pasted into a
+MyST ``{cite}`` role. The appendix page ``book/appendix_hardware_models.md``
+prints these tables; ``tests/test_costmodel.py`` checks that page against this
+module, so the prose and the code cannot drift apart.
+
+Conventions
+-----------
+* Vendor memory and bandwidth figures use decimal units (1 GB = 1e9 bytes).
+* Link bandwidth is *per direction* (NVLink 4: 900 GB/s bidirectional means
+  450 GB/s each way).
+* MLA models: ``num_kv_heads`` is 1 (one compressed latent shared by all query
+  heads), ``head_dim`` is the query/key head dimension (``qk_nope_head_dim +
+  qk_rope_head_dim``), and the cache size comes from ``kv_lora_rank +
+  qk_rope_head_dim``, the width of the latent vector vLLM stores per token.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+
+from .config import ParallelConfig
+
+GB = 10**9  #: decimal gigabyte, as on vendor datasheets
+GIB = 2**30  #: binary gibibyte, as in ``torch.cuda.mem_get_info`` style reports
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    """One accelerator. Bandwidths in bytes/s, FLOP/s dense (no sparsity)."""
+
+    name: str
+    hbm_bytes: int
+    hbm_bw_bytes_per_s: float
+    bf16_flops: float
+    link_bw_bytes_per_s: float  #: scale-up link (NVLink / UB), per direction
+    source: str
+
+
+GPUS: dict[str, GPUSpec] = {
+    "H100": GPUSpec("H100 SXM", 80 * GB, 3.35e12, 989e12, 450e9, "nvidia_h100"),
+    "H200": GPUSpec("H200 SXM", 141 * GB, 4.8e12, 989e12, 450e9, "nvidia_h200"),
+    # DGX B200: 1,440 GB, 64 TB/s HBM and 14.4 TB/s NVLink for 8 GPUs, i.e.
+    # 180 GB, 8 TB/s, 1.8 TB/s bidirectional = 900 GB/s per direction per GPU.
+    # BF16 dense 2.25 PFLOP/s = half the 4.5 PFLOP/s sparse figure.
+    "B200": GPUSpec("B200 (DGX B200)", 180 * GB, 8e12, 2.25e15, 900e9, "nvidia_dgx_b200"),
+    # CloudMatrix384 (arXiv 2506.12708): 384 chips, ~300 PFLOP/s BF16,
+    # 1,229 TB/s HBM, 269 TB/s interconnect in total, i.e. ~780 TFLOP/s,
+    # 3.2 TB/s and ~0.7 TB/s per chip. Other sources disagree on the link
+    # (392 GB/s unidirectional, 400 GB/s, 784 GB/s) and whether 0.7 TB/s is
+    # per direction is not confirmed: treat the link figure as approximate.
+    "Ascend910C": GPUSpec("Ascend 910C", 128 * GB, 3.2e12, 780e12, 0.7e12, "zuo2025cloudmatrix"),
+}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Attention shape and weight size of one model (see the module docstring for MLA)."""
+
+    name: str
+    num_layers: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    use_mla: bool
+    kv_lora_rank: int  #: 0 for GQA models
+    qk_rope_head_dim: int  #: 0 for GQA models
+    num_params: float
+    weight_bytes_per_param: int
+    source: str
+
+
+def _gqa(name: str, layers: int, q: int, kv: int, params: float, source: str) -> ModelSpec:
+    """A GQA model with 128-dim heads and bf16 weights."""
+    return ModelSpec(name, layers, q, kv, 128, False, 0, 0, params, 2, source)
+
+
+def _mla(name: str, layers: int, q: int, params: float, source: str) -> ModelSpec:
+    """A DeepSeek-V3-shaped MLA model with FP8 weights."""
+    # qk_nope 128 + rope 64 = 192; latent 512 + rope 64 = 576 stored per token.
+    return ModelSpec(name, layers, q, 1, 192, True, 512, 64, params, 1, source)
+
+
+MODELS: dict[str, ModelSpec] = {
+    # Both MLA models ship FP8 weights (1 byte per parameter).
+    "DeepSeek-V3": _mla("DeepSeek-V3", 61, 128, 671e9, "hf_deepseek_v3,deepseekai2024v3"),
+    "Kimi-K2": _mla("Kimi-K2", 61, 64, 1.04e12, "hf_kimi_k2,kimiteam2025k2"),
+    "Llama-3.1-8B": _gqa("Llama-3.1-8B", 32, 32, 8, 8.03e9, "hf_llama31_8b,grattafiori2024llama3"),
+    "Llama-3.1-70B": _gqa(
+        "Llama-3.1-70B", 80, 64, 8, 70.6e9, "hf_llama31_70b,grattafiori2024llama3"
+    ),
+    "Llama-3.1-405B": _gqa(
+        "Llama-3.1-405B", 126, 128, 8, 405.9e9, "hf_llama31_405b,grattafiori2024llama3"
+    ),
+    "Qwen2.5-7B-1M": _gqa(
+        "Qwen2.5-7B-Instruct-1M", 28, 28, 4, 7.61e9, "hf_qwen25_7b_1m,yang2025qwen25_1m"
+    ),
+    "Qwen3-235B-A22B": _gqa("Qwen3-235B-A22B", 94, 64, 4, 235e9, "hf_qwen3_235b,yang2025qwen3"),
+}
+
+#: bytes per cached element for GQA (and for the MLA latent, except "fp8")
+KV_DTYPE_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+#: vLLM's ``fp8_ds_mla`` layout: 512 fp8 latent + 16 B scales + 64 bf16 rope
+FP8_DS_MLA_BYTES_PER_TOKEN_PER_LAYER = 512 + 16 + 64 * 2
+#: placeholder for activations, CUDA graphs and comm buffers (vLLM profiles it)
+DEFAULT_ACTIVATION_RESERVE_BYTES = 4 * GIB
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+
+
+def parallel_config(model: ModelSpec, tp: int = 1, dcp: int = 1) -> ParallelConfig:
+    """The model's attention under TP × DCP, validated by :class:`~cpbook.config.ParallelConfig`.
+
+    One source of truth for vLLM's rules: an invalid layout raises ``ConfigError`` (a
+    ``ValueError``) naming the violated rule and the values.
+    """
+    return ParallelConfig(tensor_parallel_size=tp, decode_context_parallel_size=dcp,
+                          num_q_heads=model.num_q_heads, num_kv_heads=model.num_kv_heads,
+                          head_dim=model.head_dim, use_mla=model.use_mla)
+
+
+def kv_bytes_per_token(model: ModelSpec, kv_dtype: str = "bf16") -> int:
+    """Bytes of KV cache one token occupies, summed over all layers (one copy).
+
+    GQA: ``2 * num_kv_heads * head_dim * num_layers * bytes``.
+    MLA: ``(kv_lora_rank + qk_rope_head_dim) * num_layers * bytes``; with
+    ``kv_dtype="fp8"`` vLLM's ``fp8_ds_mla`` layout, 656 B per token and layer.
+    """
+    if kv_dtype not in KV_DTYPE_BYTES:
+        raise ValueError(f"[kv-dtype] requires kv_dtype in {sorted(KV_DTYPE_BYTES)}; got kv_dtype={kv_dtype!r}")
+    if model.use_mla:
+        if kv_dtype == "fp8":
+            return FP8_DS_MLA_BYTES_PER_TOKEN_PER_LAYER * model.num_layers
+        width = model.kv_lora_rank + model.qk_rope_head_dim
+        return width * model.num_layers * KV_DTYPE_BYTES[kv_dtype]
+    return 2 * model.num_kv_heads * model.head_dim * model.num_layers * KV_DTYPE_BYTES[kv_dtype]
+
+
+def kv_bytes_for_context(model: ModelSpec, tokens: int, kv_dtype: str = "bf16") -> int:
+    """Bytes of KV cache for ``tokens`` tokens of one request (one copy, all layers)."""
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+        raise ValueError(f"[non-negative-tokens] requires a non-negative int; got tokens={tokens!r}")
+    return tokens * kv_bytes_per_token(model, kv_dtype)
+
+
+def kv_replication(model: ModelSpec, tp: int) -> int:
+    """How many GPUs of one TP group hold a copy of each KV head.
+
+    GQA: ``tp // num_kv_heads`` when ``tp > num_kv_heads``, else 1 (heads are
+    split, nothing is copied). MLA: ``tp`` (every rank keeps the full latent).
+    """
+    parallel_config(model, tp)
+    if model.use_mla:
+        return tp
+    return tp // model.num_kv_heads if tp > model.num_kv_heads else 1
+
+
+def kv_bytes_per_token_per_gpu(
+    model: ModelSpec, tp: int = 1, dcp: int = 1, kv_dtype: str = "bf16"
+) -> float:
+    """KV bytes one GPU stores per token of a request, under TP and DCP.
+
+    A GPU holds ``num_kv_heads / tp`` KV heads but never less than one (MLA:
+    the whole latent); DCP then shards the *tokens* over ``dcp`` ranks without
+    changing the heads, so the result is exactly the ``dcp=1`` value / ``dcp``.
+    Raises ValueError for configurations vLLM rejects.
+    """
+    parallel_config(model, tp, dcp)
+    total = kv_bytes_per_token(model, kv_dtype)
+    if model.use_mla:
+        heads_share = Fraction(1)
+    else:
+        heads_share = Fraction(max(model.num_kv_heads // tp, 1), model.num_kv_heads)
+    return float(total * heads_share / dcp)
+
+
+def weight_bytes_per_gpu(model: ModelSpec, tp: int) -> float:
+    """Weight bytes per GPU: ``num_params * weight_bytes_per_param / tp``.
+
+    Ignores tensors replicated across TP ranks (norms, and embeddings in some
+    setups) and expert parallelism: a lower bound good to a few percent.
+    """
+    parallel_config(model, tp)
+    return model.num_params * model.weight_bytes_per_param / tp
+
+
+def kv_budget_bytes_per_gpu(
+    model: ModelSpec,
+    gpu: GPUSpec,
+    tp: int,
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
+    activation_reserve_bytes: float = DEFAULT_ACTIVATION_RESERVE_BYTES,
+) -> float:
+    """Bytes left for the KV cache on one GPU, vLLM style.
+
+    ``hbm * gpu_memory_utilization - weights / tp - activation_reserve_bytes``.
+    Raises ValueError when the result is not positive (the model does not fit).
+    """
+    if not 0 < gpu_memory_utilization <= 1:
+        raise ValueError(f"[gpu-memory-utilization] requires 0 < gpu_memory_utilization <= 1; "
+                         f"got gpu_memory_utilization={gpu_memory_utilization}")
+    if activation_reserve_bytes < 0:
+        raise ValueError(f"[activation-reserve] requires activation_reserve_bytes >= 0; "
+                         f"got activation_reserve_bytes={activation_reserve_bytes}")
+    weights = weight_bytes_per_gpu(model, tp)
+    budget = gpu.hbm_bytes * gpu_memory_utilization - weights - activation_reserve_bytes
+    if budget <= 0:
+        raise ValueError(
+            f"[model-fits] requires weights + reserve < usable HBM; {model.name} does not fit on "
+            f"{gpu.name} at tp={tp}: "
+            f"{gpu.hbm_bytes / GB:.0f} GB x {gpu_memory_utilization} - "
+            f"weights {weights / GB:.1f} GB - reserve "
+            f"{activation_reserve_bytes / GB:.1f} GB = {budget / GB:.1f} GB"
+        )
+    return budget
+
+
+def max_context_tokens(
+    model: ModelSpec,
+    gpu: GPUSpec,
+    tp: int = 1,
+    dcp: int = 1,
+    kv_dtype: str = "bf16",
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
+    activation_reserve_bytes: float = DEFAULT_ACTIVATION_RESERVE_BYTES,
+) -> int:
+    """Longest single request whose KV cache fits: floor(budget / per-GPU bytes).
+
+    Data parallelism does not change this number: each DP replica serves whole
+    requests, so a request's KV must fit in one replica. Block granularity and
+    the model's own position limit are ignored.
+    """
+    budget = kv_budget_bytes_per_gpu(
+        model, gpu, tp, gpu_memory_utilization, activation_reserve_bytes
+    )
+    per_token = kv_bytes_per_token_per_gpu(model, tp, dcp, kv_dtype)
+    return math.floor(budget / per_token)
+
+
+def prefill_flops(model: ModelSpec, tokens: int) -> tuple[float, float]:
+    """FLOPs of one causal prefill of ``tokens`` tokens: ``(matmul, attention)``.
+
+    ``matmul = 2 * num_params * tokens`` (every weight used once per token; for an MoE model
+    this counts all experts, so only use it for dense models) and
+    ``attention = 2 * num_layers * num_q_heads * head_dim * tokens**2`` (QKᵀ and PV, each
+    ``2·T²·H·d`` for the full square, halved by the causal mask).  The crossover where attention
+    overtakes the matmuls is ``tokens = num_params / (num_layers * num_q_heads * head_dim)``.
+    """
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+        raise ValueError(f"[non-negative-tokens] requires a non-negative int; got tokens={tokens!r}")
+    attention = 2.0 * model.num_layers * model.num_q_heads * model.head_dim * tokens**2
+    return 2.0 * model.num_params * tokens, attention
+
+
+def decode_bytes_per_step(model: ModelSpec, context_tokens: int, tp: int = 1, dcp: int = 1,
+                          kv_dtype: str = "bf16") -> tuple[float, float]:
+    """HBM bytes one GPU reads for one decode step of one request: ``(weights, kv)``.
+
+    Decode is memory-bound: every step streams this GPU's weight shard and its share of the
+    request's KV cache (``context_tokens`` tokens).  ``(weights + kv) / hbm_bw`` bounds TPOT
+    from below.
+    """
+    kv = kv_bytes_per_token_per_gpu(model, tp, dcp, kv_dtype) * context_tokens
+    return weight_bytes_per_gpu(model, tp), kv

@@ -1,0 +1,382 @@
+"""Tests for cpbook.costmodel, including the tables of the hardware/model appendix.
+
+The appendix page (book/appendix_hardware_models.md) prints the specs and a
+few derived numbers as static tables; the last group of tests parses that
+page and recomputes every number, so prose and code cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cpbook import costmodel as cm
+
+ROOT = Path(__file__).resolve().parents[1]
+APPENDIX = ROOT / "book" / "appendix_hardware_models.md"
+INTRO = ROOT / "book" / "intro.md"
+BIB = ROOT / "book" / "references.bib"
+
+DSV3 = cm.MODELS["DeepSeek-V3"]
+L8B, L70B = cm.MODELS["Llama-3.1-8B"], cm.MODELS["Llama-3.1-70B"]
+QWEN3 = cm.MODELS["Qwen3-235B-A22B"]
+
+
+def valid_layouts(model: cm.ModelSpec, max_tp: int = 128):
+    """Every (tp, dcp) the model accepts, found by asking the model itself."""
+    out = []
+    for tp in range(1, max_tp + 1):
+        for dcp in range(1, tp + 1):
+            try:
+                cm.kv_bytes_per_token_per_gpu(model, tp, dcp)
+            except ValueError:
+                continue
+            out.append((tp, dcp))
+    return out
+
+
+# --------------------------------------------------------------- KV per token
+
+@pytest.mark.parametrize(
+    "key, bf16, fp8",
+    [
+        ("DeepSeek-V3", 70_272, 40_016),
+        ("Kimi-K2", 70_272, 40_016),
+        ("Llama-3.1-8B", 131_072, 65_536),
+        ("Llama-3.1-70B", 327_680, 163_840),
+        ("Llama-3.1-405B", 516_096, 258_048),
+        ("Qwen2.5-7B-1M", 57_344, 28_672),
+        ("Qwen3-235B-A22B", 192_512, 96_256),
+    ],
+)
+def test_kv_bytes_per_token_matches_published_table(key, bf16, fp8):
+    model = cm.MODELS[key]
+    assert cm.kv_bytes_per_token(model) == bf16
+    assert cm.kv_bytes_per_token(model, "fp8") == fp8
+    assert isinstance(cm.kv_bytes_per_token(model), int)
+
+
+def test_fp8_ds_mla_is_656_bytes_per_token_and_layer():
+    assert cm.FP8_DS_MLA_BYTES_PER_TOKEN_PER_LAYER == 656
+    assert cm.kv_bytes_per_token(DSV3, "fp8") == 656 * DSV3.num_layers
+
+
+def test_kv_bytes_for_context_is_linear():
+    assert cm.kv_bytes_for_context(L70B, 0) == 0
+    assert cm.kv_bytes_for_context(L70B, 2**17) == 40 * cm.GIB  # 128K tokens: 40 GiB
+    assert cm.kv_bytes_for_context(DSV3, 3, "fp8") == 3 * 40_016
+
+
+# ---------------------------------------------------------------- replication
+
+@pytest.mark.parametrize(
+    "key, tp, copies",
+    [
+        ("DeepSeek-V3", 1, 1), ("DeepSeek-V3", 8, 8), ("Kimi-K2", 16, 16),
+        ("Llama-3.1-70B", 4, 1), ("Llama-3.1-70B", 8, 1), ("Llama-3.1-70B", 16, 2),
+        ("Llama-3.1-70B", 64, 8), ("Qwen3-235B-A22B", 8, 2), ("Qwen2.5-7B-1M", 28, 7),
+    ],
+)
+def test_kv_replication(key, tp, copies):
+    assert cm.kv_replication(cm.MODELS[key], tp) == copies
+
+
+@pytest.mark.parametrize("key", sorted(cm.MODELS))
+def test_tp_group_holds_replication_copies_of_the_cache(key):
+    """Summed over the TP group, per-GPU KV = one copy times the replication."""
+    model = cm.MODELS[key]
+    for tp, dcp in valid_layouts(model):
+        if dcp == 1:
+            group_total = cm.kv_bytes_per_token_per_gpu(model, tp) * tp
+            assert group_total == cm.kv_bytes_per_token(model) * cm.kv_replication(model, tp)
+
+
+# ------------------------------------------------------------------------ DCP
+
+@pytest.mark.parametrize("key", sorted(cm.MODELS))
+def test_dcp_divides_per_gpu_bytes_exactly(key):
+    model = cm.MODELS[key]
+    layouts = valid_layouts(model)
+    assert any(dcp > 1 for _, dcp in layouts), "every model here admits some DCP"
+    for tp, dcp in layouts:
+        with_dcp = cm.kv_bytes_per_token_per_gpu(model, tp, dcp)
+        assert with_dcp * dcp == cm.kv_bytes_per_token_per_gpu(model, tp, 1)
+
+
+def test_dcp_never_exceeds_the_copies_tp_made():
+    """vLLM's GQA rules allow DCP only up to the replication factor."""
+    for model in cm.MODELS.values():
+        for tp, dcp in valid_layouts(model):
+            assert dcp <= cm.kv_replication(model, tp)
+
+
+def test_article_example_8k_tokens_over_4_dcp_ranks():
+    """8K tokens on a DCP group of 4: each GPU stores what 2K tokens need without DCP."""
+    for model, tp in [(DSV3, 4), (L8B, 32)]:
+        per_gpu_8k = cm.kv_bytes_per_token_per_gpu(model, tp, dcp=4) * 8192
+        assert per_gpu_8k == cm.kv_bytes_per_token_per_gpu(model, tp, dcp=1) * 2048
+    assert cm.kv_bytes_per_token_per_gpu(DSV3, 4, 4) * 8192 == cm.kv_bytes_for_context(DSV3, 2048)
+
+
+def test_max_context_scales_with_dcp_up_to_rounding():
+    gpu = cm.GPUS["H200"]
+    base = cm.max_context_tokens(DSV3, gpu, tp=8, dcp=1)
+    for dcp in (2, 4, 8):
+        scaled = cm.max_context_tokens(DSV3, gpu, tp=8, dcp=dcp)
+        assert dcp * base <= scaled < dcp * (base + 1)
+
+
+# ---------------------------------------------------------- budget, monotone
+
+@settings(max_examples=60, deadline=None)
+@given(
+    key=st.sampled_from(["DeepSeek-V3", "Llama-3.1-70B", "Qwen3-235B-A22B"]),
+    gpu_key=st.sampled_from(["H200", "B200"]),
+    util=st.floats(0.8, 1.0),
+    extra=st.floats(0.001, 0.1),
+    reserve=st.integers(0, 8 * cm.GIB),
+)
+def test_max_context_is_monotone(key, gpu_key, util, extra, reserve):
+    model, gpu = cm.MODELS[key], cm.GPUS[gpu_key]
+    lo = cm.max_context_tokens(model, gpu, 8, 1, gpu_memory_utilization=util * (1 - extra),
+                               activation_reserve_bytes=reserve)
+    hi = cm.max_context_tokens(model, gpu, 8, 1, gpu_memory_utilization=util,
+                               activation_reserve_bytes=reserve)
+    assert 0 <= lo <= hi
+    less_reserve = cm.max_context_tokens(model, gpu, 8, 1, gpu_memory_utilization=util,
+                                         activation_reserve_bytes=reserve // 2)
+    assert less_reserve >= hi
+    assert cm.max_context_tokens(model, gpu, 8, 1, "fp8", util, reserve) >= hi
+
+
+@settings(max_examples=40, deadline=None)
+@given(a=st.integers(0, 2**22), b=st.integers(0, 2**22), key=st.sampled_from(sorted(cm.MODELS)))
+def test_kv_bytes_for_context_monotone(a, b, key):
+    lo, hi = sorted((a, b))
+    model = cm.MODELS[key]
+    assert cm.kv_bytes_for_context(model, lo) <= cm.kv_bytes_for_context(model, hi)
+
+
+def test_budget_and_max_context_agree():
+    gpu = cm.GPUS["H100"]
+    budget = cm.kv_budget_bytes_per_gpu(L70B, gpu, 8)
+    assert budget == gpu.hbm_bytes * 0.9 - 70.6e9 * 2 / 8 - 4 * cm.GIB
+    n = cm.max_context_tokens(L70B, gpu, tp=8)
+    per_token = cm.kv_bytes_per_token_per_gpu(L70B, 8)
+    assert n * per_token <= budget < (n + 1) * per_token
+
+
+def test_weights_per_gpu():
+    assert cm.weight_bytes_per_gpu(DSV3, 8) == 671e9 / 8
+    assert cm.weight_bytes_per_gpu(L70B, 1) == 70.6e9 * 2
+
+
+# ---------------------------------------------------------------- ValueErrors
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: cm.kv_replication(L8B, 0), "positive int"),
+        (lambda: cm.kv_replication(L8B, True), "positive int"),
+        (lambda: cm.kv_replication(L8B, 2.0), "positive int"),
+        (lambda: cm.kv_replication(L8B, 3), r"\[heads-divisible-by-tp\]"),
+        (lambda: cm.kv_replication(QWEN3, 2 * 64), r"\[heads-divisible-by-tp\]"),
+        (lambda: cm.kv_replication(cm.MODELS["Qwen2.5-7B-1M"], 14), r"\[heads-divisible-by-tp\]"),
+        (lambda: cm.kv_bytes_per_token_per_gpu(DSV3, 8, 3), r"\[tp-divisible-by-dcp\]"),
+        (lambda: cm.kv_bytes_per_token_per_gpu(DSV3, 8, 0), r"\[positive-sizes\]"),
+        (lambda: cm.kv_bytes_per_token_per_gpu(L70B, 8, 2), r"\[gqa-dcp-needs-replicated-kv\]"),
+        (lambda: cm.kv_bytes_per_token_per_gpu(QWEN3, 8, 4), r"\[gqa-dcp-within-replicas\]"),
+        (lambda: cm.kv_bytes_per_token_per_gpu(cm.MODELS["Qwen2.5-7B-1M"], 28, 2),
+         r"\[gqa-q-per-kv-divisible-by-dcp\]"),
+        (lambda: cm.kv_bytes_per_token(L8B, "int4"), r"\[kv-dtype\]"),
+        (lambda: cm.kv_bytes_for_context(L8B, -1), "non-negative int"),
+        (lambda: cm.kv_budget_bytes_per_gpu(L8B, cm.GPUS["H100"], 1, 0.0), "gpu_memory_utilization"),
+        (lambda: cm.kv_budget_bytes_per_gpu(L8B, cm.GPUS["H100"], 1, 1.5), "gpu_memory_utilization"),
+        (lambda: cm.kv_budget_bytes_per_gpu(L8B, cm.GPUS["H100"], 1, 0.9, -1), "activation_reserve"),
+        (lambda: cm.max_context_tokens(cm.MODELS["Kimi-K2"], cm.GPUS["H200"], 8), "does not fit"),
+        (lambda: cm.max_context_tokens(cm.MODELS["Llama-3.1-405B"], cm.GPUS["H100"], 8), "does not fit"),
+    ],
+)
+def test_invalid_arguments_raise_value_error_naming_the_rule(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_error_messages_name_the_numbers():
+    with pytest.raises(ValueError) as err:
+        cm.kv_bytes_per_token_per_gpu(QWEN3, 8, 4)
+    assert "decode_context_parallel_size=4" in str(err.value) and "tensor_parallel_size=8" in str(err.value) \
+        and "num_kv_heads=4" in str(err.value)
+
+
+# ------------------------------------------------------------------- sources
+
+def bib_keys() -> set[str]:
+    return set(re.findall(r"^@\w+\{([^,\s]+),", BIB.read_text(), flags=re.M))
+
+
+def test_every_source_key_is_in_the_bibliography():
+    keys = bib_keys()
+    specs = list(cm.GPUS.values()) + list(cm.MODELS.values())
+    for spec in specs:
+        cited = spec.source.split(",")
+        assert cited and all(cited), spec.name
+        assert set(cited) <= keys, (spec.name, set(cited) - keys)
+
+
+def test_bibliography_keys_are_unique_and_have_urls():
+    text = BIB.read_text()
+    found = re.findall(r"^@\w+\{([^,\s]+),", text, flags=re.M)
+    assert len(found) == len(set(found))
+    entries = re.split(r"^@", text, flags=re.M)[1:]
+    for entry in entries:
+        assert re.search(r"^\s*url\s*=\s*\{https://", entry, flags=re.M), entry.splitlines()[0]
+
+
+def test_every_cited_key_in_the_book_pages_exists():
+    keys = bib_keys()
+    for page in (ROOT / "book").glob("*.md"):
+        for group in re.findall(r"\{cite(?::\w+)?\}`([^`]+)`", page.read_text()):
+            for key in group.split(","):
+                assert key.strip() in keys, (page.name, key)
+
+
+# --------------------------------------------------------- appendix tables
+
+def appendix_table(name: str) -> list[dict[str, str]]:
+    """Rows of the MyST table with ``:name: name``, as header -> cell text."""
+    lines = APPENDIX.read_text().splitlines()
+    start = lines.index(f":name: {name}")  # options, then the pipe table
+    rows: list[list[str]] = []
+    for line in lines[start + 1:]:
+        if line.startswith("|"):
+            rows.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+        elif rows:
+            break
+    header, _separator, *body = rows
+    assert all(len(row) == len(header) for row in body), name
+    return [dict(zip(header, row)) for row in body]
+
+
+def key(cell: str) -> str:
+    return cell.strip("`")
+
+
+def num(cell: str) -> float:
+    return float(cell.replace(",", ""))
+
+
+def cited(cell: str) -> str:
+    match = re.fullmatch(r"\{cite\}`([^`]+)`", cell)
+    assert match, cell
+    return match.group(1)
+
+
+def test_appendix_gpu_table_matches_costmodel():
+    rows = appendix_table("tab-gpus")
+    assert [key(r["Key"]) for r in rows] == list(cm.GPUS)
+    for row in rows:
+        gpu = cm.GPUS[key(row["Key"])]
+        assert num(row["HBM (GB)"]) * cm.GB == gpu.hbm_bytes
+        assert math.isclose(num(row["HBM bandwidth (TB/s)"]) * 1e12, gpu.hbm_bw_bytes_per_s)
+        assert math.isclose(num(row["BF16 dense (TFLOP/s)"]) * 1e12, gpu.bf16_flops)
+        assert math.isclose(
+            num(row["Scale-up link, per direction (GB/s)"]) * 1e9, gpu.link_bw_bytes_per_s
+        )
+        assert cited(row["Source"]) == gpu.source
+
+
+def test_appendix_model_tables_match_costmodel():
+    shapes, weights = appendix_table("tab-models"), appendix_table("tab-model-weights")
+    assert [key(r["Key"]) for r in shapes] == [key(r["Key"]) for r in weights] == list(cm.MODELS)
+    for row in shapes:
+        model = cm.MODELS[key(row["Key"])]
+        assert num(row["Layers"]) == model.num_layers
+        assert num(row["Q heads"]) == model.num_q_heads
+        assert num(row["KV heads"]) == model.num_kv_heads
+        assert num(row["head_dim"]) == model.head_dim
+        width = row["MLA cache width"]
+        if model.use_mla:
+            assert width == f"{model.kv_lora_rank} + {model.qk_rope_head_dim}"
+        else:
+            assert width == "—" and model.kv_lora_rank == model.qk_rope_head_dim == 0
+    for row in weights:
+        model = cm.MODELS[key(row["Key"])]
+        assert math.isclose(num(row["Parameters (billions)"]) * 1e9, model.num_params)
+        assert num(row["Bytes per parameter"]) == model.weight_bytes_per_param
+        assert cited(row["Source"]) == model.source
+
+
+def test_appendix_kv_context_table_matches_costmodel():
+    rows = appendix_table("tab-kv-context")
+    assert [key(r["Key"]) for r in rows] == list(cm.MODELS)
+    for row in rows:
+        model = cm.MODELS[key(row["Key"])]
+        assert num(row["Bytes per token (bf16)"]) == cm.kv_bytes_per_token(model)
+        assert num(row["Bytes per token (fp8)"]) == cm.kv_bytes_per_token(model, "fp8")
+        gib_128k = cm.kv_bytes_for_context(model, 2**17) / cm.GIB
+        gib_1m = cm.kv_bytes_for_context(model, 2**20) / cm.GIB
+        assert row["128K tokens, bf16 (GiB)"] == f"{gib_128k:.2f}"
+        assert row["1M tokens, bf16 (GiB)"] == f"{gib_1m:.2f}"
+
+
+def test_appendix_capacity_table_matches_costmodel():
+    rows = appendix_table("tab-capacity")
+    assert len(rows) >= 6
+    for row in rows:
+        model, gpu = cm.MODELS[key(row["Model"])], cm.GPUS[key(row["GPU"])]
+        tp, dcp = int(row["TP"]), int(row["DCP"])
+        assert num(row["KV copies"]) == cm.kv_replication(model, tp)
+        per_gpu = cm.kv_bytes_per_token_per_gpu(model, tp, dcp)
+        assert row["KV bytes/token/GPU"] == f"{per_gpu:,.0f}"
+        budget = cm.kv_budget_bytes_per_gpu(model, gpu, tp)
+        assert row["KV budget/GPU (GB)"] == f"{budget / cm.GB:.1f}"
+        assert num(row["Longest request (tokens)"]) == cm.max_context_tokens(model, gpu, tp, dcp)
+
+
+def test_appendix_prose_numbers():
+    text = APPENDIX.read_text()
+    # the stated assumptions are the module's defaults
+    assert cm.DEFAULT_GPU_MEMORY_UTILIZATION == 0.9 and "`gpu_memory_utilization` of 0.9" in text
+    assert cm.DEFAULT_ACTIVATION_RESERVE_BYTES == 4 * cm.GIB and "reserve of 4 GiB" in text
+    # Kimi-K2 on one H200 node: 130.0 GB of weights per GPU vs 126.9 GB usable
+    kimi, h200 = cm.MODELS["Kimi-K2"], cm.GPUS["H200"]
+    weights, usable = cm.weight_bytes_per_gpu(kimi, 8) / cm.GB, h200.hbm_bytes * 0.9 / cm.GB
+    assert f"need {weights:.1f} GB per GPU" in text.replace("\n", " ")
+    assert f"than the {usable:.1f} GB" in text.replace("\n", " ")
+    assert weights > usable
+    # "Qwen3-235B-A22B ... DCP can be at most 2" at TP 8
+    assert max(d for t, d in valid_layouts(QWEN3) if t == 8) == 2
+    # "DSV3 ... stores less KV per token than Llama-3.1-8B"
+    assert cm.kv_bytes_per_token(DSV3) < cm.kv_bytes_per_token(L8B)
+
+
+def test_intro_prose_numbers():
+    """The landing page's rounded claims about Llama-3.1-405B's KV cache."""
+    text = " ".join(INTRO.read_text().split())
+    per_token = cm.kv_bytes_per_token(cm.MODELS["Llama-3.1-405B"])
+    assert "about half a megabyte per token" in text and 0.45e6 < per_token < 0.55e6
+    assert "roughly half a terabyte" in text and 0.45e12 < per_token * 2**20 < 0.6e12
+    assert "stores its whole cache eight times over" in text
+    assert cm.kv_replication(DSV3, 8) == 8
+
+
+def test_prefill_flops_crossover_and_decode_bytes():
+    m = cm.MODELS["Llama-3.1-8B"]
+    cross = m.num_params / (m.num_layers * m.num_q_heads * m.head_dim)
+    lin, att = cm.prefill_flops(m, int(cross))
+    assert att < lin
+    lin, att = cm.prefill_flops(m, int(cross) + 1)
+    assert att > lin
+    assert cm.prefill_flops(m, 0) == (0.0, 0.0)
+    w, kv = cm.decode_bytes_per_step(cm.MODELS["Llama-3.1-70B"], 131072, tp=8)
+    assert w == 70.6e9 * 2 / 8 and kv == 131072 * 327680 / 8
+    w2, kv2 = cm.decode_bytes_per_step(cm.MODELS["DeepSeek-V3"], 8192, 8, 8)
+    assert kv2 == 8192 * 70272 / 8
+    with pytest.raises(ValueError, match=r"\[non-negative-tokens\]"):
+        cm.prefill_flops(m, -1)
