@@ -1,0 +1,64 @@
+"""attention_with_lse vs plain SDPA on the same inputs, same process, one thread.
+
+``python bench/attention_lse.py --json`` prints one JSON object per line:
+``{"name": "attention_lse", "case": ..., "ms": ..., "sdpa_ms": ..., "ratio_vs_sdpa": ...}``.
+Target: ratio_vs_sdpa <= 1.10 for both cases (the LSE costs nothing extra: the CPU flash kernel
+computes it anyway; plain SDPA just drops it).  Times are medians of interleaved repeats.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from cpbook.attention import attention_with_lse
+
+CASES = {
+    # name: (q tokens, k tokens, heads, head_dim, causal)
+    "prefill_causal_4096": (4096, 4096, 8, 64, True),
+    "decode_1x65536": (1, 65536, 8, 64, False),
+}
+
+
+def bench_case(tq: int, tk: int, heads: int, dim: int, causal: bool, repeats: int) -> dict:
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(tq, heads, dim, generator=g)
+    k = torch.randn(tk, heads, dim, generator=g)
+    v = torch.randn(tk, heads, dim, generator=g)
+    q4, k4, v4 = (x.transpose(0, 1)[None] for x in (q, k, v))  # the same memory, SDPA's layout
+    ours, sdpa = [], []
+    for i in range(repeats + 2):
+        t0 = time.perf_counter()
+        out, _ = attention_with_lse(q, k, v, causal=causal)
+        t1 = time.perf_counter()
+        ref = F.scaled_dot_product_attention(q4, k4, v4, is_causal=causal)
+        t2 = time.perf_counter()
+        if i >= 2:  # warm-up
+            ours.append(t1 - t0)
+            sdpa.append(t2 - t1)
+    err = (out - ref[0].transpose(0, 1)).abs().max().item()
+    ms, sdpa_ms = 1e3 * statistics.median(ours), 1e3 * statistics.median(sdpa)
+    return {"ms": round(ms, 3), "sdpa_ms": round(sdpa_ms, 3), "ratio_vs_sdpa": round(ms / sdpa_ms, 3),
+            "max_abs_err": err}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json", action="store_true", help="print JSON lines (the only output format)")
+    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--threads", type=int, default=1)
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    for case, shape in CASES.items():
+        tq, tk, h, d, causal = shape
+        row = {"name": "attention_lse", "case": case, "tq": tq, "tk": tk, "heads": h, "head_dim": d,
+               "dtype": "float32", "threads": a.threads, **bench_case(*shape, repeats=a.repeats)}
+        print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Maintenance commands for the book (not used by the chapters)."""
