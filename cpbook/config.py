@@ -49,7 +49,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-__all__ = ["ConfigError", "ParallelConfig"]
+__all__ = ["ConfigError", "ParallelConfig", "check_interleave"]
 
 
 class ConfigError(ValueError):
@@ -60,6 +60,17 @@ class ConfigError(ValueError):
         self.values = values
         shown = ", ".join(f"{k}={v!r}" for k, v in values.items())
         super().__init__(f"[{rule}] requires {condition}; got {shown}")
+
+
+def check_interleave(block_size: int, interleave: int) -> None:
+    """The two interleave rules: ``interleave <= block_size`` and ``block_size % interleave == 0``."""
+    if block_size < interleave:
+        raise ConfigError("interleave-le-block-size", "cp_kv_cache_interleave_size <= block_size",
+                          cp_kv_cache_interleave_size=interleave, block_size=block_size)
+    if block_size % interleave:
+        raise ConfigError("block-size-divisible-by-interleave",
+                          "block_size % cp_kv_cache_interleave_size == 0",
+                          block_size=block_size, cp_kv_cache_interleave_size=interleave)
 
 
 @dataclass(frozen=True)
@@ -147,13 +158,7 @@ class ParallelConfig:
             raise ConfigError("heads-divisible-by-tp",
                               "num_kv_heads % tp == 0 (kv >= tp) or tp % num_kv_heads == 0 (kv < tp)",
                               num_kv_heads=kv, tensor_parallel_size=tp)
-        if self.block_size < self.interleave:
-            raise ConfigError("interleave-le-block-size", "cp_kv_cache_interleave_size <= block_size",
-                              cp_kv_cache_interleave_size=self.interleave, block_size=self.block_size)
-        if self.block_size % self.interleave:
-            raise ConfigError("block-size-divisible-by-interleave",
-                              "block_size % cp_kv_cache_interleave_size == 0",
-                              block_size=self.block_size, cp_kv_cache_interleave_size=self.interleave)
+        check_interleave(self.block_size, self.interleave)
         if pcp > 1:
             if dcp not in (1, pcp, tp * pcp):
                 raise ConfigError("pcp-dcp-combination",

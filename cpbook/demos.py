@@ -49,6 +49,7 @@ def sharded_keys_attention(ctx: RankContext, num_keys: int = 64,
 
 DEMOS: dict[str, str] = {
     "merge": "cpbook.demos:sharded_keys_attention",
+    "kvcache": "cpbook.kvcache:reconstruct_kv",
 }
 
 
