@@ -35,6 +35,12 @@ finer set of rules; each rule below says which part of the article's line it ref
     GQA: ``(num_q_heads // num_kv_heads) % dcp == 0``.  The Q heads of one KV group are
     all-gathered and reduce-scattered across the DCP group, so they must split evenly.  The
     article does not state this rule.
+``gqa-dcp-group-shares-kv-head``
+    GQA: ``(tp // num_kv_heads) % dcp == 0``.  A DCP group is ``dcp`` consecutive TP ranks and
+    the ranks copying one KV head are ``tp // num_kv_heads`` consecutive ranks, so the group
+    holds a single KV head only if ``dcp`` divides the number of copies.  vLLM's listed checks
+    admit TP=12, 2 KV heads, DCP=4, 24 Q heads, whose DCP group [4, 5, 6, 7] would straddle
+    KV heads 0 and 1; cpbook rejects it.  This is the article's inequality made exact.
 ``interleave-le-block-size`` and ``block-size-divisible-by-interleave``
     ``cp_kv_cache_interleave_size <= block_size`` and ``block_size % interleave == 0``: a
     physical block never mixes two interleave stripes of different ranks.  The article leaves
@@ -186,3 +192,7 @@ class ParallelConfig:
                 raise ConfigError("gqa-q-per-kv-divisible-by-dcp",
                                   "(num_q_heads // num_kv_heads) % decode_context_parallel_size == 0",
                                   num_q_heads=q, num_kv_heads=kv, decode_context_parallel_size=dcp_in_tp)
+            if (tp // kv) % dcp_in_tp:
+                raise ConfigError("gqa-dcp-group-shares-kv-head",
+                                  "(tensor_parallel_size // num_kv_heads) % decode_context_parallel_size == 0",
+                                  tensor_parallel_size=tp, num_kv_heads=kv, decode_context_parallel_size=dcp_in_tp)

@@ -50,6 +50,9 @@ def sharded_keys_attention(ctx: RankContext, num_keys: int = 64,
 DEMOS: dict[str, str] = {
     "merge": "cpbook.demos:sharded_keys_attention",
     "kvcache": "cpbook.kvcache:reconstruct_kv",
+    "dcp-gqa": "cpbook.dcp:gqa_decode_rank",
+    "dcp-mla": "cpbook.mla:mla_decode_rank",
+    "dcp-mla-ctx": "cpbook.mla:mla_context_rank",
 }
 
 

@@ -97,3 +97,12 @@ def test_derived_quantities():
     assert (c.q_heads_per_rank, c.kv_head_replicas, c.attention) == (3, 3, "gqa")
     m = P(tensor_parallel_size=8, decode_context_parallel_size=8, num_q_heads=128, num_kv_heads=1, use_mla=True)
     assert (m.kv_head_replicas, m.attention) == (8, "mla")
+
+
+def test_dcp_group_must_hold_one_kv_head():
+    """Stricter than vLLM's listed checks: tp=12, kv=2, dcp=4 passes them, but the DCP group
+    [4, 5, 6, 7] would straddle KV heads 0 (ranks 0-5) and 1 (ranks 6-11)."""
+    with pytest.raises(ConfigError) as err:
+        P(tensor_parallel_size=12, decode_context_parallel_size=4, num_q_heads=24, num_kv_heads=2)
+    assert err.value.rule == "gqa-dcp-group-shares-kv-head"
+    P(tensor_parallel_size=12, decode_context_parallel_size=3, num_q_heads=24, num_kv_heads=2)
