@@ -56,9 +56,9 @@ def ownership_figure(seq_len: int = 64, dcp_size: int = 4, interleave: int = 4, 
     gap, rgap = 1.75, 0.5  # drawn height of one row of slots (cells + slot numbers); space between ranks
     rank_h = srows * gap + rgap
     owners = owner_rank(torch.arange(seq_len), dcp_size, interleave).tolist()
-    labels, fs = seq_len <= 512, 8
+    labels, fs, cell = seq_len <= 512, 9.5, 0.35  # cell: inches per drawn cell
     width = max(w, sw + 0.3 * max(sw // block_size - 1, 0))  # a small gap between physical blocks
-    fig, (top, bot) = figure(2, 1, figsize=(0.42 * width + 1.6, 0.42 * (rows + dcp_size * rank_h) + 1.3),
+    fig, (top, bot) = figure(2, 1, figsize=(cell * width + 1.6, cell * (rows + dcp_size * rank_h) + 1.3),
                              height_ratios=[rows + 0.6, dcp_size * rank_h])
     for p, r in enumerate(owners):
         _cell(top, p % w, p // w, rank_color(r), str(p) if labels else "", fs)
@@ -67,7 +67,7 @@ def ownership_figure(seq_len: int = 64, dcp_size: int = 4, interleave: int = 4, 
     for b in range(1, nb):
         top.hlines(b * vb / w, 0, w, color="black", linewidth=2.5, zorder=6)
     top.set_yticks([b * vb / w + min(vb / w, rows) / 2 for b in range(nb)],
-                   [f"vblock {b}\nid {table[b]}" for b in range(nb)], fontsize=8)
+                   [f"vblock {b}\nid {table[b]}" for b in range(nb)], fontsize=9.5)
     _frame(top, width, rows, f"Owner of token p: (p // {interleave}) % {dcp_size}; "
                              f"one block id = {block_size} x {dcp_size} = {vb} tokens")
     for r in range(dcp_size):
@@ -82,7 +82,7 @@ def ownership_figure(seq_len: int = 64, dcp_size: int = 4, interleave: int = 4, 
             if p in highlight:
                 _mark(bot, x, y)
             if labels:
-                bot.text(x + 0.5, y + 1.3, str(s), ha="center", va="center", fontsize=6.5, color="#555555")
+                bot.text(x + 0.5, y + 1.35, str(s), ha="center", va="center", fontsize=9, color="#555555")
     bot.set_yticks([r * rank_h + (srows * gap - 0.75) / 2 for r in range(dcp_size)],
                    [f"rank {r}" for r in range(dcp_size)])
     _frame(bot, width, dcp_size * rank_h - rgap - 0.45,
@@ -100,14 +100,14 @@ def transfer_figure(seq_len: int = 16, block_size: int = 16, dcp_size: int = 4,
     for ax, inter, plan in zip(axes, interleaves, plans):
         for r, blocks in enumerate(plan.blocks_sent):
             if not blocks:
-                ax.text(0.5, r, "no block to send", va="center", fontsize=8, color="#555555")
+                ax.text(0.5, r, "no block to send", va="center", fontsize=9.5, color="#555555")
             for i, b in enumerate(blocks):
                 filled = int(plan.fill[r, b])
                 x0 = i * (block_size + 2)
                 ax.barh(r, filled, left=x0, color=rank_color(r), height=0.6)
                 ax.barh(r, block_size - filled, left=x0 + filled, color="white", edgecolor="#999999",
                         hatch="///", height=0.6)
-                ax.text(x0 + block_size / 2, r, f"{filled}/{block_size}", ha="center", va="center", fontsize=8,
+                ax.text(x0 + block_size / 2, r, f"{filled}/{block_size}", ha="center", va="center", fontsize=9.5,
                         bbox={"boxstyle": "round,pad=0.2", "facecolor": "white", "edgecolor": "none"})
         ax.set_yticks(range(dcp_size), [f"rank {r}" for r in range(dcp_size)])
         ax.set_xlim(0, most * (block_size + 2) - 2)
@@ -134,7 +134,7 @@ def waste_figure(max_len: int = 4096, block_size: int = 16, dcp_size: int = 4,
     article = transfer_plan(block_size, block_size, dcp_size, 1).waste
     ax.plot([block_size], [article], "o", color="black")
     ax.annotate(f"{block_size} tokens, interleave 1: {article:.0%}", (block_size, article),
-                xytext=(10, -2), textcoords="offset points", fontsize=8, va="top")
+                xytext=(10, -2), textcoords="offset points", fontsize=9.5, va="top")
     ax.set_xlabel("sequence length (tokens)")
     ax.set_ylabel("wasted fraction of bytes sent")
     ax.set_ylim(0, 1)
@@ -153,7 +153,7 @@ def memory_figure(usage: Sequence[dict], seq_len: int):
     ax.bar([x + 0.2 for x in xs], [u["tokens"] for u in usage], width=0.4,
            color=[rank_color(u["rank"]) for u in usage], label=f"DCP {n}: own tokens")
     for x, u in zip(xs, usage):
-        ax.text(x + 0.2, u["tokens"], f"{u['tokens']:,}", ha="center", va="bottom", fontsize=8)
+        ax.text(x + 0.2, u["tokens"], f"{u['tokens']:,}", ha="center", va="bottom", fontsize=9)
     ax.set_xticks(list(xs), [f"GPU {u['rank']}" for u in usage])
     ax.set_ylabel("tokens of KV stored")
     ax.set_title(f"One {seq_len:,}-token request", loc="left")
