@@ -53,6 +53,7 @@ DEMOS: dict[str, str] = {
     "dcp-gqa": "cpbook.dcp:gqa_decode_rank",
     "dcp-mla": "cpbook.mla:mla_decode_rank",
     "dcp-mla-ctx": "cpbook.mla:mla_context_rank",
+    "pcp": "cpbook.pcp:pcp_prefill_demo",
 }
 
 

@@ -1,0 +1,146 @@
+"""PCP prefill vs PyTorch's ring attention vs one process: causal attention on 2 gloo ranks.
+
+    python bench/pcp_prefill.py --json            # one torchrun launch, 2 ranks x 1 thread
+
+Identical float32 inputs (``seq_len`` tokens, MHA).  Methods, each timed from a common barrier,
+one warm-up run then ``--repeats`` runs; a method's time is the slowest rank's median:
+
+* ``single`` — one process, ``F.scaled_dot_product_attention(is_causal=True)``, 1 thread;
+* ``cpbook_zigzag`` / ``cpbook_contiguous`` — :func:`cpbook.pcp.pcp_prefill_attention`
+  (all-gather K/V through ``cpbook.comm``, then local causal attention) on DualChunkSwap or
+  contiguous shards;
+* ``torch_ring_headtail`` — PyTorch's private ``_templated_ring_attention`` with the CPU flash
+  SDPA op on ``_HeadTailLoadBalancer`` shards (torch 2.13), K/V rotated by all-gather and by
+  all-to-all; the faster of the two is reported.
+
+Prints one JSON line (``--json``) or a short table.  Wall times depend on the machine's load;
+``cpu_ms`` gives each method's slowest-rank median process CPU time (all threads of the rank,
+communication included), which a loaded machine disturbs much less.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json", action="store_true", help="print JSON lines")
+    p.add_argument("--seq-len", type=int, default=8192)
+    p.add_argument("--num-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def _torch_ring(ctx, a: argparse.Namespace, rotate: str):
+    """Median wall and process-CPU seconds, and the local output, of PyTorch's head-tail ring."""
+    import statistics
+    import time
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor.experimental._context_parallel._attention import (
+        _templated_ring_attention, set_rotate_method)
+    from torch.distributed.tensor.experimental._context_parallel._load_balancer import (
+        _HeadTailLoadBalancer)
+
+    from cpbook.pcp import zigzag_partition
+
+    idx = _HeadTailLoadBalancer(a.seq_len, ctx.world_size, "cpu")._generate_indices()[0].long()
+    mine = idx.view(ctx.world_size, -1)[ctx.rank]
+    assert mine.tolist() == zigzag_partition(a.seq_len, ctx.world_size).rank_tokens[ctx.rank]
+    gen = torch.Generator().manual_seed(0)  # the inputs of cpbook.pcp.prefill_timing
+    q, k, v = (torch.randn(a.seq_len, a.num_heads, a.head_dim, generator=gen) for _ in range(3))
+    q4, k4, v4 = (t[mine].transpose(0, 1)[None].contiguous() for t in (q, k, v))
+    set_rotate_method(rotate)
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    wall, cpu, out = [], [], None
+    for _ in range(a.repeats + 1):
+        dist.barrier()
+        t0, c0 = time.perf_counter(), time.process_time()
+        out = _templated_ring_attention(dist.group.WORLD, 2, op, q4, k4, v4, is_causal=True)[0]
+        wall.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    return statistics.median(wall[1:]), statistics.median(cpu[1:]), out[0].transpose(0, 1)
+
+
+def _worker(a: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from cpbook.launch import worker_context
+    from cpbook.pcp import pcp_partition, pcp_prefill_attention, pcp_shard, prefill_timing
+
+    torch.set_num_threads(1)
+    ctx = worker_context("gloo", 600.0)
+    mine = prefill_timing(ctx, a.seq_len, a.num_heads, a.head_dim, a.repeats)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(a.seq_len, a.num_heads, a.head_dim, generator=gen) for _ in range(3))
+    meta = pcp_partition(a.seq_len, ctx.world_size).metadata(ctx.rank)
+    ours = pcp_prefill_attention(*(pcp_shard(t, meta) for t in (q, k, v)), meta, ctx.world)[0]
+    for rotate in ("allgather", "alltoall"):
+        mine[f"torch_ring_{rotate}"], mine[f"torch_ring_{rotate}_cpu"], theirs = _torch_ring(ctx, a, rotate)
+        mine[f"torch_ring_{rotate}_diff"] = (theirs - ours).abs().max().item()
+    every = [None] * ctx.world_size
+    dist.all_gather_object(every, mine)
+    if ctx.rank == 0:
+        def slowest(key: str) -> float:
+            return max(r[key] for r in every)
+        methods = ("single", "zigzag", "contiguous", "torch_ring_allgather", "torch_ring_alltoall")
+        ms = {m: round(1e3 * slowest(m), 1) for m in methods}
+        cpu = {m: round(1e3 * slowest(f"{m}_cpu"), 1) for m in methods}
+        fast = min(("torch_ring_allgather", "torch_ring_alltoall"), key=ms.get)
+        ring = ms[fast]
+        print(json.dumps({
+            "name": "pcp_prefill", "seq_len": a.seq_len, "world_size": ctx.world_size,
+            "single_ms": ms["single"], "cpbook_zigzag_ms": ms["zigzag"],
+            "cpbook_contiguous_ms": ms["contiguous"], "torch_ring_headtail_ms": ring,
+            "ratio_vs_torch_ring": round(ms["zigzag"] / ring, 3),
+            "speedup_vs_single": round(ms["single"] / ms["zigzag"], 3),
+            "max_abs_err": float(f"{max(slowest('zigzag_err'), slowest('contiguous_err')):.2e}"),
+            "torch_ring_allgather_ms": ms["torch_ring_allgather"],
+            "torch_ring_alltoall_ms": ms["torch_ring_alltoall"],
+            "cpu_ms": {"single": cpu["single"], "cpbook_zigzag": cpu["zigzag"],
+                       "cpbook_contiguous": cpu["contiguous"], "torch_ring_headtail": cpu[fast]},
+            "torch_ring_max_abs_diff": float(f"{max(slowest('torch_ring_allgather_diff'), slowest('torch_ring_alltoall_diff')):.2e}"),
+            "num_heads": a.num_heads, "head_dim": a.head_dim, "dtype": "float32",
+            "repeats": a.repeats, "threads_per_rank": torch.get_num_threads()}), flush=True)
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _args(argv)
+    if a.worker:
+        _worker(a)
+        return 0
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={a.world_size}", str(Path(__file__).resolve()), "--worker",
+           f"--seq-len={a.seq_len}", f"--num-heads={a.num_heads}", f"--head-dim={a.head_dim}",
+           f"--repeats={a.repeats}"]
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(p for p in [str(ROOT), os.environ.get("PYTHONPATH", "")] if p))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=1800)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode or not lines:
+        sys.stderr.write(proc.stderr[-4000:])
+        raise SystemExit(f"torchrun failed with code {proc.returncode}")
+    for line in lines:
+        if a.json:
+            print(line)
+        else:
+            for key, value in json.loads(line).items():
+                print(f"{key:26s} {value}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,316 @@
+"""Prefill context parallelism (PCP): partial Q, full KV, balanced by DualChunkSwap.
+
+vLLM's current design (``vllm/v1/worker/gpu/pcp_manager.py``, ``vllm/v1/attention/ops/pcp.py``):
+every PCP rank holds two chunks of each prompt (:mod:`cpbook.zigzag`), computes Q, K, V for
+them with RoPE at their true positions, all-gathers K and V in the PCP group, and attends its
+queries causally to the keys they may see.  Chunk ``[s, e)`` of a request reads keys
+``[0, e)``: a fully visible prefix ``[0, s)`` and a causal diagonal block ``[s, e)``, merged
+exactly by the LSE (:func:`cpbook.attention.attention_with_lse`); masked-out pairs are never
+computed.  :func:`pcp_restore` puts per-rank outputs back in sequence order (vLLM's
+``restore_hidden_states``).
+
+Every function here talks only to :class:`cpbook.comm.Group`.  All names of
+:mod:`cpbook.zigzag` (partition, metadata, ``causal_work``) are importable from here too.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import threading
+import time
+from typing import Any, Sequence
+
+import torch
+
+from .attention import attention_with_lse, dense_attention, merge_attn_states
+from .comm import Group, RankContext
+from .config import ParallelConfig
+from .groups import RankGrid, make_groups
+from .zigzag import (LAYOUTS, PCPMetadata, PCPPartition, Segment, causal_pairs, causal_work,
+                     padded_len, pcp_partition, zigzag_partition)
+
+__all__ = ["LAYOUTS", "Segment", "PCPPartition", "PCPMetadata", "pcp_partition", "zigzag_partition",
+           "padded_len", "causal_work", "causal_pairs", "rope", "pcp_shard", "pcp_restore",
+           "pcp_gather_kv", "pcp_diagonal_attention", "pcp_local_attention", "pcp_prefill_attention",
+           "pcp_prefill_demo", "prefill_timing"]
+
+_DTYPES = {"float64": torch.float64, "float32": torch.float32}
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
+    """Rotary embedding, rotate-half form (vLLM's ``is_neox_style``): ``x [T, H, D]``, ``positions [T]``.
+
+    Rotates the pair ``(x[i], x[i + D/2])`` by ``positions * base^(-2i/D)``; the angles are
+    computed in float64, so any position order gives bit-identical rows.
+    """
+    d = x.shape[-1]
+    if x.dim() != 3 or d % 2 or positions.shape != x.shape[:1]:
+        raise ValueError(f"[rope-shapes] requires x [T, H, D] with even D and positions [T]; "
+                         f"got x{tuple(x.shape)}, positions{tuple(positions.shape)}")
+    half = d // 2
+    inv = base ** (-torch.arange(half, dtype=torch.float64) / half)
+    ang = positions.to(torch.float64)[:, None, None] * inv
+    cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+def pcp_shard(t: torch.Tensor, meta: PCPMetadata) -> torch.Tensor:
+    """This rank's rows of ``t`` (``[sum(seq_lens), ...]``, request-major), zeros on padding rows."""
+    rows = t.index_select(0, meta.token_index.clamp(min=0).to(t.device))
+    mask = meta.is_padding.to(t.device).view(-1, *([1] * (t.dim() - 1)))
+    return rows.masked_fill(mask, 0)
+
+
+def _check_group(meta: PCPMetadata, group: Group) -> None:
+    if group.size != meta.pcp_size or group.rank != meta.pcp_rank:
+        raise ValueError(f"[pcp-group-matches-metadata] requires group size/rank == pcp_size/pcp_rank; "
+                         f"got group {group.name!r} size={group.size} rank={group.rank}, "
+                         f"pcp_size={meta.pcp_size} pcp_rank={meta.pcp_rank}")
+
+
+def _empty(q: torch.Tensor, dv: int) -> tuple[torch.Tensor, torch.Tensor]:
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return (q.new_zeros(q.shape[0], q.shape[1], dv),
+            torch.full(q.shape[:2], float("-inf"), dtype=lse_dtype, device=q.device))
+
+
+def pcp_restore(t: torch.Tensor, meta: PCPMetadata, group: Group) -> torch.Tensor:
+    """All-gather every rank's local rows in ``group`` and return them in sequence order:
+    ``[sum(seq_lens), ...]``, requests concatenated, padding dropped (one ``all_gather``)."""
+    _check_group(meta, group)
+    return group.all_gather(t, dim=0).index_select(0, meta.restore_index.to(t.device))
+
+
+def pcp_gather_kv(k: torch.Tensor, v: torch.Tensor, meta: PCPMetadata,
+                  group: Group) -> tuple[torch.Tensor, torch.Tensor]:
+    """Full K and V of every request in sequence order (``[sum(seq_lens), Hkv, D]``), from each
+    rank's local rows: one ``all_gather`` of K and V packed side by side in the last dimension."""
+    kv = pcp_restore(torch.cat([k, v], dim=-1), meta, group)
+    return kv[..., : k.shape[-1]], kv[..., k.shape[-1]:]
+
+
+def pcp_diagonal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PCPMetadata,
+                           scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each segment's queries against the segment's own keys, causally: the diagonal blocks.
+
+    They need only this rank's local ``k, v`` rows, so they can run while K/V are gathered.
+    Returns ``(out, lse)`` in local row order; padding rows get 0 and ``-inf``.
+    """
+    out, lse = _empty(q, v.shape[-1])
+    for seg, qlen in zip(meta.segments, meta.query_lens):
+        if qlen:
+            rows = slice(seg.row, seg.row + qlen)
+            out[rows], lse[rows] = attention_with_lse(q[rows], k[rows], v[rows], causal=True,
+                                                      q_offset=seg.start, k_offset=seg.start, scale=scale)
+    return out, lse
+
+
+def pcp_local_attention(q: torch.Tensor, k_seq: torch.Tensor, v_seq: torch.Tensor, meta: PCPMetadata,
+                        scale: float | None = None,
+                        diagonal: tuple[torch.Tensor, torch.Tensor] | None = None,
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of this rank's queries ``q [num_tokens, Hq, D]`` to the full keys.
+
+    Segment ``[s, e)`` of request ``i`` attends ``k_seq`` rows ``[0, min(e, seq_len_i))`` of that
+    request, its queries at absolute positions ``s, s+1, ...``: a fully visible prefix ``[0, s)``
+    and the causal diagonal block, merged by :func:`merge_attn_states`.  ``diagonal`` passes
+    the blocks already computed by :func:`pcp_diagonal_attention`.  Returns ``(out, lse)`` in
+    local row order; padding rows get 0 and ``-inf``.  Exact; no masked-out pair is computed.
+    """
+    if q.shape[0] != meta.num_tokens:
+        raise ValueError(f"[pcp-local-rows] requires q with num_tokens rows; got q{tuple(q.shape)}, "
+                         f"num_tokens={meta.num_tokens}")
+    out, lse = _empty(q, v_seq.shape[-1])
+    cu = meta.cu_seq_lens
+    for seg, qlen, klen in zip(meta.segments, meta.query_lens, meta.key_lens):
+        if qlen == 0:
+            continue
+        rows, base = slice(seg.row, seg.row + qlen), cu[seg.request]
+        if diagonal is None:
+            out[rows], lse[rows] = attention_with_lse(
+                q[rows], k_seq[base: base + klen], v_seq[base: base + klen], causal=True,
+                q_offset=seg.start, k_offset=0, scale=scale)
+        elif seg.start == 0:
+            out[rows], lse[rows] = diagonal[0][rows], diagonal[1][rows]
+        else:
+            prefix = attention_with_lse(q[rows], k_seq[base: base + seg.start],
+                                        v_seq[base: base + seg.start], scale=scale)
+            out[rows], lse[rows] = merge_attn_states([prefix[0], diagonal[0][rows]],
+                                                     [prefix[1], diagonal[1][rows]])
+    return out, lse
+
+
+def pcp_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PCPMetadata,
+                          group: Group, scale: float | None = None,
+                          overlap: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """PCP prefill on one rank: all-gather K/V in the PCP ``group``, attend causally.
+
+    ``q, k, v`` are this rank's local rows (``meta.num_tokens``, padding rows included).  With
+    ``overlap`` the all-gather runs in a helper thread while the diagonal blocks (local keys
+    only) are computed; the prefixes follow once the keys have arrived.  Returns
+    ``(out [num_tokens, Hq, Dv], lse [num_tokens, Hq])`` for the local rows.
+    """
+    _check_group(meta, group)
+    if not overlap:
+        return pcp_local_attention(q, *pcp_gather_kv(k, v, meta, group), meta, scale)
+    got: dict[str, Any] = {}
+
+    def gather() -> None:
+        try:
+            got["kv"] = pcp_gather_kv(k, v, meta, group)
+        except BaseException as e:  # noqa: BLE001 - re-raised on the calling thread
+            got["error"] = e
+
+    helper = threading.Thread(target=gather, name=f"pcp-gather-{group.rank}", daemon=True)
+    helper.start()
+    diagonal = pcp_diagonal_attention(q, k, v, meta, scale)
+    helper.join()
+    if "error" in got:
+        raise got["error"]
+    return pcp_local_attention(q, *got["kv"], meta, scale, diagonal)
+
+
+# ------------------------------------------------------------------------------------------
+# Per-rank functions (run inline, under torchrun, and by the tests)
+# ------------------------------------------------------------------------------------------
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PCPMetadata,
+               block: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense float64 attention for this rank's real rows, in local row order (query blocks)."""
+    out = torch.zeros(meta.num_tokens, q.shape[1], v.shape[-1], dtype=torch.float64)
+    lse = torch.full((meta.num_tokens, q.shape[1]), float("-inf"), dtype=torch.float64)
+    cu = meta.cu_seq_lens
+    for seg, qlen, klen in zip(meta.segments, meta.query_lens, meta.key_lens):
+        base = cu[seg.request]
+        for i in range(0, qlen, block):
+            n = min(block, qlen - i)
+            rows = slice(base + seg.start + i, base + seg.start + i + n)
+            o, l = dense_attention(q[rows].double(), k[base: base + klen].double(),
+                                   v[base: base + klen].double(), causal=True,
+                                   q_offset=seg.start + i, k_offset=0)
+            out[seg.row + i: seg.row + i + n], lse[seg.row + i: seg.row + i + n] = o, l
+    return out, lse
+
+
+def _heads(tp_rank: int, cfg: ParallelConfig) -> tuple[slice, slice]:
+    """The query and KV heads a TP rank owns (KV heads replicated when ``tp > num_kv_heads``)."""
+    hq = cfg.q_heads_per_rank
+    if cfg.num_kv_heads >= cfg.tp:
+        hk = cfg.num_kv_heads // cfg.tp
+        return slice(tp_rank * hq, (tp_rank + 1) * hq), slice(tp_rank * hk, (tp_rank + 1) * hk)
+    kv = tp_rank // cfg.kv_head_replicas
+    return slice(tp_rank * hq, (tp_rank + 1) * hq), slice(kv, kv + 1)
+
+
+def pcp_prefill_demo(ctx: RankContext, seq_lens: Sequence[int] = (37, 64), tensor_parallel_size: int = 1,
+                     num_q_heads: int = 8, num_kv_heads: int = 2, head_dim: int = 16,
+                     hidden_size: int = 64, layouts: Sequence[str] = ("zigzag",),
+                     dtype: str = "float64", repeats: int = 0, seed: int = 0) -> dict[str, Any]:
+    """Chapter 4: exact PCP prefill of a batch on a ``tp × pcp`` grid (``pcp = world // tp``).
+
+    Every rank draws the same hidden states and projection weights from ``seed``, keeps its
+    tokens (``pcp_shard``) and its TP heads, applies RoPE at the true positions, runs
+    :func:`pcp_prefill_attention` in its PCP group and checks its rows against dense float64
+    attention; :func:`pcp_restore` must put its rows where the sequence has them.  With
+    ``repeats > 0`` it also times the local attention (``time.thread_time``, median of
+    ``repeats`` after one warm-up; meaningful with one torch thread per rank, as under torchrun).
+    Returns, per layout, the max error, this rank's exact causal work and the median time.
+    """
+    tp = tensor_parallel_size
+    if ctx.world_size % tp:
+        raise ValueError(f"[world-divisible-by-tp] requires world_size % tensor_parallel_size == 0; "
+                         f"got world_size={ctx.world_size}, tensor_parallel_size={tp}")
+    cfg = ParallelConfig(tensor_parallel_size=tp, prefill_context_parallel_size=ctx.world_size // tp,
+                         num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
+    groups = make_groups(ctx, RankGrid(tp, cfg.pcp))
+    qh, kh = _heads(groups.coords.tp_rank, cfg)
+    dt = _DTYPES[dtype]
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(sum(seq_lens), hidden_size, generator=gen, dtype=torch.float64)
+    w = {n: torch.randn(hidden_size, h * head_dim, generator=gen, dtype=torch.float64) / math.sqrt(hidden_size)
+         for n, h in (("q", num_q_heads), ("k", num_kv_heads), ("v", num_kv_heads))}
+
+    def qkv(hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        t = hidden.shape[0]
+        q = rope((hidden @ w["q"]).view(t, num_q_heads, head_dim), positions)[:, qh]
+        k = rope((hidden @ w["k"]).view(t, num_kv_heads, head_dim), positions)[:, kh]
+        v = (hidden @ w["v"]).view(t, num_kv_heads, head_dim)[:, kh]
+        return tuple(a.to(dt).contiguous() for a in (q, k, v))
+
+    full_pos = torch.cat([torch.arange(n) for n in seq_lens])
+    q_ref, k_ref, v_ref = qkv(x, full_pos)
+    result: dict[str, Any] = {"pcp_rank": groups.coords.pcp_rank, "tp_rank": groups.coords.tp_rank}
+    for layout in layouts:
+        part = pcp_partition(tuple(seq_lens), cfg.pcp, layout)
+        meta = part.metadata(groups.coords.pcp_rank)
+        q, k, v = qkv(pcp_shard(x, meta), meta.positions)
+        out, lse = pcp_prefill_attention(q, k, v, meta, groups.pcp)
+        ref_out, ref_lse = _reference(q_ref, k_ref, v_ref, meta)
+        real = ~meta.is_padding
+        err = max((out[real].double() - ref_out[real]).abs().max().item(),
+                  (lse[real].double() - ref_lse[real]).abs().max().item()) if bool(real.any()) else 0.0
+        restored = pcp_restore(out, meta, groups.pcp)
+        placed = torch.equal(restored[meta.token_index[real]], out[real])
+        secs = None
+        if repeats:
+            k_seq, v_seq = pcp_gather_kv(k, v, meta, groups.pcp)
+            times = []
+            for _ in range(repeats + 1):
+                t0 = time.thread_time()
+                pcp_local_attention(q, k_seq, v_seq, meta)
+                times.append(time.thread_time() - t0)
+            secs = statistics.median(times[1:])
+        work = part.work()[meta.pcp_rank]
+        chunks = "; ".join(f"r{s.request}[{s.start},{s.end})" for s in meta.segments[:8])
+        more = f" +{len(meta.segments) - 8} more" if len(meta.segments) > 8 else ""
+        print(f"{layout}: pcp {meta.pcp_rank} tp {groups.coords.tp_rank}: {chunks}{more}; "
+              f"{int(real.sum())} real tokens, {work:,} causal pairs/head; "
+              f"max |err| vs dense <= 1e-10: {err <= 1e-10}; restored in place: {placed}"
+              + (f"; attention {1e3 * secs:.1f} ms" if secs is not None else ""))
+        result[layout] = {"max_abs_err": err, "work": work, "seconds": secs, "restored": placed}
+    return result
+
+
+def prefill_timing(ctx: RankContext, seq_len: int = 8192, num_heads: int = 8, head_dim: int = 64,
+                   repeats: int = 5, layouts: Sequence[str] = ("zigzag", "contiguous"),
+                   single: bool = True, seed: int = 0) -> dict[str, float]:
+    """Medians of one causal prefill attention (float32, MHA) on the world group as PCP group.
+
+    ``single``: rank 0 runs the whole prompt with ``F.scaled_dot_product_attention`` while the
+    others wait.  Then, per layout, every rank runs :func:`pcp_prefill_attention` (K/V
+    all-gather included, restore excluded) from a common barrier.  One warm-up run, then
+    ``repeats``.  Returns this rank's median wall seconds per method, its median CPU seconds
+    of the whole process (``<method>_cpu``: every thread, communication included) and of the
+    calling thread alone (``<method>_thread``: the attention kernels and merges), and the max
+    error of its rows against the single-process output (``<layout>_err``).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(seq_len, num_heads, head_dim, generator=gen) for _ in range(3))
+    q4, k4, v4 = (t.transpose(0, 1)[None].contiguous() for t in (q, k, v))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    world, out = ctx.world, {}
+
+    clocks = {"": time.perf_counter, "_cpu": time.process_time, "_thread": time.thread_time}
+
+    def timed(name: str, fn) -> Any:
+        runs: dict[str, list[float]] = {suffix: [] for suffix in clocks}
+        res = None
+        for _ in range(repeats + 1):
+            world.barrier()
+            start = {suffix: clock() for suffix, clock in clocks.items()}
+            res = fn()
+            for suffix, clock in clocks.items():
+                runs[suffix].append(clock() - start[suffix])
+        out.update({name + suffix: statistics.median(t[1:]) for suffix, t in runs.items()})
+        return res
+
+    ref = sdpa(q4, k4, v4, is_causal=True)[0].transpose(0, 1)
+    if single:
+        timed("single", lambda: sdpa(q4, k4, v4, is_causal=True) if ctx.rank == 0 else None)
+    for layout in layouts:
+        meta = pcp_partition(seq_len, ctx.world_size, layout).metadata(ctx.rank)
+        ql, kl, vl = (pcp_shard(t, meta) for t in (q, k, v))
+        o = timed(layout, lambda: pcp_prefill_attention(ql, kl, vl, meta, world))[0]
+        real = ~meta.is_padding
+        out[f"{layout}_err"] = (o[real] - ref[meta.token_index[real]]).abs().max().item()
+    return out

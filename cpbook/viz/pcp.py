@@ -1,0 +1,177 @@
+"""Figures of chapter 4: who owns which causal work, the partition, the rank grid, the balance."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import matplotlib.colors as mcolors
+import numpy as np
+from matplotlib.patches import Patch, Rectangle
+
+from . import PALETTE, figure, rank_color
+from ..groups import RankGrid
+from ..zigzag import PCPPartition, causal_work, pcp_partition
+
+__all__ = ["causal_ownership_figure", "work_figure", "partition_figure", "rank_grid_figure",
+           "balance_figure"]
+
+_MASKED = "#F2F2F2"
+_PAD = "#BBBBBB"
+_LABELS = {"contiguous": "contiguous", "zigzag": "zigzag (DualChunkSwap)", "striped": "striped"}
+_LAYOUT_COLOR = {"contiguous": PALETTE[5], "zigzag": PALETTE[0], "striped": PALETTE[1]}
+
+
+def _owners(part: PCPPartition) -> np.ndarray:
+    """Owner rank of every position of a single-request partition (padding included)."""
+    own = np.empty(sum(part.padded_lens), dtype=int)
+    for r, toks in enumerate(part.rank_tokens):
+        own[toks] = r
+    return own
+
+
+def causal_ownership_figure(seq_len: int = 16, pcp_size: int = 2,
+                            layouts: Sequence[str] = ("contiguous", "zigzag", "striped")):
+    """The causal score matrix of one prompt, each computed cell coloured by the rank that owns
+    its query; panel titles give each rank's exact work and the straggler factor max/mean."""
+    fig, axes = figure(1, len(layouts), figsize=(3.6 * len(layouts), 4.1))
+    for ax, layout in zip(np.atleast_1d(axes), layouts):
+        part = pcp_partition(seq_len, pcp_size, layout)
+        own = _owners(part)[:seq_len]
+        img = np.ones((seq_len, seq_len, 4))
+        img[:] = mcolors.to_rgba(_MASKED)
+        for q in range(seq_len):
+            img[q, : q + 1] = mcolors.to_rgba(rank_color(int(own[q])))
+        ax.imshow(img, interpolation="nearest")
+        ax.set_xticks(range(0, seq_len, max(1, seq_len // 8)))
+        ax.set_yticks(range(0, seq_len, max(1, seq_len // 8)))
+        ax.grid(False)
+        ax.set_xlabel("key position")
+        ax.set_ylabel("query position")
+        work = part.work()
+        ax.set_title(f"{_LABELS[layout]}\npairs per rank {work}\nmax/mean = "
+                     f"{max(work) / (sum(work) / len(work)):.2f}", fontsize=10)
+    handles = [Patch(color=rank_color(r), label=f"rank {r}") for r in range(pcp_size)]
+    fig.legend(handles=handles, loc="outside lower center", ncol=pcp_size)
+    fig.suptitle(f"Causal attention of {seq_len} tokens on {pcp_size} ranks: "
+                 "cell (q, k) is computed by the owner of query q")
+    return fig
+
+
+def work_figure(seq_len: int = 5040, pcp_size: int = 4, max_pcp: int = 10):
+    """Left: each rank's causal work relative to the mean, per layout.  Right: the straggler
+    factor max/mean against the number of ranks (the step waits for the busiest rank)."""
+    fig, (left, right) = figure(1, 2, figsize=(10, 3.8))
+    layouts = ("contiguous", "zigzag", "striped")
+    width = 0.8 / len(layouts)
+    for i, layout in enumerate(layouts):
+        w = np.array(causal_work(seq_len, pcp_size, layout), dtype=float)
+        left.bar(np.arange(pcp_size) + (i - 1) * width, w / w.mean(), width,
+                 color=_LAYOUT_COLOR[layout], label=_LABELS[layout])
+    left.axhline(1.0, color="black", lw=0.8)
+    left.set_xticks(range(pcp_size), [f"rank {r}" for r in range(pcp_size)])
+    left.set_ylabel("causal pairs / mean over ranks")
+    left.set_title(f"{seq_len} tokens on {pcp_size} ranks")
+    left.legend()
+    ks = np.arange(1, max_pcp + 1)
+    for i, layout in enumerate(layouts):
+        f = [max(w) / (sum(w) / k) for k in ks for w in [causal_work(seq_len, int(k), layout)]]
+        right.plot(ks, f, marker="o", ms=3, color=_LAYOUT_COLOR[layout], label=_LABELS[layout])
+    right.plot(ks, 2 - 1 / ks, ls=":", color="black", label="2 − 1/K (long prompt, contiguous)")
+    right.set_xlabel("ranks K")
+    right.set_ylabel("max / mean causal work")
+    right.set_title("straggler factor")
+    right.legend()
+    return fig
+
+
+def partition_figure(part: PCPPartition):
+    """Top: every request in sequence order, each token coloured by its owner (grey: padding).
+    Bottom: each rank's local rows in the order it holds them, labelled with positions."""
+    n_req, p = len(part.seq_lens), part.pcp_size
+    rows = n_req + p
+    width = max(max(part.padded_lens), part.tokens_per_rank)
+    fig, ax = figure(figsize=(0.42 * width + 2.2, 0.5 * rows + 1.1))
+    owner: dict[tuple[int, int], int] = {}
+    for r, segs in enumerate(part.segments):
+        for s in segs:
+            for pos in range(s.start, s.end):
+                owner[(s.request, pos)] = r
+
+    def cell(x: float, y: float, color: str, text: str) -> None:
+        ax.add_patch(Rectangle((x, y), 1, 0.8, facecolor=color, edgecolor="white", lw=1.5))
+        ax.text(x + 0.5, y + 0.4, text, ha="center", va="center", fontsize=8,
+                color="white" if color != _PAD else "black")
+
+    labels = []
+    for i, (n, padded) in enumerate(zip(part.seq_lens, part.padded_lens)):
+        y = rows - 1 - i
+        for pos in range(padded):
+            cell(pos, y, _PAD if pos >= n else rank_color(owner[(i, pos)]), str(pos))
+        labels.append((y, f"request {i} ({n} tokens)"))
+    for r, segs in enumerate(part.segments):
+        y = p - 1 - r
+        for s in segs:
+            for j, pos in enumerate(range(s.start, s.end)):
+                color = _PAD if pos >= part.seq_lens[s.request] else rank_color(r)
+                cell(s.row + j, y, color, f"{pos}" if n_req == 1 else f"{s.request}:{pos}")
+        labels.append((y, f"rank {r} holds"))
+    ax.set_xlim(-0.2, width + 0.2)
+    ax.set_ylim(-0.2, rows)
+    ax.set_yticks([y + 0.4 for y, _ in labels], [t for _, t in labels])
+    ax.set_xticks([])
+    ax.grid(False)
+    for side in ("left", "bottom"):
+        ax.spines[side].set_visible(False)
+    ax.axhline(p - 0.1, color="black", lw=0.8)
+    ax.set_title(f"{part.layout} partition over {p} ranks; grey = padding, cells = "
+                 + ("position" if n_req == 1 else "request:position"), fontsize=10)
+    return fig
+
+
+def rank_grid_figure(tensor_parallel_size: int = 4, prefill_context_parallel_size: int = 2,
+                     decode_context_parallel_size: int = 2, layouts: Sequence[str] = ("current", "v0.14")):
+    """The world as PCP rows × TP columns; each cell is a global rank, filled by its DCP group.
+    TP groups are the rows, PCP groups the columns; one panel per vLLM layout."""
+    tp, pcp, dcp = tensor_parallel_size, prefill_context_parallel_size, decode_context_parallel_size
+    fig, axes = figure(1, len(layouts), figsize=(1.15 * tp * len(layouts) + 1.5, 1.0 * pcp + 1.6))
+    for ax, layout in zip(np.atleast_1d(axes), layouts):
+        grid = RankGrid(tp, pcp, dcp, layout)
+        groups = grid.dcp_groups()
+        for rank in range(grid.world_size):
+            p, t = divmod(rank, tp)
+            g = next(i for i, grp in enumerate(groups) if rank in grp)
+            ax.add_patch(Rectangle((t, pcp - 1 - p), 0.92, 0.85, facecolor=rank_color(g), alpha=0.9))
+            ax.text(t + 0.46, pcp - 1 - p + 0.42, str(rank), ha="center", va="center",
+                    fontsize=12, color="white", weight="bold")
+        ax.set_xlim(-0.1, tp)
+        ax.set_ylim(-0.15, pcp)
+        ax.set_xticks([t + 0.46 for t in range(tp)], [f"tp {t}" for t in range(tp)])
+        ax.set_yticks([pcp - 1 - p + 0.42 for p in range(pcp)], [f"pcp {p}" for p in range(pcp)])
+        ax.grid(False)
+        same = grid.dcp_groups() == grid.pcp_groups()
+        ax.set_title(f"layout {layout!r}: DCP groups {groups}\n"
+                     + ("= the PCP groups (columns)" if same else "≠ the PCP groups (columns)"), fontsize=9)
+    fig.suptitle(f"TP={tp} × PCP={pcp} ranks, DCP={dcp}: colour = DCP group; rows = TP groups")
+    return fig
+
+
+def balance_figure(measured: dict[int, dict[str, list[float]]], exact: dict[int, dict[str, list[int]]]):
+    """Per rank, measured attention time (bars) and exact causal work (markers), each relative
+    to its mean over ranks; one panel per PCP size, zigzag beside contiguous."""
+    sizes = sorted(measured)
+    fig, axes = figure(1, len(sizes), figsize=(4.6 * len(sizes), 3.6))
+    for ax, p in zip(np.atleast_1d(axes), sizes):
+        for i, layout in enumerate(("zigzag", "contiguous")):
+            t = np.array(measured[p][layout])
+            w = np.array(exact[p][layout], dtype=float)
+            x = np.arange(p) + (i - 0.5) * 0.4
+            color = _LAYOUT_COLOR[layout]
+            ax.bar(x, t / t.mean(), 0.38, color=color, label=f"{layout}: measured time")
+            ax.plot(x, w / w.mean(), "k_", ms=14, mew=2, label="exact work" if i else None)
+        ax.axhline(1.0, color="black", lw=0.6)
+        ax.axhline(1.1, color="grey", lw=0.8, ls="--", label="mean + 10 %")
+        ax.set_xticks(range(p), [f"rank {r}" for r in range(p)])
+        ax.set_ylabel("relative to the mean over ranks")
+        ax.set_title(f"PCP = {p}")
+    np.atleast_1d(axes)[0].legend(fontsize=8)
+    fig.suptitle("Attention time per rank (CPU time, median) against exact causal work")
+    return fig
