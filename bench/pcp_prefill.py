@@ -2,8 +2,10 @@
 
     python bench/pcp_prefill.py --json            # one torchrun launch, 2 ranks x 1 thread
 
-Identical float32 inputs (``seq_len`` tokens, MHA).  Methods, each timed from a common barrier,
-one warm-up run then ``--repeats`` runs; a method's time is the slowest rank's median:
+Identical float32 inputs (``seq_len`` tokens, MHA), laid out head-major for every method before
+the clock starts.  Methods take turns run after run (:func:`cpbook.pcp.prefill_timing`), each run
+from a common barrier; one warm-up round, then ``--repeats``; a method's time is the slowest
+rank's median:
 
 * ``single`` — one process, ``F.scaled_dot_product_attention(is_causal=True)``, 1 thread;
 * ``cpbook_zigzag`` / ``cpbook_contiguous`` — :func:`cpbook.pcp.pcp_prefill_attention`
@@ -35,17 +37,15 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=8192)
     p.add_argument("--num-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
 def _torch_ring(ctx, a: argparse.Namespace, rotate: str):
-    """Median wall and process-CPU seconds, and the local output, of PyTorch's head-tail ring."""
-    import statistics
-    import time
-
+    """A zero-argument callable running PyTorch's head-tail ring attention on this rank's shard
+    (rotating K/V by ``rotate``), returning the local output as ``[tokens, heads, head_dim]``."""
     import torch
     import torch.distributed as dist
     from torch.distributed.tensor.experimental._context_parallel._attention import (
@@ -61,16 +61,13 @@ def _torch_ring(ctx, a: argparse.Namespace, rotate: str):
     gen = torch.Generator().manual_seed(0)  # the inputs of cpbook.pcp.prefill_timing
     q, k, v = (torch.randn(a.seq_len, a.num_heads, a.head_dim, generator=gen) for _ in range(3))
     q4, k4, v4 = (t[mine].transpose(0, 1)[None].contiguous() for t in (q, k, v))
-    set_rotate_method(rotate)
     op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    wall, cpu, out = [], [], None
-    for _ in range(a.repeats + 1):
-        dist.barrier()
-        t0, c0 = time.perf_counter(), time.process_time()
+
+    def ring():
+        set_rotate_method(rotate)
         out = _templated_ring_attention(dist.group.WORLD, 2, op, q4, k4, v4, is_causal=True)[0]
-        wall.append(time.perf_counter() - t0)
-        cpu.append(time.process_time() - c0)
-    return statistics.median(wall[1:]), statistics.median(cpu[1:]), out[0].transpose(0, 1)
+        return out[0].transpose(0, 1)
+    return ring
 
 
 def _worker(a: argparse.Namespace) -> None:
@@ -82,14 +79,14 @@ def _worker(a: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     ctx = worker_context("gloo", 600.0)
-    mine = prefill_timing(ctx, a.seq_len, a.num_heads, a.head_dim, a.repeats)
+    rings = {f"torch_ring_{rot}": _torch_ring(ctx, a, rot) for rot in ("allgather", "alltoall")}
+    mine = prefill_timing(ctx, a.seq_len, a.num_heads, a.head_dim, a.repeats, baselines=rings)
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(a.seq_len, a.num_heads, a.head_dim, generator=gen) for _ in range(3))
     meta = pcp_partition(a.seq_len, ctx.world_size).metadata(ctx.rank)
     ours = pcp_prefill_attention(*(pcp_shard(t, meta) for t in (q, k, v)), meta, ctx.world)[0]
-    for rotate in ("allgather", "alltoall"):
-        mine[f"torch_ring_{rotate}"], mine[f"torch_ring_{rotate}_cpu"], theirs = _torch_ring(ctx, a, rotate)
-        mine[f"torch_ring_{rotate}_diff"] = (theirs - ours).abs().max().item()
+    for name, ring in rings.items():
+        mine[f"{name}_diff"] = (ring() - ours).abs().max().item()
     every = [None] * ctx.world_size
     dist.all_gather_object(every, mine)
     if ctx.rank == 0:
@@ -111,7 +108,7 @@ def _worker(a: argparse.Namespace) -> None:
             "torch_ring_alltoall_ms": ms["torch_ring_alltoall"],
             "cpu_ms": {"single": cpu["single"], "cpbook_zigzag": cpu["zigzag"],
                        "cpbook_contiguous": cpu["contiguous"], "torch_ring_headtail": cpu[fast]},
-            "torch_ring_max_abs_diff": float(f"{max(slowest('torch_ring_allgather_diff'), slowest('torch_ring_alltoall_diff')):.2e}"),
+            "torch_ring_max_abs_diff": float(f"{max(slowest(f'{r}_diff') for r in rings):.2e}"),
             "num_heads": a.num_heads, "head_dim": a.head_dim, "dtype": "float32",
             "repeats": a.repeats, "threads_per_rank": torch.get_num_threads()}), flush=True)
     dist.destroy_process_group()

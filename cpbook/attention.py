@@ -21,7 +21,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["dense_attention", "attention_with_lse", "merge_attn_states"]
+__all__ = ["dense_attention", "attention_with_lse", "merge_attn_states", "merge_attn_states_"]
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
@@ -133,6 +133,27 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal
     return merge_attn_states([prefix[0], diag[0]], [prefix[1].to(lse_dtype), diag[1].to(lse_dtype)])
 
 
+def _clean(lse: torch.Tensor) -> torch.Tensor:
+    """NaN and ``+inf`` LSEs mean "no valid keys" (vLLM's guard): map them to ``-inf``."""
+    return torch.where(torch.isnan(lse) | (lse == float("inf")), float("-inf"), lse)
+
+
+def merge_attn_states_(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor,
+                       part_lse: torch.Tensor) -> None:
+    """In place: fold one more partial result into the accumulator ``(out, lse)``.
+
+    ``(out, lse)`` become the attention over the union of both key sets (``out [T, H, D]``,
+    ``lse [T, H]``; views are fine, e.g. a slice of rows).  No output-sized temporary is
+    allocated, which matters when the outputs are tens of megabytes.  Exact and ``-inf``-safe.
+    """
+    part_lse = _clean(part_lse)
+    new = torch.logaddexp(lse, part_lse)  # -inf only where both sides are empty
+    base = torch.where(torch.isfinite(new), new, torch.zeros_like(new))
+    out.mul_(torch.exp(lse - base).unsqueeze(-1).to(out.dtype))
+    out.addcmul_(part_out, torch.exp(part_lse - base).unsqueeze(-1).to(out.dtype))
+    lse.copy_(new)
+
+
 def merge_attn_states(outs: Sequence[torch.Tensor],
                       lses: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Combine attention results over disjoint key sets into the result over their union.
@@ -144,13 +165,9 @@ def merge_attn_states(outs: Sequence[torch.Tensor],
     if len(outs) != len(lses) or not outs:
         raise ValueError(f"[merge-parts] requires as many outputs as LSEs (at least one); "
                          f"got {len(outs)} outputs and {len(lses)} LSEs")
-    lse = torch.stack(list(lses))
-    lse = torch.where(torch.isnan(lse) | (lse == float("inf")), float("-inf"), lse)
-    m = lse.max(dim=0).values
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    w = torch.exp(lse - m)  # [P, T, H]; -inf parts weigh 0
-    tot = w.sum(dim=0)
-    out_dtype = outs[0].dtype
-    stacked = torch.stack([o.to(lse.dtype) for o in outs])
-    out = (w[..., None] * stacked).sum(dim=0) / torch.where(tot > 0, tot, torch.ones_like(tot))[..., None]
-    return out.to(out_dtype), torch.log(tot) + m
+    lse = _clean(lses[0]).clone()
+    out = outs[0].to(lse.dtype, copy=True)
+    out[torch.isneginf(lse)] = 0  # an empty first part must not leak its (ignored) values
+    for o, l in zip(outs[1:], lses[1:]):
+        merge_attn_states_(out, lse, o, l)
+    return out.to(outs[0].dtype), lse

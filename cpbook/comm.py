@@ -36,7 +36,7 @@ from typing import Sequence
 import torch
 
 __all__ = ["CommRecord", "Trace", "CommTimeout", "CommAborted", "Group", "SimGroup", "SimWorld",
-           "TorchGroup", "RankContext", "DEFAULT_TIMEOUT_S"]
+           "TorchGroup", "RankContext", "Pending", "DEFAULT_TIMEOUT_S"]
 
 DEFAULT_TIMEOUT_S = 60.0
 
@@ -86,6 +86,24 @@ class Trace(list):
         return out
 
 
+class Pending:
+    """The result of a started collective: :meth:`wait` finishes it and returns the result."""
+
+    def __init__(self, value: object, finish=None, then=None) -> None:
+        self._value, self._finish, self._then = value, finish, then
+
+    def then(self, fn) -> "Pending":
+        """A pending result that applies ``fn`` to this one's tensor once it has arrived."""
+        first = self._then
+        return Pending(self._value, self._finish, fn if first is None else lambda x: fn(first(x)))
+
+    def wait(self):
+        if self._finish is not None:
+            self._finish()
+            self._finish = None
+        return self._value if self._then is None else self._then(self._value)
+
+
 class Group(ABC):
     """A communicator over ``ranks`` (global ranks, in group order); ``rank`` is the local index.
 
@@ -113,9 +131,21 @@ class Group(ABC):
     # -- collectives ------------------------------------------------------------------------
     def all_gather(self, t: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """Concatenate every rank's ``t`` (equal shapes) along ``dim``, in group-rank order."""
+        return self.all_gather_async(t, dim).wait()
+
+    def all_gather_async(self, t: torch.Tensor, dim: int = 0, parts: bool = False) -> "Pending":
+        """Start :meth:`all_gather`; ``.wait()`` returns its result.  Work done between the two
+        overlaps the transfer (torch backend); simulated ranks complete it at the call.
+
+        With ``parts=True`` the result is the list of every rank's tensor instead of their
+        concatenation, and this rank's entry is ``t`` itself: no copy of the local part.
+        """
         b = t.numel() * t.element_size()
         self._record("all_gather", t, b * (self.size - 1), b * (self.size - 1))
-        return torch.cat(self._all_gather(t.contiguous()), dim=dim) if self.size > 1 else t.clone()
+        if self.size == 1:
+            return Pending([t] if parts else t.clone())
+        got = self._all_gather_start(t.contiguous())
+        return got if parts else got.then(lambda xs: torch.cat(xs, dim=dim))
 
     def all_gather_v(self, t: torch.Tensor, dim: int = 0) -> tuple[torch.Tensor, list[int]]:
         """All-gather tensors whose sizes differ along ``dim``: sizes first, then padded data.
@@ -183,7 +213,8 @@ class Group(ABC):
 
     # -- backend primitives -------------------------------------------------------------------
     @abstractmethod
-    def _all_gather(self, t: torch.Tensor) -> list[torch.Tensor]: ...
+    def _all_gather_start(self, t: torch.Tensor) -> "Pending":
+        """Gather ``t`` from every rank: a list in group-rank order, this rank's entry ``t``."""
     @abstractmethod
     def _reduce_scatter(self, t: torch.Tensor) -> torch.Tensor: ...
     @abstractmethod
@@ -261,8 +292,9 @@ class SimGroup(Group):
         self._wait(what)  # nobody overwrites a slot before everyone has read it
         return out
 
-    def _all_gather(self, t):
-        return [x.clone() for x in self._exchange("all_gather", t)]
+    def _all_gather_start(self, t):
+        got = self._exchange("all_gather", t)
+        return Pending([t if r == self.rank else x.clone() for r, x in enumerate(got)])
 
     def _reduce_scatter(self, t):
         parts = [x.chunk(self.size, dim=0)[self.rank] for x in self._exchange("reduce_scatter", t)]
@@ -319,11 +351,23 @@ class TorchGroup(Group):
             raise CommTimeout(f"{what} on group {self.name!r} {list(self.ranks)} failed or timed out "
                               f"(timeout {self.timeout:g} s): {e}") from e
 
-    def _all_gather(self, t):
+    def _all_gather_start(self, t):
         import torch.distributed as dist
-        out = [torch.empty_like(t) for _ in range(self.size)]
-        self._wait(dist.all_gather(out, t, group=self.pg, async_op=True), "all_gather")
-        return out
+        if dist.get_backend(self.pg) != "gloo":
+            out = t.new_empty((self.size * t.shape[0], *t.shape[1:]))
+            work = dist.all_gather_single(out, t, group=self.pg, async_op=True)
+            return Pending(list(out.chunk(self.size)), lambda: self._wait(work, "all_gather"))
+        # gloo's allgather moves the same bytes about 3x slower than pairwise isend/irecv on one
+        # host (measured: 36 vs 12 ms for 16.8 MB between 2 ranks), so exchange point to point.
+        parts = [t if peer == self.rank else torch.empty_like(t) for peer in range(self.size)]
+        works = [w for peer in range(self.size) if peer != self.rank
+                 for w in (dist.isend(t, group=self.pg, group_dst=peer),
+                           dist.irecv(parts[peer], group=self.pg, group_src=peer))]
+
+        def finish() -> None:
+            for w in works:
+                self._wait(w, "all_gather")
+        return Pending(parts, finish)
 
     def _reduce_scatter(self, t):
         import torch.distributed as dist

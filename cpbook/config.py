@@ -55,7 +55,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-__all__ = ["ConfigError", "ParallelConfig", "check_interleave"]
+__all__ = ["ConfigError", "ParallelConfig", "check_interleave", "q_heads_of_rank", "kv_heads_of_rank"]
 
 
 class ConfigError(ValueError):
@@ -196,3 +196,21 @@ class ParallelConfig:
                 raise ConfigError("gqa-dcp-group-shares-kv-head",
                                   "(tensor_parallel_size // num_kv_heads) % decode_context_parallel_size == 0",
                                   tensor_parallel_size=tp, num_kv_heads=kv, decode_context_parallel_size=dcp_in_tp)
+
+
+def q_heads_of_rank(config: ParallelConfig, tp_rank: int) -> slice:
+    """The query heads TP rank ``tp_rank`` owns (a contiguous block of ``num_q_heads / tp``)."""
+    h = config.q_heads_per_rank
+    return slice(tp_rank * h, (tp_rank + 1) * h)
+
+
+def kv_heads_of_rank(config: ParallelConfig, tp_rank: int) -> slice:
+    """The KV heads TP rank ``tp_rank`` holds: split over TP, or one head replicated over
+    ``tp // num_kv_heads`` consecutive ranks (vLLM ``QKVParallelLinear``); MLA: the latent."""
+    kv, tp = config.num_kv_heads, config.tp
+    if config.use_mla:
+        return slice(0, 1)
+    if kv >= tp:
+        return slice(tp_rank * kv // tp, (tp_rank + 1) * kv // tp)
+    head = tp_rank // (tp // kv)
+    return slice(head, head + 1)

@@ -14,24 +14,24 @@ Every function here talks only to :class:`cpbook.comm.Group`.  All names of
 """
 from __future__ import annotations
 
+import functools
 import math
 import statistics
-import threading
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from .attention import attention_with_lse, dense_attention, merge_attn_states
+from .attention import attention_with_lse, dense_attention, merge_attn_states_
 from .comm import Group, RankContext
-from .config import ParallelConfig
+from .config import ParallelConfig, kv_heads_of_rank, q_heads_of_rank
 from .groups import RankGrid, make_groups
 from .zigzag import (LAYOUTS, PCPMetadata, PCPPartition, Segment, causal_pairs, causal_work,
                      padded_len, pcp_partition, zigzag_partition)
 
 __all__ = ["LAYOUTS", "Segment", "PCPPartition", "PCPMetadata", "pcp_partition", "zigzag_partition",
            "padded_len", "causal_work", "causal_pairs", "rope", "pcp_shard", "pcp_restore",
-           "pcp_gather_kv", "pcp_diagonal_attention", "pcp_local_attention", "pcp_prefill_attention",
+           "pcp_local_attention", "pcp_prefill_attention",
            "pcp_prefill_demo", "prefill_timing"]
 
 _DTYPES = {"float64": torch.float64, "float32": torch.float32}
@@ -82,41 +82,16 @@ def pcp_restore(t: torch.Tensor, meta: PCPMetadata, group: Group) -> torch.Tenso
     return group.all_gather(t, dim=0).index_select(0, meta.restore_index.to(t.device))
 
 
-def pcp_gather_kv(k: torch.Tensor, v: torch.Tensor, meta: PCPMetadata,
-                  group: Group) -> tuple[torch.Tensor, torch.Tensor]:
-    """Full K and V of every request in sequence order (``[sum(seq_lens), Hkv, D]``), from each
-    rank's local rows: one ``all_gather`` of K and V packed side by side in the last dimension."""
-    kv = pcp_restore(torch.cat([k, v], dim=-1), meta, group)
-    return kv[..., : k.shape[-1]], kv[..., k.shape[-1]:]
-
-
-def pcp_diagonal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PCPMetadata,
-                           scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each segment's queries against the segment's own keys, causally: the diagonal blocks.
-
-    They need only this rank's local ``k, v`` rows, so they can run while K/V are gathered.
-    Returns ``(out, lse)`` in local row order; padding rows get 0 and ``-inf``.
-    """
-    out, lse = _empty(q, v.shape[-1])
-    for seg, qlen in zip(meta.segments, meta.query_lens):
-        if qlen:
-            rows = slice(seg.row, seg.row + qlen)
-            out[rows], lse[rows] = attention_with_lse(q[rows], k[rows], v[rows], causal=True,
-                                                      q_offset=seg.start, k_offset=seg.start, scale=scale)
-    return out, lse
-
-
 def pcp_local_attention(q: torch.Tensor, k_seq: torch.Tensor, v_seq: torch.Tensor, meta: PCPMetadata,
-                        scale: float | None = None,
-                        diagonal: tuple[torch.Tensor, torch.Tensor] | None = None,
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal attention of this rank's queries ``q [num_tokens, Hq, D]`` to the full keys.
+                        scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of this rank's queries ``q [num_tokens, Hq, D]`` to full, ordered keys.
 
-    Segment ``[s, e)`` of request ``i`` attends ``k_seq`` rows ``[0, min(e, seq_len_i))`` of that
-    request, its queries at absolute positions ``s, s+1, ...``: a fully visible prefix ``[0, s)``
-    and the causal diagonal block, merged by :func:`merge_attn_states`.  ``diagonal`` passes
-    the blocks already computed by :func:`pcp_diagonal_attention`.  Returns ``(out, lse)`` in
-    local row order; padding rows get 0 and ``-inf``.  Exact; no masked-out pair is computed.
+    ``k_seq, v_seq`` hold every request's keys in sequence order (what vLLM's all-gather plus
+    restore produces).  Segment ``[s, e)`` of request ``i`` attends keys ``[0, min(e, len_i))``
+    of that request with its queries at absolute positions ``s, s+1, ...``
+    (:func:`~cpbook.attention.attention_with_lse` splits that into a fully visible prefix and a
+    causal diagonal block, merged by the LSE).  Returns ``(out, lse)`` in local row order;
+    padding rows get 0 and ``-inf``.  Exact; no masked-out pair is computed.
     """
     if q.shape[0] != meta.num_tokens:
         raise ValueError(f"[pcp-local-rows] requires q with num_tokens rows; got q{tuple(q.shape)}, "
@@ -124,51 +99,90 @@ def pcp_local_attention(q: torch.Tensor, k_seq: torch.Tensor, v_seq: torch.Tenso
     out, lse = _empty(q, v_seq.shape[-1])
     cu = meta.cu_seq_lens
     for seg, qlen, klen in zip(meta.segments, meta.query_lens, meta.key_lens):
-        if qlen == 0:
-            continue
-        rows, base = slice(seg.row, seg.row + qlen), cu[seg.request]
-        if diagonal is None:
+        if qlen:
+            rows, base = slice(seg.row, seg.row + qlen), cu[seg.request]
             out[rows], lse[rows] = attention_with_lse(
                 q[rows], k_seq[base: base + klen], v_seq[base: base + klen], causal=True,
                 q_offset=seg.start, k_offset=0, scale=scale)
-        elif seg.start == 0:
-            out[rows], lse[rows] = diagonal[0][rows], diagonal[1][rows]
-        else:
-            prefix = attention_with_lse(q[rows], k_seq[base: base + seg.start],
-                                        v_seq[base: base + seg.start], scale=scale)
-            out[rows], lse[rows] = merge_attn_states([prefix[0], diagonal[0][rows]],
-                                                     [prefix[1], diagonal[1][rows]])
     return out, lse
 
 
+def _rows(head_major: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """Rows ``[lo, hi)`` of a head-major ``[H, T, D]`` tensor, viewed as ``[hi - lo, H, D]``."""
+    return head_major[:, lo:hi].transpose(0, 1)
+
+
+def _request_rows(segments: Sequence[Segment]) -> dict[int, tuple[int, int]]:
+    """``request -> (first row, end row)`` of a rank's local rows (request-major layout)."""
+    rows: dict[int, tuple[int, int]] = {}
+    for s in segments:
+        lo, hi = rows.get(s.request, (s.row, s.row))
+        rows[s.request] = (min(lo, s.row), max(hi, s.row + s.end - s.start))
+    return rows
+
+
+def _remote_blocks(meta: PCPMetadata, part: PCPPartition) -> list[tuple[slice, list[tuple[int, slice]]]]:
+    """The remote keys this rank's queries see in full, grouped by the queries that see them.
+
+    A source segment ``t`` is visible, whole, to exactly the local queries at positions
+    ``>= t.end`` of the same request; local rows are position-ordered within a request, so
+    those queries are a suffix of the request's rows.  Returns ``(our rows, [(src rank, its
+    rows), ...])`` per suffix, adjacent source rows fused: one kernel call per entry.
+    """
+    mine = [s for s in meta.segments if s.end > s.start]
+    groups: dict[tuple[int, int], list[tuple[int, slice]]] = {}
+    for src, segs in enumerate(part.segments):
+        if src == meta.pcp_rank:
+            continue
+        for t in segs:
+            later = [s.row for s in mine if s.request == t.request and s.start >= t.end]
+            if not later or t.end == t.start:
+                continue
+            end = max(s.row + s.end - s.start for s in mine if s.request == t.request)
+            blocks = groups.setdefault((min(later), end), [])
+            if blocks and blocks[-1][0] == src and blocks[-1][1].stop == t.row:
+                blocks[-1] = (src, slice(blocks[-1][1].start, t.row + t.end - t.start))
+            else:
+                blocks.append((src, slice(t.row, t.row + t.end - t.start)))
+    return [(slice(lo, hi), blocks) for (lo, hi), blocks in groups.items()]
+
+
 def pcp_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PCPMetadata,
-                          group: Group, scale: float | None = None,
-                          overlap: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                          group: Group, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """PCP prefill on one rank: all-gather K/V in the PCP ``group``, attend causally.
 
-    ``q, k, v`` are this rank's local rows (``meta.num_tokens``, padding rows included).  With
-    ``overlap`` the all-gather runs in a helper thread while the diagonal blocks (local keys
-    only) are computed; the prefixes follow once the keys have arrived.  Returns
-    ``(out [num_tokens, Hq, Dv], lse [num_tokens, Hq])`` for the local rows.
+    ``q, k, v`` are this rank's local rows (``meta.num_tokens``, padding included).  The
+    all-gathers of K and V are started first; while they are in flight each request's *local*
+    rows attend their local keys in one causal call (local rows are position-ordered, so the
+    top-left causal mask is exact).  Then every remote key block joins, in full, the suffix of
+    local queries that lie after it (:func:`_remote_blocks`), folded in place by the LSE.  For
+    zigzag on two ranks that is one causal and one non-causal call per rank (PyTorch's ring
+    decomposition) with no reordering copy.  Returns ``(out [num_tokens, Hq, Dv],
+    lse [num_tokens, Hq])`` for the local rows; exact.
     """
     _check_group(meta, group)
-    if not overlap:
-        return pcp_local_attention(q, *pcp_gather_kv(k, v, meta, group), meta, scale)
-    got: dict[str, Any] = {}
-
-    def gather() -> None:
-        try:
-            got["kv"] = pcp_gather_kv(k, v, meta, group)
-        except BaseException as e:  # noqa: BLE001 - re-raised on the calling thread
-            got["error"] = e
-
-    helper = threading.Thread(target=gather, name=f"pcp-gather-{group.rank}", daemon=True)
-    helper.start()
-    diagonal = pcp_diagonal_attention(q, k, v, meta, scale)
-    helper.join()
-    if "error" in got:
-        raise got["error"]
-    return pcp_local_attention(q, *got["kv"], meta, scale, diagonal)
+    if not q.shape[0] == k.shape[0] == v.shape[0] == meta.num_tokens:
+        raise ValueError(f"[pcp-local-rows] requires q, k, v with num_tokens rows; got q{tuple(q.shape)}, "
+                         f"k{tuple(k.shape)}, v{tuple(v.shape)}, num_tokens={meta.num_tokens}")
+    # Head-major copies: the fused CPU kernel reads [H, T, D] rows ~6 % faster than the
+    # strided [T, H, D] view, more than the copies cost.  ``_rows`` views them as [T, H, D].
+    qh, kh, vh = (t.transpose(0, 1).contiguous() for t in (q, k, v))
+    k_all = group.all_gather_async(kh, parts=True)  # every rank's [H, T, D]; ours not copied
+    v_all = group.all_gather_async(vh, parts=True)
+    local = [attention_with_lse(_rows(qh, lo, hi), _rows(kh, lo, hi), _rows(vh, lo, hi), causal=True,
+                                scale=scale) for lo, hi in _request_rows(meta.segments).values()]
+    out, lse = local[0] if len(local) == 1 else (torch.cat([o for o, _ in local]),
+                                                 torch.cat([l for _, l in local]))
+    k_all, v_all = k_all.wait(), v_all.wait()
+    part = pcp_partition(meta.seq_lens, meta.pcp_size, meta.layout)
+    for ours, blocks in _remote_blocks(meta, part):
+        keys = [(_rows(k_all[src], rows.start, rows.stop), _rows(v_all[src], rows.start, rows.stop))
+                for src, rows in blocks]
+        if len(keys) > 1:  # one call over every remote key these queries see (a small copy)
+            keys = [(torch.cat([kk for kk, _ in keys]), torch.cat([vv for _, vv in keys]))]
+        o, l = attention_with_lse(_rows(qh, ours.start, ours.stop), *keys[0], scale=scale)
+        merge_attn_states_(out[ours], lse[ours], o, l)
+    return out, lse
 
 
 # ------------------------------------------------------------------------------------------
@@ -192,16 +206,6 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PCPMetad
     return out, lse
 
 
-def _heads(tp_rank: int, cfg: ParallelConfig) -> tuple[slice, slice]:
-    """The query and KV heads a TP rank owns (KV heads replicated when ``tp > num_kv_heads``)."""
-    hq = cfg.q_heads_per_rank
-    if cfg.num_kv_heads >= cfg.tp:
-        hk = cfg.num_kv_heads // cfg.tp
-        return slice(tp_rank * hq, (tp_rank + 1) * hq), slice(tp_rank * hk, (tp_rank + 1) * hk)
-    kv = tp_rank // cfg.kv_head_replicas
-    return slice(tp_rank * hq, (tp_rank + 1) * hq), slice(kv, kv + 1)
-
-
 def pcp_prefill_demo(ctx: RankContext, seq_lens: Sequence[int] = (37, 64), tensor_parallel_size: int = 1,
                      num_q_heads: int = 8, num_kv_heads: int = 2, head_dim: int = 16,
                      hidden_size: int = 64, layouts: Sequence[str] = ("zigzag",),
@@ -212,9 +216,12 @@ def pcp_prefill_demo(ctx: RankContext, seq_lens: Sequence[int] = (37, 64), tenso
     tokens (``pcp_shard``) and its TP heads, applies RoPE at the true positions, runs
     :func:`pcp_prefill_attention` in its PCP group and checks its rows against dense float64
     attention; :func:`pcp_restore` must put its rows where the sequence has them.  With
-    ``repeats > 0`` it also times the local attention (``time.thread_time``, median of
-    ``repeats`` after one warm-up; meaningful with one torch thread per rank, as under torchrun).
-    Returns, per layout, the max error, this rank's exact causal work and the median time.
+    ``repeats > 0`` it also times :func:`pcp_prefill_attention` by the CPU time of its thread
+    (``time.thread_time``: kernels and merges, not the wait for peers), the minimum of
+    ``repeats`` runs after one warm-up: the work is deterministic, so the minimum is the run
+    least disturbed by the other processes.  Meaningful with one torch thread per rank, as
+    under torchrun.  Returns, per layout, the max error, this rank's exact causal work and
+    that time.
     """
     tp = tensor_parallel_size
     if ctx.world_size % tp:
@@ -223,7 +230,7 @@ def pcp_prefill_demo(ctx: RankContext, seq_lens: Sequence[int] = (37, 64), tenso
     cfg = ParallelConfig(tensor_parallel_size=tp, prefill_context_parallel_size=ctx.world_size // tp,
                          num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
     groups = make_groups(ctx, RankGrid(tp, cfg.pcp))
-    qh, kh = _heads(groups.coords.tp_rank, cfg)
+    qh, kh = q_heads_of_rank(cfg, groups.coords.tp_rank), kv_heads_of_rank(cfg, groups.coords.tp_rank)
     dt = _DTYPES[dtype]
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(sum(seq_lens), hidden_size, generator=gen, dtype=torch.float64)
@@ -253,13 +260,12 @@ def pcp_prefill_demo(ctx: RankContext, seq_lens: Sequence[int] = (37, 64), tenso
         placed = torch.equal(restored[meta.token_index[real]], out[real])
         secs = None
         if repeats:
-            k_seq, v_seq = pcp_gather_kv(k, v, meta, groups.pcp)
             times = []
             for _ in range(repeats + 1):
                 t0 = time.thread_time()
-                pcp_local_attention(q, k_seq, v_seq, meta)
+                pcp_prefill_attention(q, k, v, meta, groups.pcp)
                 times.append(time.thread_time() - t0)
-            secs = statistics.median(times[1:])
+            secs = min(times[1:])
         work = part.work()[meta.pcp_rank]
         chunks = "; ".join(f"r{s.request}[{s.start},{s.end})" for s in meta.segments[:8])
         more = f" +{len(meta.segments) - 8} more" if len(meta.segments) > 8 else ""
@@ -273,44 +279,48 @@ def pcp_prefill_demo(ctx: RankContext, seq_lens: Sequence[int] = (37, 64), tenso
 
 def prefill_timing(ctx: RankContext, seq_len: int = 8192, num_heads: int = 8, head_dim: int = 64,
                    repeats: int = 5, layouts: Sequence[str] = ("zigzag", "contiguous"),
-                   single: bool = True, seed: int = 0) -> dict[str, float]:
+                   single: bool = True, seed: int = 0,
+                   baselines: Mapping[str, Callable[[], Any]] | None = None) -> dict[str, float]:
     """Medians of one causal prefill attention (float32, MHA) on the world group as PCP group.
 
-    ``single``: rank 0 runs the whole prompt with ``F.scaled_dot_product_attention`` while the
-    others wait.  Then, per layout, every rank runs :func:`pcp_prefill_attention` (K/V
-    all-gather included, restore excluded) from a common barrier.  One warm-up run, then
-    ``repeats``.  Returns this rank's median wall seconds per method, its median CPU seconds
-    of the whole process (``<method>_cpu``: every thread, communication included) and of the
-    calling thread alone (``<method>_thread``: the attention kernels and merges), and the max
-    error of its rows against the single-process output (``<layout>_err``).
+    Methods: ``single`` (rank 0 runs the whole prompt with ``F.scaled_dot_product_attention``
+    while the others wait), one :func:`pcp_prefill_attention` per layout (K/V all-gather
+    included, restore excluded) and any ``baselines`` (name -> zero-argument callable run on
+    every rank, e.g. another library's ring attention).  Every run starts from a common
+    barrier; the methods take turns, run after run, so drifts of a shared machine hit all of
+    them alike.  One warm-up round, then ``repeats``.  Returns this rank's median wall seconds
+    per method, its median CPU seconds of the whole process (``<method>_cpu``: every thread,
+    communication included) and of the calling thread (``<method>_thread``: the kernels and
+    merges), and the max error of its rows against the single-process output
+    (``<layout>_err``).  Inputs are laid out head-major for every method (what the fused CPU
+    kernel reads fastest), prepared before the clock starts.
     """
     gen = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(seq_len, num_heads, head_dim, generator=gen) for _ in range(3))
     q4, k4, v4 = (t.transpose(0, 1)[None].contiguous() for t in (q, k, v))
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    world, out = ctx.world, {}
-
-    clocks = {"": time.perf_counter, "_cpu": time.process_time, "_thread": time.thread_time}
-
-    def timed(name: str, fn) -> Any:
-        runs: dict[str, list[float]] = {suffix: [] for suffix in clocks}
-        res = None
-        for _ in range(repeats + 1):
-            world.barrier()
-            start = {suffix: clock() for suffix, clock in clocks.items()}
-            res = fn()
-            for suffix, clock in clocks.items():
-                runs[suffix].append(clock() - start[suffix])
-        out.update({name + suffix: statistics.median(t[1:]) for suffix, t in runs.items()})
-        return res
-
     ref = sdpa(q4, k4, v4, is_causal=True)[0].transpose(0, 1)
+    methods: dict[str, Callable[[], Any]] = {}
     if single:
-        timed("single", lambda: sdpa(q4, k4, v4, is_causal=True) if ctx.rank == 0 else None)
+        methods["single"] = lambda: sdpa(q4, k4, v4, is_causal=True) if ctx.rank == 0 else None
+    metas = {}
     for layout in layouts:
-        meta = pcp_partition(seq_len, ctx.world_size, layout).metadata(ctx.rank)
-        ql, kl, vl = (pcp_shard(t, meta) for t in (q, k, v))
-        o = timed(layout, lambda: pcp_prefill_attention(ql, kl, vl, meta, world))[0]
+        meta = metas[layout] = pcp_partition(seq_len, ctx.world_size, layout).metadata(ctx.rank)
+        ql, kl, vl = (pcp_shard(t, meta).transpose(0, 1).contiguous().transpose(0, 1) for t in (q, k, v))
+        methods[layout] = functools.partial(pcp_prefill_attention, ql, kl, vl, meta, ctx.world)
+    methods.update(baselines or {})
+    clocks = {"": time.perf_counter, "_cpu": time.process_time, "_thread": time.thread_time}
+    runs = {m + c: [] for m in methods for c in clocks}
+    last: dict[str, Any] = {}
+    for _ in range(repeats + 1):
+        for name, fn in methods.items():
+            ctx.world.barrier()
+            start = {c: clock() for c, clock in clocks.items()}
+            last[name] = fn()
+            for c, clock in clocks.items():
+                runs[name + c].append(clock() - start[c])
+    out = {key: statistics.median(t[1:]) for key, t in runs.items()}
+    for layout, meta in metas.items():
         real = ~meta.is_padding
-        out[f"{layout}_err"] = (o[real] - ref[meta.token_index[real]]).abs().max().item()
+        out[f"{layout}_err"] = (last[layout][0][real] - ref[meta.token_index[real]]).abs().max().item()
     return out

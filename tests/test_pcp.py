@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from cpbook.attention import dense_attention
 from cpbook.groups import RankGrid
 from cpbook.launch import run
-from cpbook.pcp import (LAYOUTS, causal_pairs, causal_work, padded_len, pcp_diagonal_attention,
+from cpbook.pcp import (LAYOUTS, causal_pairs, causal_work, padded_len,
                         pcp_local_attention, pcp_partition, pcp_prefill_demo, pcp_shard, prefill_timing,
                         rope, zigzag_partition)
 from cpbook.zigzag import PCPPartition
@@ -127,7 +127,7 @@ def test_rope_depends_on_relative_position_only():
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("lens,pcp", [((37, 64), 2), ((13,), 3), ((1, 9, 30), 4)])
 def test_local_attention_matches_dense(layout, lens, pcp):
-    """All ranks' local attention (with and without precomputed diagonal blocks) vs dense."""
+    """All ranks' attention to the full, ordered keys vs dense."""
     g = torch.Generator().manual_seed(2)
     n = sum(lens)
     q = torch.randn(n, 4, 8, generator=g, dtype=torch.float64)
@@ -137,12 +137,11 @@ def test_local_attention_matches_dense(layout, lens, pcp):
     ref = torch.cat([dense_attention(q[a:b], k[a:b], v[a:b], causal=True)[0] for a, b in zip(cu, cu[1:])])
     for r in range(pcp):
         m = part.metadata(r)
-        ql, kl, vl = (pcp_shard(t, m) for t in (q, k, v))
-        for diag in (None, pcp_diagonal_attention(ql, kl, vl, m)):
-            out, lse = pcp_local_attention(ql, k, v, m, diagonal=diag)
-            real = ~m.is_padding
-            assert (out[real] - ref[m.token_index[real]]).abs().max() <= 1e-10
-            assert torch.all(out[~real] == 0) and torch.all(lse[~real] == float("-inf"))
+        ql = pcp_shard(q, m)
+        out, lse = pcp_local_attention(ql, k, v, m)
+        real = ~m.is_padding
+        assert (out[real] - ref[m.token_index[real]]).abs().max() <= 1e-10
+        assert torch.all(out[~real] == 0) and torch.all(lse[~real] == float("-inf"))
 
 
 # ------------------------------------------------------------------ PCP prefill on ranks
@@ -156,8 +155,8 @@ def _check(res, layouts=("zigzag",)):
                                            (4, 2, (45, 16)), (8, 2, (31, 5))])
 def test_pcp_prefill_inline(world, tp, lens):
     res = run(pcp_prefill_demo, world, report=False, seq_lens=lens, tensor_parallel_size=tp,
-              layouts=("zigzag", "contiguous"))
-    _check(res, ("zigzag", "contiguous"))
+              layouts=LAYOUTS)
+    _check(res, LAYOUTS)
     pcp = world // tp
     assert [r["zigzag"]["work"] for r in res] == [w for w in causal_work(lens, pcp) for _ in range(tp)]
     # every collective is an all-gather in a PCP group: K/V once, the output once (restore)
