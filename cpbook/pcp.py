@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import math
 import statistics
+import textwrap
 import time
 from typing import Any, Callable, Mapping, Sequence
 
@@ -267,12 +268,14 @@ def pcp_prefill_demo(ctx: RankContext, seq_lens: Sequence[int] = (37, 64), tenso
                 times.append(time.thread_time() - t0)
             secs = min(times[1:])
         work = part.work()[meta.pcp_rank]
-        chunks = "; ".join(f"r{s.request}[{s.start},{s.end})" for s in meta.segments[:8])
+        chunks = " ".join(f"r{s.request}[{s.start},{s.end})" for s in meta.segments[:8])
         more = f" +{len(meta.segments) - 8} more" if len(meta.segments) > 8 else ""
-        print(f"{layout}: pcp {meta.pcp_rank} tp {groups.coords.tp_rank}: {chunks}{more}; "
-              f"{int(real.sum())} real tokens, {work:,} causal pairs/head; "
-              f"max |err| vs dense <= 1e-10: {err <= 1e-10}; restored in place: {placed}"
-              + (f"; attention {1e3 * secs:.1f} ms" if secs is not None else ""))
+        # three short lines (the report prefixes each with "[rank N] "): fits 84 columns
+        print(f"{layout}: pcp {meta.pcp_rank} tp {groups.coords.tp_rank}, "
+              f"{int(real.sum())} real tokens, {work:,} causal pairs/head")
+        print(textwrap.fill(chunks + more, 74, initial_indent="  chunks ", subsequent_indent=" " * 9))
+        print(f"  == dense (<= 1e-10): {err <= 1e-10}, restored in place: {placed}"
+              + (f", attention {1e3 * secs:.1f} ms" if secs is not None else ""))
         result[layout] = {"max_abs_err": err, "work": work, "seconds": secs, "restored": placed}
     return result
 

@@ -14,10 +14,19 @@ from ..zigzag import PCPPartition, causal_work, pcp_partition
 __all__ = ["causal_ownership_figure", "work_figure", "partition_figure", "rank_grid_figure",
            "balance_figure"]
 
+# Every figure is at most _WIDTH inches wide (770 px at the book's 110 dpi), so that on a page
+# about 700 px wide it shrinks by at most ~10 % and its 10 pt text stays at ~9 pt or more.
+_WIDTH = 7.0
 _MASKED = "#F2F2F2"
 _PAD = "#BBBBBB"
 _LABELS = {"contiguous": "contiguous", "zigzag": "zigzag (DualChunkSwap)", "striped": "striped"}
 _LAYOUT_COLOR = {"contiguous": PALETTE[5], "zigzag": PALETTE[0], "striped": PALETTE[1]}
+
+
+def _ink(color: str) -> str:
+    """Black or white, whichever reads better on ``color`` (the rule of :mod:`cpbook.viz.dcp`)."""
+    r, g, b = mcolors.to_rgb(color)
+    return "black" if 0.299 * r + 0.587 * g + 0.114 * b > 0.55 else "white"
 
 
 def _owners(part: PCPPartition) -> np.ndarray:
@@ -32,7 +41,7 @@ def causal_ownership_figure(seq_len: int = 16, pcp_size: int = 2,
                             layouts: Sequence[str] = ("contiguous", "zigzag", "striped")):
     """The causal score matrix of one prompt, each computed cell coloured by the rank that owns
     its query; panel titles give each rank's exact work and the straggler factor max/mean."""
-    fig, axes = figure(1, len(layouts), figsize=(3.6 * len(layouts), 4.1))
+    fig, axes = figure(1, len(layouts), figsize=(_WIDTH, 0.75 * _WIDTH / len(layouts) + 1.8))
     for ax, layout in zip(np.atleast_1d(axes), layouts):
         part = pcp_partition(seq_len, pcp_size, layout)
         own = _owners(part)[:seq_len]
@@ -41,25 +50,26 @@ def causal_ownership_figure(seq_len: int = 16, pcp_size: int = 2,
         for q in range(seq_len):
             img[q, : q + 1] = mcolors.to_rgba(rank_color(int(own[q])))
         ax.imshow(img, interpolation="nearest")
-        ax.set_xticks(range(0, seq_len, max(1, seq_len // 8)))
-        ax.set_yticks(range(0, seq_len, max(1, seq_len // 8)))
+        ax.set_xticks(range(0, seq_len, max(1, seq_len // 4)))
+        ax.set_yticks(range(0, seq_len, max(1, seq_len // 4)))
         ax.grid(False)
         ax.set_xlabel("key position")
-        ax.set_ylabel("query position")
+        if ax is np.atleast_1d(axes)[0]:
+            ax.set_ylabel("query position")
         work = part.work()
         ax.set_title(f"{_LABELS[layout]}\npairs per rank {work}\nmax/mean = "
                      f"{max(work) / (sum(work) / len(work)):.2f}", fontsize=10)
     handles = [Patch(color=rank_color(r), label=f"rank {r}") for r in range(pcp_size)]
     fig.legend(handles=handles, loc="outside lower center", ncol=pcp_size)
-    fig.suptitle(f"Causal attention of {seq_len} tokens on {pcp_size} ranks: "
-                 "cell (q, k) is computed by the owner of query q")
+    fig.suptitle(f"{seq_len} tokens on {pcp_size} ranks: cell (q, k) is computed "
+                 "by the owner of query q", fontsize=11)
     return fig
 
 
 def work_figure(seq_len: int = 5040, pcp_size: int = 4, max_pcp: int = 10):
     """Left: each rank's causal work relative to the mean, per layout.  Right: the straggler
     factor max/mean against the number of ranks (the step waits for the busiest rank)."""
-    fig, (left, right) = figure(1, 2, figsize=(10, 3.8))
+    fig, (left, right) = figure(1, 2, figsize=(_WIDTH, 3.7))
     layouts = ("contiguous", "zigzag", "striped")
     width = 0.8 / len(layouts)
     for i, layout in enumerate(layouts):
@@ -68,18 +78,19 @@ def work_figure(seq_len: int = 5040, pcp_size: int = 4, max_pcp: int = 10):
                  color=_LAYOUT_COLOR[layout], label=_LABELS[layout])
     left.axhline(1.0, color="black", lw=0.8)
     left.set_xticks(range(pcp_size), [f"rank {r}" for r in range(pcp_size)])
-    left.set_ylabel("causal pairs / mean over ranks")
-    left.set_title(f"{seq_len} tokens on {pcp_size} ranks")
-    left.legend()
+    left.set_ylabel("causal pairs / mean")
+    left.set_title(f"{seq_len:,} tokens on {pcp_size} ranks")
     ks = np.arange(1, max_pcp + 1)
     for i, layout in enumerate(layouts):
         f = [max(w) / (sum(w) / k) for k in ks for w in [causal_work(seq_len, int(k), layout)]]
         right.plot(ks, f, marker="o", ms=3, color=_LAYOUT_COLOR[layout], label=_LABELS[layout])
-    right.plot(ks, 2 - 1 / ks, ls=":", color="black", label="2 − 1/K (long prompt, contiguous)")
+    right.plot(ks, 2 - 1 / ks, ls=":", color="black", label="2 − 1/K")
     right.set_xlabel("ranks K")
     right.set_ylabel("max / mean causal work")
-    right.set_title("straggler factor")
-    right.legend()
+    right.set_title(f"straggler factor, {seq_len:,} tokens")
+    right.set_xticks(ks[1::2] if len(ks) > 6 else ks)
+    handles, labels = right.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncol=len(labels))
     return fig
 
 
@@ -89,7 +100,10 @@ def partition_figure(part: PCPPartition):
     n_req, p = len(part.seq_lens), part.pcp_size
     rows = n_req + p
     width = max(max(part.padded_lens), part.tokens_per_rank)
-    fig, ax = figure(figsize=(0.42 * width + 2.2, 0.5 * rows + 1.1))
+    # cells as wide as the page allows (beside ~1.6 in of row labels), at most 0.5 in
+    cell_w = min(0.5, (_WIDTH - 1.6) / width)
+    fs = 10 if cell_w >= 0.42 else 8
+    fig, ax = figure(figsize=(cell_w * width + 1.6, 0.5 * rows + 1.0))
     owner: dict[tuple[int, int], int] = {}
     for r, segs in enumerate(part.segments):
         for s in segs:
@@ -98,15 +112,15 @@ def partition_figure(part: PCPPartition):
 
     def cell(x: float, y: float, color: str, text: str) -> None:
         ax.add_patch(Rectangle((x, y), 1, 0.8, facecolor=color, edgecolor="white", lw=1.5))
-        ax.text(x + 0.5, y + 0.4, text, ha="center", va="center", fontsize=8,
-                color="white" if color != _PAD else "black")
+        ax.text(x + 0.5, y + 0.4, text, ha="center", va="center", fontsize=fs,
+                color=_ink(color))
 
     labels = []
     for i, (n, padded) in enumerate(zip(part.seq_lens, part.padded_lens)):
         y = rows - 1 - i
         for pos in range(padded):
             cell(pos, y, _PAD if pos >= n else rank_color(owner[(i, pos)]), str(pos))
-        labels.append((y, f"request {i} ({n} tokens)"))
+        labels.append((y, f"request {i}\n({n} tokens)"))
     for r, segs in enumerate(part.segments):
         y = p - 1 - r
         for s in segs:
@@ -123,7 +137,7 @@ def partition_figure(part: PCPPartition):
         ax.spines[side].set_visible(False)
     ax.axhline(p - 0.1, color="black", lw=0.8)
     ax.set_title(f"{part.layout} partition over {p} ranks; grey = padding, cells = "
-                 + ("position" if n_req == 1 else "request:position"), fontsize=10)
+                 + ("position" if n_req == 1 else "request:position"), fontsize=10, loc="left")
     return fig
 
 
@@ -132,25 +146,29 @@ def rank_grid_figure(tensor_parallel_size: int = 4, prefill_context_parallel_siz
     """The world as PCP rows × TP columns; each cell is a global rank, filled by its DCP group.
     TP groups are the rows, PCP groups the columns; one panel per vLLM layout."""
     tp, pcp, dcp = tensor_parallel_size, prefill_context_parallel_size, decode_context_parallel_size
-    fig, axes = figure(1, len(layouts), figsize=(1.15 * tp * len(layouts) + 1.5, 1.0 * pcp + 1.6))
+    fig, axes = figure(1, len(layouts), figsize=(_WIDTH, 0.75 * pcp + 1.5))
     for ax, layout in zip(np.atleast_1d(axes), layouts):
         grid = RankGrid(tp, pcp, dcp, layout)
         groups = grid.dcp_groups()
         for rank in range(grid.world_size):
             p, t = divmod(rank, tp)
             g = next(i for i, grp in enumerate(groups) if rank in grp)
-            ax.add_patch(Rectangle((t, pcp - 1 - p), 0.92, 0.85, facecolor=rank_color(g), alpha=0.9))
+            ax.add_patch(Rectangle((t, pcp - 1 - p), 0.92, 0.85, facecolor=rank_color(g)))
             ax.text(t + 0.46, pcp - 1 - p + 0.42, str(rank), ha="center", va="center",
-                    fontsize=12, color="white", weight="bold")
+                    fontsize=12, color=_ink(rank_color(g)), weight="bold")
         ax.set_xlim(-0.1, tp)
         ax.set_ylim(-0.15, pcp)
         ax.set_xticks([t + 0.46 for t in range(tp)], [f"tp {t}" for t in range(tp)])
         ax.set_yticks([pcp - 1 - p + 0.42 for p in range(pcp)], [f"pcp {p}" for p in range(pcp)])
+        ax.tick_params(length=0)
         ax.grid(False)
+        for side in ("left", "bottom"):
+            ax.spines[side].set_visible(False)
         same = grid.dcp_groups() == grid.pcp_groups()
-        ax.set_title(f"layout {layout!r}: DCP groups {groups}\n"
-                     + ("= the PCP groups (columns)" if same else "≠ the PCP groups (columns)"), fontsize=9)
-    fig.suptitle(f"TP={tp} × PCP={pcp} ranks, DCP={dcp}: colour = DCP group; rows = TP groups")
+        ax.set_title(f"layout {layout!r}\nDCP groups {'=' if same else '≠'} PCP groups (columns)",
+                     fontsize=10)
+    fig.suptitle(f"TP = {tp} × PCP = {pcp}, DCP = {dcp}: colour = DCP group, "
+                 "rows = TP groups", fontsize=11)
     return fig
 
 
@@ -158,7 +176,7 @@ def balance_figure(measured: dict[int, dict[str, list[float]]], exact: dict[int,
     """Per rank, measured attention time (bars) and exact causal work (markers), each relative
     to its mean over ranks; one panel per PCP size, zigzag beside contiguous."""
     sizes = sorted(measured)
-    fig, axes = figure(1, len(sizes), figsize=(4.6 * len(sizes), 3.6))
+    fig, axes = figure(1, len(sizes), figsize=(_WIDTH, 3.7))
     for ax, p in zip(np.atleast_1d(axes), sizes):
         for i, layout in enumerate(("zigzag", "contiguous")):
             t = np.array(measured[p][layout])
@@ -170,8 +188,13 @@ def balance_figure(measured: dict[int, dict[str, list[float]]], exact: dict[int,
         ax.axhline(1.0, color="black", lw=0.6)
         ax.axhline(1.1, color="grey", lw=0.8, ls="--", label="mean + 10 %")
         ax.set_xticks(range(p), [f"rank {r}" for r in range(p)])
-        ax.set_ylabel("relative to the mean over ranks")
         ax.set_title(f"PCP = {p}")
-    np.atleast_1d(axes)[0].legend(fontsize=8)
-    fig.suptitle("Attention time per rank (CPU time, median) against exact causal work")
+    first = np.atleast_1d(axes)[0]
+    first.set_ylabel("relative to the mean over ranks")
+    handles, labels = first.get_legend_handles_labels()
+    order = sorted(range(len(labels)), key=lambda i: "measured" not in labels[i])  # bars first
+    fig.legend([handles[i] for i in order], [labels[i] for i in order],
+               loc="outside lower center", ncol=2)
+    fig.suptitle("Attention time per rank (thread CPU time) against exact causal work",
+                 fontsize=11)
     return fig
