@@ -55,7 +55,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-__all__ = ["ConfigError", "ParallelConfig", "check_interleave", "q_heads_of_rank", "kv_heads_of_rank"]
+__all__ = ["ConfigError", "ParallelConfig", "check_positive", "check_interleave", "q_heads_of_rank", "kv_heads_of_rank"]
 
 
 class ConfigError(ValueError):
@@ -66,6 +66,13 @@ class ConfigError(ValueError):
         self.values = values
         shown = ", ".join(f"{k}={v!r}" for k, v in values.items())
         super().__init__(f"[{rule}] requires {condition}; got {shown}")
+
+
+def check_positive(**sizes: object) -> None:
+    """Rule ``positive-sizes``: every given size is a positive ``int`` (``bool`` is not a size)."""
+    for name, v in sizes.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError("positive-sizes", f"{name} to be a positive integer", **{name: v})
 
 
 def check_interleave(block_size: int, interleave: int) -> None:
@@ -142,10 +149,7 @@ class ParallelConfig:
 
     # -- validation ---------------------------------------------------------------------
     def __post_init__(self) -> None:
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if f.type in ("int", int) and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise ConfigError("positive-sizes", f"{f.name} to be a positive integer", **{f.name: v})
+        check_positive(**{f.name: getattr(self, f.name) for f in fields(self) if f.type in ("int", int)})
         tp, dcp, pcp = self.tp, self.dcp, self.pcp
         q, kv = self.num_q_heads, self.num_kv_heads
         if self.dcp_comm_backend not in ("ag_rs", "a2a"):

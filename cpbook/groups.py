@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .config import ConfigError, ParallelConfig
+from .config import ConfigError, ParallelConfig, check_positive
 
 if TYPE_CHECKING:  # pragma: no cover
     from .comm import Group, RankContext
@@ -56,10 +56,8 @@ class RankGrid:
     def __post_init__(self) -> None:
         tp, pcp, dcp = (self.tensor_parallel_size, self.prefill_context_parallel_size,
                         self.decode_context_parallel_size)
-        for name, v in (("tensor_parallel_size", tp), ("prefill_context_parallel_size", pcp),
-                        ("decode_context_parallel_size", dcp)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigError("positive-sizes", f"{name} to be a positive integer", **{name: v})
+        check_positive(tensor_parallel_size=tp, prefill_context_parallel_size=pcp,
+                       decode_context_parallel_size=dcp)
         if self.layout not in LAYOUTS:
             raise ConfigError("grid-layout", f"layout in {LAYOUTS}", layout=self.layout)
         if (tp * pcp) % dcp:

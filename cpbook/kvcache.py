@@ -30,7 +30,7 @@ from typing import Any, Sequence
 import torch
 
 from .comm import RankContext
-from .config import ConfigError, check_interleave
+from .config import ConfigError, check_interleave, check_positive
 
 __all__ = ["PAD_SLOT_ID", "check_layout", "owner_rank", "slot_mapping", "local_seq_len", "local_positions",
            "num_virtual_blocks", "block_fill", "PagedKVCache", "TransferPlan", "transfer_plan",
@@ -51,18 +51,12 @@ def __getattr__(name: str) -> Any:
 # ------------------------------------------------------------------------------------------
 # validation
 # ------------------------------------------------------------------------------------------
-def _positive(**values: int) -> None:
-    for k, v in values.items():
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ConfigError("positive-sizes", f"{k} to be a positive integer", **{k: v})
-
-
 def check_layout(dcp_size: int, interleave: int, block_size: int | None = None,
                  dcp_rank: int | None = None) -> None:
     """Raise :class:`ConfigError` unless the sizes describe a valid DCP KV layout."""
-    _positive(dcp_size=dcp_size, interleave=interleave)
+    check_positive(dcp_size=dcp_size, interleave=interleave)
     if block_size is not None:
-        _positive(block_size=block_size)
+        check_positive(block_size=block_size)
         check_interleave(block_size, interleave)
     if dcp_rank is not None and (isinstance(dcp_rank, bool) or not isinstance(dcp_rank, int)
                                  or not 0 <= dcp_rank < dcp_size):
@@ -150,7 +144,7 @@ def local_positions(seq_len: int, dcp_size: int, dcp_rank: int, interleave: int)
 
 def num_virtual_blocks(seq_len: int, block_size: int, dcp_size: int) -> int:
     """Block ids a request of ``seq_len`` tokens needs: ``ceil(seq_len / (block_size*dcp_size))``."""
-    _positive(block_size=block_size, dcp_size=dcp_size)
+    check_positive(block_size=block_size, dcp_size=dcp_size)
     _seq_len(seq_len)
     return -(-seq_len // (block_size * dcp_size))
 
@@ -192,7 +186,7 @@ class PagedKVCache:
                  v_head_dim: int | None = None, *, dcp_size: int = 1, dcp_rank: int = 0,
                  interleave: int = 1, dtype: torch.dtype = torch.float64,
                  device: torch.device | str = "cpu") -> None:
-        _positive(num_blocks=num_blocks, num_kv_heads=num_kv_heads, head_dim=head_dim)
+        check_positive(num_blocks=num_blocks, num_kv_heads=num_kv_heads, head_dim=head_dim)
         check_layout(dcp_size, interleave, block_size, dcp_rank)
         v_head_dim = head_dim if v_head_dim is None else v_head_dim
         if isinstance(v_head_dim, bool) or not isinstance(v_head_dim, int) or v_head_dim < 0:
@@ -337,7 +331,7 @@ class TransferPlan:
 def transfer_plan(seq_len: int, block_size: int, dcp_size: int, interleave: int,
                   bytes_per_token: int = 1) -> TransferPlan:
     """The :class:`TransferPlan` of a request of ``seq_len`` tokens (bytes in ``bytes_per_token`` units)."""
-    _positive(bytes_per_token=bytes_per_token)
+    check_positive(bytes_per_token=bytes_per_token)
     return TransferPlan(seq_len, block_size, dcp_size, interleave, bytes_per_token,
                         block_fill(seq_len, block_size, dcp_size, interleave))
 

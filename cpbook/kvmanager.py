@@ -21,8 +21,8 @@ from typing import Sequence
 
 import torch
 
-from .config import ConfigError, ParallelConfig
-from .kvcache import _positive, block_fill, check_layout, num_virtual_blocks
+from .config import ConfigError, ParallelConfig, check_positive
+from .kvcache import block_fill, check_layout, num_virtual_blocks
 
 __all__ = ["KVCacheManager", "PrefixHit"]
 
@@ -53,7 +53,7 @@ class KVCacheManager:
 
     def __init__(self, num_blocks: int, block_size: int, dcp_size: int = 1, interleave: int = 1,
                  enable_prefix_caching: bool = False) -> None:
-        _positive(num_blocks=num_blocks)
+        check_positive(num_blocks=num_blocks)
         check_layout(dcp_size, interleave, block_size)
         self.num_blocks, self.block_size = num_blocks, block_size
         self.dcp_size, self.interleave = dcp_size, interleave
@@ -161,7 +161,7 @@ class KVCacheManager:
                token_ids: Sequence[int] | None = None) -> list[int]:
         """Grow a request by ``num_new_tokens`` (decode); returns the ids newly allocated."""
         req = self._get(request_id)
-        _positive(num_new_tokens=num_new_tokens)
+        check_positive(num_new_tokens=num_new_tokens)
         if (token_ids is None) != (req.token_ids is None) or (
                 token_ids is not None and len(token_ids) != num_new_tokens):
             raise ConfigError("token-ids-length", "token_ids of length num_new_tokens exactly when the "

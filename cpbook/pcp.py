@@ -4,10 +4,11 @@ vLLM's current design (``vllm/v1/worker/gpu/pcp_manager.py``, ``vllm/v1/attentio
 every PCP rank holds two chunks of each prompt (:mod:`cpbook.zigzag`), computes Q, K, V for
 them with RoPE at their true positions, all-gathers K and V in the PCP group, and attends its
 queries causally to the keys they may see.  Chunk ``[s, e)`` of a request reads keys
-``[0, e)``: a fully visible prefix ``[0, s)`` and a causal diagonal block ``[s, e)``, merged
-exactly by the LSE (:func:`cpbook.attention.attention_with_lse`); masked-out pairs are never
-computed.  :func:`pcp_restore` puts per-rank outputs back in sequence order (vLLM's
-``restore_hidden_states``).
+``[0, e)``.  :func:`pcp_local_attention` does that chunk by chunk on keys in sequence order;
+:func:`pcp_prefill_attention`, the per-rank path, attends the rank's own rows causally while
+the keys are in flight and then each remote key block in full, merged exactly by the LSE.
+Masked-out pairs are never computed.  :func:`pcp_restore` puts per-rank outputs back in
+sequence order (vLLM's ``restore_hidden_states``).
 
 Every function here talks only to :class:`cpbook.comm.Group`.  All names of
 :mod:`cpbook.zigzag` (partition, metadata, ``causal_work``) are importable from here too.

@@ -16,6 +16,7 @@ them.  :class:`PCPMetadata` is what one rank needs for attention: true global ``
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Sequence
@@ -34,6 +35,11 @@ def _lens(seq_lens: int | Sequence[int]) -> tuple[int, ...]:
         raise ValueError(f"[pcp-seq-lens] requires one or more positive integer request lengths; "
                          f"got seq_lens={seq_lens!r}")
     return lens
+
+
+def _offsets(lens: Sequence[int]) -> list[int]:
+    """``[0, l0, l0 + l1, ...]``: where each request starts in a request-major concatenation."""
+    return list(itertools.accumulate(lens, initial=0))
 
 
 def _check(pcp_size: int, layout: str) -> None:
@@ -122,10 +128,7 @@ class PCPMetadata:
     @property
     def cu_seq_lens(self) -> list[int]:
         """Offsets of the requests in the unpadded request-major concatenation."""
-        out = [0]
-        for n in self.seq_lens:
-            out.append(out[-1] + n)
-        return out
+        return _offsets(self.seq_lens)
 
 
 @dataclass(frozen=True)
@@ -184,9 +187,7 @@ class PCPPartition:
         """Per rank, the tokens it holds in local order, as indices into the *padded*
         request-major concatenation (for one request: the global positions; padding
         tokens are those ``>= seq_len``)."""
-        offs = [0]
-        for p in self.padded_lens:
-            offs.append(offs[-1] + p)
+        offs = _offsets(self.padded_lens)
         return [[offs[s.request] + p for s in segs for p in range(s.start, s.end)]
                 for segs in self.segments]
 
@@ -194,9 +195,7 @@ class PCPPartition:
     def restore_index(self) -> torch.Tensor:
         """``gathered[restore_index]`` is the unpadded request-major sequence, where ``gathered``
         is every rank's local rows concatenated in rank order (``[pcp_size * tokens_per_rank]``)."""
-        cu = [0]
-        for n in self.seq_lens:
-            cu.append(cu[-1] + n)
+        cu = _offsets(self.seq_lens)
         idx = torch.empty(cu[-1], dtype=torch.int64)
         t = self.tokens_per_rank
         for rank, segs in enumerate(self.segments):
@@ -218,9 +217,7 @@ class PCPPartition:
             raise ValueError(f"[pcp-rank] requires 0 <= pcp_rank < pcp_size; got pcp_rank={pcp_rank}, "
                              f"pcp_size={self.pcp_size}")
         segs = self.segments[pcp_rank]
-        cu = [0]
-        for n in self.seq_lens:
-            cu.append(cu[-1] + n)
+        cu = _offsets(self.seq_lens)
         pos = torch.cat([torch.arange(s.start, s.end) for s in segs])
         req = torch.cat([torch.full((s.end - s.start,), s.request) for s in segs])
         lens = torch.tensor(self.seq_lens)[req]
