@@ -5,6 +5,15 @@ and change from run to run, so they are not compared: stderr (library warnings, 
 and SVG/JavaScript (random ids).  The chapters store PNG figures, which nbval does not compare.
 """
 
+import pytest
+
+
+def pytest_collection_modifyitems(items):
+    """Every nbval cell is a ``notebook`` test (``pytest -m "not notebook"`` skips them)."""
+    for item in items:
+        if str(item.fspath).endswith(".ipynb"):
+            item.add_marker(pytest.mark.notebook)
+
 
 def pytest_collectstart(collector):
     path = str(getattr(collector, "path", getattr(collector, "fspath", "")))

@@ -5,6 +5,7 @@
 Target: ratio_vs_sdpa <= 1.10 for both cases (the LSE costs nothing extra: the CPU flash kernel
 computes it anyway; plain SDPA just drops it).  Times are medians of interleaved repeats.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,8 +43,12 @@ def bench_case(tq: int, tk: int, heads: int, dim: int, causal: bool, repeats: in
             sdpa.append(t2 - t1)
     err = (out - ref[0].transpose(0, 1)).abs().max().item()
     ms, sdpa_ms = 1e3 * statistics.median(ours), 1e3 * statistics.median(sdpa)
-    return {"ms": round(ms, 3), "sdpa_ms": round(sdpa_ms, 3), "ratio_vs_sdpa": round(ms / sdpa_ms, 3),
-            "max_abs_err": err}
+    return {
+        "ms": round(ms, 3),
+        "sdpa_ms": round(sdpa_ms, 3),
+        "ratio_vs_sdpa": round(ms / sdpa_ms, 3),
+        "max_abs_err": err,
+    }
 
 
 def main() -> None:
@@ -55,8 +60,17 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     for case, shape in CASES.items():
         tq, tk, h, d, causal = shape
-        row = {"name": "attention_lse", "case": case, "tq": tq, "tk": tk, "heads": h, "head_dim": d,
-               "dtype": "float32", "threads": a.threads, **bench_case(*shape, repeats=a.repeats)}
+        row = {
+            "name": "attention_lse",
+            "case": case,
+            "tq": tq,
+            "tk": tk,
+            "heads": h,
+            "head_dim": d,
+            "dtype": "float32",
+            "threads": a.threads,
+            **bench_case(*shape, repeats=a.repeats),
+        }
         print(json.dumps(row), flush=True)
 
 

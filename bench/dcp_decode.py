@@ -15,6 +15,7 @@ float32, TP = DCP (``tp // num_kv_heads`` ranks share the KV head)::
 * ``bytes_per_step``: bytes one rank sends in the step (AllGather Q, AllGather LSE,
   ReduceScatter), from the trace.  ``max_abs_err``: against float64 dense attention.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,8 +37,12 @@ def local_attention_ms(sizes: tuple[int, ...], repeats: int) -> dict[int, list[f
     Every repeat times every (size, rank) shard once, round-robin, so that load from other
     processes falls on all sizes alike.
     """
-    q, ks, vs = gqa_decode_problem(HEADS, KV_HEADS, HEAD_DIM, [CONTEXT], seed=0, dtype=torch.float32)
-    shards = {(n, r): shard_kv_cache(ks, vs, BLOCK, n, r, 1)[0][0][:2] for n in sizes for r in range(n)}
+    q, ks, vs = gqa_decode_problem(
+        HEADS, KV_HEADS, HEAD_DIM, [CONTEXT], seed=0, dtype=torch.float32
+    )
+    shards = {
+        (n, r): shard_kv_cache(ks, vs, BLOCK, n, r, 1)[0][0][:2] for n in sizes for r in range(n)
+    }
     samples: dict[tuple[int, int], list[float]] = {key: [] for key in shards}
     for i in range(repeats + 1):
         for key, (k, v) in shards.items():
@@ -59,19 +64,40 @@ def main() -> None:
     times = local_attention_ms(sizes, a.repeats)
     single = max(times[1])
     for dcp in sizes:
-        res = run(gqa_decode_rank, dcp, report=False, tensor_parallel_size=dcp, decode_context_parallel_size=dcp,
-                  num_q_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, seq_lens=(CONTEXT,),
-                  block_size=BLOCK, dtype="float32")
+        res = run(
+            gqa_decode_rank,
+            dcp,
+            fn_kwargs=dict(
+                tensor_parallel_size=dcp,
+                decode_context_parallel_size=dcp,
+                num_q_heads=HEADS,
+                num_kv_heads=KV_HEADS,
+                head_dim=HEAD_DIM,
+                seq_lens=(CONTEXT,),
+                block_size=BLOCK,
+                dtype="float32",
+            ),
+            report=False,
+        )
         ms = max(times[dcp])
         kv = max(r["kv_bytes"] for r in res)
         block_bytes = BLOCK * KV_HEADS * HEAD_DIM * 4 * 2
-        row = {"name": "dcp_decode", "dcp": dcp, "context": CONTEXT, "num_q_heads": HEADS,
-               "num_kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "dtype": "float32",
-               "kv_bytes_per_rank": kv, "kv_bytes_total": total,
-               "kv_within_one_block": abs(kv - total / dcp) <= block_bytes,
-               "attn_ms_per_rank": round(ms, 3), "ratio_vs_ideal": round(ms / (single / dcp), 3),
-               "bytes_per_step": max(sum(b for _, b in r["comm"]) for r in res),
-               "max_abs_err": max(r["max_abs_err"] for r in res)}
+        row = {
+            "name": "dcp_decode",
+            "dcp": dcp,
+            "context": CONTEXT,
+            "num_q_heads": HEADS,
+            "num_kv_heads": KV_HEADS,
+            "head_dim": HEAD_DIM,
+            "dtype": "float32",
+            "kv_bytes_per_rank": kv,
+            "kv_bytes_total": total,
+            "kv_within_one_block": abs(kv - total / dcp) <= block_bytes,
+            "attn_ms_per_rank": round(ms, 3),
+            "ratio_vs_ideal": round(ms / (single / dcp), 3),
+            "bytes_per_step": max(sum(b for _, b in r["comm"]) for r in res),
+            "max_abs_err": max(r["max_abs_err"] for r in res),
+        }
         print(json.dumps(row), flush=True)
 
 

@@ -1,9 +1,10 @@
-"""Benchmark of chapter 2's layer: vLLM's DCP slot mapping on one CPU thread, and the P/D waste table.
+"""Chapter 2's layer: vLLM's DCP slot mapping on one CPU thread, and the P/D waste table.
 
 ``python bench/kvcache.py --json`` prints one JSON object per line:
 ``{"name": "slot_mapping", "tokens": 1048576, "ms": ...}`` (median of ``--repeats`` runs on one
 thread), then one ``{"name": "transfer_waste", ...}`` line per (sequence length, interleave).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,7 +17,9 @@ import torch
 from cpbook.kvcache import num_virtual_blocks, slot_mapping, transfer_plan
 
 
-def bench_slot_mapping(tokens: int, block_size: int, dcp_size: int, interleave: int, repeats: int) -> dict:
+def bench_slot_mapping(
+    tokens: int, block_size: int, dcp_size: int, interleave: int, repeats: int
+) -> dict:
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(0)
     table = torch.randperm(2 * num_virtual_blocks(tokens, block_size, dcp_size), generator=gen)
@@ -27,14 +30,26 @@ def bench_slot_mapping(tokens: int, block_size: int, dcp_size: int, interleave: 
         slots = slot_mapping(positions, table, block_size, dcp_size, 1, interleave)
         times.append((time.perf_counter() - t0) * 1e3)
     assert int((slots >= 0).sum()) == tokens // dcp_size
-    return {"name": "slot_mapping", "tokens": tokens, "ms": round(statistics.median(times[1:]), 2),
-            "threads": torch.get_num_threads(), "block_size": block_size, "dcp_size": dcp_size,
-            "interleave": interleave, "repeats": repeats}
+    return {
+        "name": "slot_mapping",
+        "tokens": tokens,
+        "ms": round(statistics.median(times[1:]), 2),
+        "threads": torch.get_num_threads(),
+        "block_size": block_size,
+        "dcp_size": dcp_size,
+        "interleave": interleave,
+        "repeats": repeats,
+    }
 
 
-def waste_table(lengths: list[int], block_size: int, dcp_size: int, interleaves: list[int]) -> list[dict]:
-    return [{"name": "transfer_waste"} | transfer_plan(n, block_size, dcp_size, i).as_dict()
-            for n in lengths for i in interleaves]
+def waste_table(
+    lengths: list[int], block_size: int, dcp_size: int, interleaves: list[int]
+) -> list[dict]:
+    return [
+        {"name": "transfer_waste"} | transfer_plan(n, block_size, dcp_size, i).as_dict()
+        for n in lengths
+        for i in interleaves
+    ]
 
 
 def main() -> None:
@@ -47,7 +62,9 @@ def main() -> None:
     p.add_argument("--interleave", type=int, default=1)
     a = p.parse_args()
     rows = [bench_slot_mapping(a.tokens, a.block_size, a.dcp_size, a.interleave, a.repeats)]
-    rows += waste_table([16, 100, 1000, 5000, 33000, 131000], a.block_size, a.dcp_size, [1, 4, a.block_size])
+    rows += waste_table(
+        [16, 100, 1000, 5000, 33000, 131000], a.block_size, a.dcp_size, [1, 4, a.block_size]
+    )
     for row in rows:
         if a.json:
             print(json.dumps(row))

@@ -3,7 +3,8 @@
     python bench/pcp_prefill.py --json            # one torchrun launch, 2 ranks x 1 thread
 
 Identical float32 inputs (``seq_len`` tokens, MHA), laid out head-major for every method before
-the clock starts.  Methods take turns run after run (:func:`cpbook.pcp.prefill_timing`), each run
+the clock starts.  Methods take turns run after run (:func:`cpbook.timing.pcp_prefill_timing`),
+each run
 from a common barrier; one warm-up round, then ``--repeats``; a method's time is the slowest
 rank's median:
 
@@ -19,6 +20,7 @@ Prints one JSON line (``--json``) or a short table.  Wall times depend on the ma
 ``cpu_ms`` gives each method's slowest-rank median process CPU time (all threads of the rank,
 communication included), which a loaded machine disturbs much less.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,16 +51,19 @@ def _torch_ring(ctx, a: argparse.Namespace, rotate: str):
     import torch
     import torch.distributed as dist
     from torch.distributed.tensor.experimental._context_parallel._attention import (
-        _templated_ring_attention, set_rotate_method)
+        _templated_ring_attention,
+        set_rotate_method,
+    )
     from torch.distributed.tensor.experimental._context_parallel._load_balancer import (
-        _HeadTailLoadBalancer)
+        _HeadTailLoadBalancer,
+    )
 
     from cpbook.pcp import zigzag_partition
 
     idx = _HeadTailLoadBalancer(a.seq_len, ctx.world_size, "cpu")._generate_indices()[0].long()
     mine = idx.view(ctx.world_size, -1)[ctx.rank]
     assert mine.tolist() == zigzag_partition(a.seq_len, ctx.world_size).rank_tokens[ctx.rank]
-    gen = torch.Generator().manual_seed(0)  # the inputs of cpbook.pcp.prefill_timing
+    gen = torch.Generator().manual_seed(0)  # the inputs of cpbook.pcp.pcp_prefill_timing
     q, k, v = (torch.randn(a.seq_len, a.num_heads, a.head_dim, generator=gen) for _ in range(3))
     q4, k4, v4 = (t[mine].transpose(0, 1)[None].contiguous() for t in (q, k, v))
     op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -67,6 +72,7 @@ def _torch_ring(ctx, a: argparse.Namespace, rotate: str):
         set_rotate_method(rotate)
         out = _templated_ring_attention(dist.group.WORLD, 2, op, q4, k4, v4, is_causal=True)[0]
         return out[0].transpose(0, 1)
+
     return ring
 
 
@@ -75,12 +81,12 @@ def _worker(a: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from cpbook.launch import worker_context
-    from cpbook.pcp import pcp_partition, pcp_prefill_attention, pcp_shard, prefill_timing
+    from cpbook.pcp import pcp_partition, pcp_prefill_attention, pcp_prefill_timing, pcp_shard
 
     torch.set_num_threads(1)
     ctx = worker_context("gloo", 600.0)
     rings = {f"torch_ring_{rot}": _torch_ring(ctx, a, rot) for rot in ("allgather", "alltoall")}
-    mine = prefill_timing(ctx, a.seq_len, a.num_heads, a.head_dim, a.repeats, baselines=rings)
+    mine = pcp_prefill_timing(ctx, a.seq_len, a.num_heads, a.head_dim, a.repeats, baselines=rings)
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(a.seq_len, a.num_heads, a.head_dim, generator=gen) for _ in range(3))
     meta = pcp_partition(a.seq_len, ctx.world_size).metadata(ctx.rank)
@@ -90,27 +96,50 @@ def _worker(a: argparse.Namespace) -> None:
     every = [None] * ctx.world_size
     dist.all_gather_object(every, mine)
     if ctx.rank == 0:
+
         def slowest(key: str) -> float:
             return max(r[key] for r in every)
+
         methods = ("single", "zigzag", "contiguous", "torch_ring_allgather", "torch_ring_alltoall")
         ms = {m: round(1e3 * slowest(m), 1) for m in methods}
         cpu = {m: round(1e3 * slowest(f"{m}_cpu"), 1) for m in methods}
         fast = min(("torch_ring_allgather", "torch_ring_alltoall"), key=ms.get)
         ring = ms[fast]
-        print(json.dumps({
-            "name": "pcp_prefill", "seq_len": a.seq_len, "world_size": ctx.world_size,
-            "single_ms": ms["single"], "cpbook_zigzag_ms": ms["zigzag"],
-            "cpbook_contiguous_ms": ms["contiguous"], "torch_ring_headtail_ms": ring,
-            "ratio_vs_torch_ring": round(ms["zigzag"] / ring, 3),
-            "speedup_vs_single": round(ms["single"] / ms["zigzag"], 3),
-            "max_abs_err": float(f"{max(slowest('zigzag_err'), slowest('contiguous_err')):.2e}"),
-            "torch_ring_allgather_ms": ms["torch_ring_allgather"],
-            "torch_ring_alltoall_ms": ms["torch_ring_alltoall"],
-            "cpu_ms": {"single": cpu["single"], "cpbook_zigzag": cpu["zigzag"],
-                       "cpbook_contiguous": cpu["contiguous"], "torch_ring_headtail": cpu[fast]},
-            "torch_ring_max_abs_diff": float(f"{max(slowest(f'{r}_diff') for r in rings):.2e}"),
-            "num_heads": a.num_heads, "head_dim": a.head_dim, "dtype": "float32",
-            "repeats": a.repeats, "threads_per_rank": torch.get_num_threads()}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "name": "pcp_prefill",
+                    "seq_len": a.seq_len,
+                    "world_size": ctx.world_size,
+                    "single_ms": ms["single"],
+                    "cpbook_zigzag_ms": ms["zigzag"],
+                    "cpbook_contiguous_ms": ms["contiguous"],
+                    "torch_ring_headtail_ms": ring,
+                    "ratio_vs_torch_ring": round(ms["zigzag"] / ring, 3),
+                    "speedup_vs_single": round(ms["single"] / ms["zigzag"], 3),
+                    "max_abs_err": float(
+                        f"{max(slowest('zigzag_err'), slowest('contiguous_err')):.2e}"
+                    ),
+                    "torch_ring_allgather_ms": ms["torch_ring_allgather"],
+                    "torch_ring_alltoall_ms": ms["torch_ring_alltoall"],
+                    "cpu_ms": {
+                        "single": cpu["single"],
+                        "cpbook_zigzag": cpu["zigzag"],
+                        "cpbook_contiguous": cpu["contiguous"],
+                        "torch_ring_headtail": cpu[fast],
+                    },
+                    "torch_ring_max_abs_diff": float(
+                        f"{max(slowest(f'{r}_diff') for r in rings):.2e}"
+                    ),
+                    "num_heads": a.num_heads,
+                    "head_dim": a.head_dim,
+                    "dtype": "float32",
+                    "repeats": a.repeats,
+                    "threads_per_rank": torch.get_num_threads(),
+                }
+            ),
+            flush=True,
+        )
     dist.destroy_process_group()
 
 
@@ -119,12 +148,24 @@ def main(argv: list[str] | None = None) -> int:
     if a.worker:
         _worker(a)
         return 0
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={a.world_size}", str(Path(__file__).resolve()), "--worker",
-           f"--seq-len={a.seq_len}", f"--num-heads={a.num_heads}", f"--head-dim={a.head_dim}",
-           f"--repeats={a.repeats}"]
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(p for p in [str(ROOT), os.environ.get("PYTHONPATH", "")] if p))
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={a.world_size}",
+        str(Path(__file__).resolve()),
+        "--worker",
+        f"--seq-len={a.seq_len}",
+        f"--num-heads={a.num_heads}",
+        f"--head-dim={a.head_dim}",
+        f"--repeats={a.repeats}",
+    ]
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join(p for p in [str(ROOT), os.environ.get("PYTHONPATH", "")] if p),
+    )
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=1800)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode or not lines:

@@ -1,8 +1,18 @@
 """cpbook: context parallelism for LLM inference, the package behind the executable book.
 
-Modules, one concept each: ``config`` (ParallelConfig and its rules), ``groups`` (rank grid),
-``comm`` (the Group interface, simulated and torch.distributed backends), ``launch`` (run one
-per-rank function inline or under torchrun), ``attention`` (attention with LSE and the exact
-merge), ``costmodel`` (hardware, model shapes, KV capacity), ``demos`` (named runnable demos).
+One concept per module:
+
+* ``config`` — :class:`~cpbook.config.ParallelConfig` (vLLM names) and its rules;
+* ``groups`` — the rank grid (TP innermost, PCP outer) and the TP / PCP / DCP groups;
+* ``comm`` — the ``Group`` interface: simulated ranks (threads) and torch.distributed, traced;
+* ``launch`` — run one per-rank function inline or under ``torchrun``;
+* ``attention`` — dense reference, attention with LSE, the exact merge, RoPE (chapter 1);
+* ``kvcache``, ``kvmanager`` — DCP's KV layout and slot mapping; the block allocator (ch. 2);
+* ``dcp``, ``mla`` — DCP decode for GQA and MLA, and MLA's context path (chapter 3);
+* ``zigzag``, ``pcp`` — the DualChunkSwap partition; PCP prefill attention (chapter 4);
+* ``costmodel`` — hardware, model shapes, KV capacity; ``timing`` — clocks for ``bench/`` only;
+* ``demos`` — the registry of every chapter's per-rank function, behind ``python -m cpbook``;
+* ``viz``, ``widgets`` — the chapters' figures and explorers.
 """
+
 __version__ = "0.1.0"

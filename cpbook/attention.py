@@ -14,30 +14,52 @@ Because ``softmax`` over a union of disjoint key sets is the LSE-weighted mix of
 over each set, :func:`merge_attn_states` recombines partial results exactly:
 ``lse = log Σ_p exp(lse_p)`` and ``out = Σ_p exp(lse_p − lse) · out_p``.
 """
+
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
-__all__ = ["dense_attention", "attention_with_lse", "merge_attn_states", "merge_attn_states_"]
+from .comm import RankContext
+
+__all__ = [
+    "dense_attention",
+    "attention_with_lse",
+    "merge_attn_states",
+    "merge_attn_states_",
+    "rope",
+    "merge_problem",
+    "merge_comm_bytes",
+    "merge_rank",
+]
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
-        raise ValueError(f"[attention-shapes] requires 3-D [tokens, heads, dim] tensors; got "
-                         f"q{tuple(q.shape)}, k{tuple(k.shape)}, v{tuple(v.shape)}")
+        raise ValueError(
+            f"[attention-shapes] requires 3-D [tokens, heads, dim] tensors; got "
+            f"q{tuple(q.shape)}, k{tuple(k.shape)}, v{tuple(v.shape)}"
+        )
     if k.shape[:2] != v.shape[:2] or q.shape[2] != k.shape[2] or q.shape[1] % k.shape[1]:
-        raise ValueError(f"[attention-shapes] requires k, v with equal [tokens, heads], q/k equal "
-                         f"head_dim and num_q_heads % num_kv_heads == 0; got q{tuple(q.shape)}, "
-                         f"k{tuple(k.shape)}, v{tuple(v.shape)}")
+        raise ValueError(
+            f"[attention-shapes] requires k, v with equal [tokens, heads], q/k equal "
+            f"head_dim and num_q_heads % num_kv_heads == 0; got q{tuple(q.shape)}, "
+            f"k{tuple(k.shape)}, v{tuple(v.shape)}"
+        )
     return q.shape[1] // k.shape[1]
 
 
-def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-                    q_offset: int = 0, k_offset: int = 0,
-                    scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def dense_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = False,
+    q_offset: int = 0,
+    k_offset: int = 0,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference: materialised scores, float64 when any input is float64 (else float32).
 
     Returns ``(out [Tq, Hq, Dv] in q.dtype, lse [Tq, Hq])``.  Exact up to the compute dtype's
@@ -59,8 +81,9 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     return out.to(q.dtype), lse.T.contiguous()
 
 
-def _kernel(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, causal: bool,
-            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _kernel(
+    q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One fused call on ``[1, H, T, D]`` tensors; returns ``(out [1,H,Tq,Dv], lse [1,H,Tq])``.
 
     The fused kernels need one head size for q, k and v: zero-padding v (or q and k) to the
@@ -75,18 +98,26 @@ def _kernel(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, causal: bool,
         return _kernel(pad(q4, (0, dv - dq)), pad(k4, (0, dv - dq)), v4, causal, scale)
     if q4.device.type == "cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q4, k4, v4, 0.0, causal, scale=scale)
+            q4, k4, v4, 0.0, causal, scale=scale
+        )
     if q4.dtype != torch.float64:  # CUDA: memory-efficient kernel returns the LSE (padded)
         out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
-            q4, k4, v4, None, True, 0.0, causal, scale=scale)[:2]
+            q4, k4, v4, None, True, 0.0, causal, scale=scale
+        )[:2]
         return out, lse[..., : q4.shape[2]]
-    o, l = dense_attention(q4[0].transpose(0, 1), k4[0].transpose(0, 1), v4[0].transpose(0, 1),
-                           causal=causal, scale=scale)
+    o, l = dense_attention(
+        q4[0].transpose(0, 1),
+        k4[0].transpose(0, 1),
+        v4[0].transpose(0, 1),
+        causal=causal,
+        scale=scale,
+    )
     return o.transpose(0, 1)[None], l.T[None]
 
 
-def _fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
-           group: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _fused(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, group: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Non-empty q and k; causal means top-left aligned (query i sees keys 0..i)."""
     tq, hq, _ = q.shape
     if group > 1 and not causal:  # fold the query heads of a KV head into the query axis
@@ -97,14 +128,21 @@ def _fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scal
         return out, lse[0].view(hk, group, tq).permute(2, 0, 1).reshape(tq, hq)
     if group > 1:
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    out, lse = _kernel(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                       causal, scale)
+    out, lse = _kernel(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], causal, scale
+    )
     return out[0].transpose(0, 1), lse[0].T
 
 
-def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-                       q_offset: int = 0, k_offset: int = 0,
-                       scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def attention_with_lse(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = False,
+    q_offset: int = 0,
+    k_offset: int = 0,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as :func:`dense_attention`, on PyTorch's fused SDPA kernels.
 
     CPU: ``aten._scaled_dot_product_flash_attention_for_cpu`` (returns the LSE; float64 works).
@@ -138,8 +176,9 @@ def _clean(lse: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isnan(lse) | (lse == float("inf")), float("-inf"), lse)
 
 
-def merge_attn_states_(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor,
-                       part_lse: torch.Tensor) -> None:
+def merge_attn_states_(
+    out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor
+) -> None:
     """In place: fold one more partial result into the accumulator ``(out, lse)``.
 
     ``(out, lse)`` become the attention over the union of both key sets (``out [T, H, D]``,
@@ -154,8 +193,9 @@ def merge_attn_states_(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Ten
     lse.copy_(new)
 
 
-def merge_attn_states(outs: Sequence[torch.Tensor],
-                      lses: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def merge_attn_states(
+    outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Combine attention results over disjoint key sets into the result over their union.
 
     ``outs[p]`` is ``[T, H, D]``, ``lses[p]`` is ``[T, H]``.  Exact; a part with LSE ``-inf``
@@ -163,11 +203,106 @@ def merge_attn_states(outs: Sequence[torch.Tensor],
     ``correct_attn_out``).  A row where every part is empty gets output 0 and LSE ``-inf``.
     """
     if len(outs) != len(lses) or not outs:
-        raise ValueError(f"[merge-parts] requires as many outputs as LSEs (at least one); "
-                         f"got {len(outs)} outputs and {len(lses)} LSEs")
+        raise ValueError(
+            f"[merge-parts] requires as many outputs as LSEs (at least one); "
+            f"got {len(outs)} outputs and {len(lses)} LSEs"
+        )
     lse = _clean(lses[0]).clone()
     out = outs[0].to(lse.dtype, copy=True)
     out[torch.isneginf(lse)] = 0  # an empty first part must not leak its (ignored) values
     for o, l in zip(outs[1:], lses[1:]):
         merge_attn_states_(out, lse, o, l)
     return out.to(outs[0].dtype), lse
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
+    """Rotary embedding, rotate-half form (vLLM's ``is_neox_style``): ``x [T, H, D]``,
+    ``positions [T]``.
+
+    Rotates the pair ``(x[i], x[i + D/2])`` by ``positions * base^(-2i/D)``; the angles are
+    computed in float64, so any position order gives bit-identical rows.
+    """
+    d = x.shape[-1]
+    if x.dim() != 3 or d % 2 or positions.shape != x.shape[:1]:
+        raise ValueError(
+            f"[rope-shapes] requires x [T, H, D] with even D and positions [T]; "
+            f"got x{tuple(x.shape)}, positions{tuple(positions.shape)}"
+        )
+    half = d // 2
+    inv = base ** (-torch.arange(half, dtype=torch.float64) / half)
+    ang = positions.to(torch.float64)[:, None, None] * inv
+    cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+# ------------------------------------------------------------------------------------------
+# chapter 1's per-rank function: split the keys, merge by the LSE
+# ------------------------------------------------------------------------------------------
+def merge_problem(
+    num_keys: int, num_queries: int, num_heads: int, head_dim: int, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Float64 ``q [Tq, H, D]``, ``k, v [num_keys, H, D]`` from ``seed`` (equal on every rank)."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(num_queries, num_heads, head_dim, generator=gen, dtype=torch.float64)
+    k = torch.randn(num_keys, num_heads, head_dim, generator=gen, dtype=torch.float64)
+    v = torch.randn(num_keys, num_heads, head_dim, generator=gen, dtype=torch.float64)
+    return q, k, v
+
+
+def merge_comm_bytes(
+    num_queries: int, num_heads: int, head_dim: int, world_size: int, elem_bytes: int = 8
+) -> list[tuple[str, int]]:
+    """Bytes one rank sends: all-gather of its output ``[Tq, H, D]``, then of its LSE ``[Tq, H]``.
+
+    Neither depends on ``num_keys``: splitting the keys moves results, never keys.
+    """
+    n, t, h = world_size, num_queries, num_heads
+    return [
+        ("all_gather", t * h * head_dim * elem_bytes * (n - 1)),
+        ("all_gather", t * h * 8 * (n - 1)),
+    ]
+
+
+def merge_rank(
+    ctx: RankContext,
+    *,
+    num_keys: int = 64,
+    num_queries: int = 2,
+    num_heads: int = 4,
+    head_dim: int = 16,
+    seed: int = 0,
+    dtype: str = "float64",
+) -> dict[str, Any]:
+    """Chapter 1: split one attention's keys over the ranks, merge the parts by the LSE.
+
+    Every rank draws the same ``q, k, v`` (:func:`merge_problem`) and keeps a contiguous slice
+    of the keys (``torch.tensor_split``: uneven, empty when ``num_keys < world_size``).  It
+    computes ``(out, lse)`` on its slice, all-gathers both and merges them.  Returns this rank's
+    key range, the merged result's max error against dense float64 attention on all keys
+    (``<= 1e-10`` in float64), the traced ``comm`` and the formula's ``expected``.
+    """
+    dev, dt = ctx.device, getattr(torch, dtype)
+    q, k, v = merge_problem(num_keys, num_queries, num_heads, head_dim, seed)
+    mine = torch.tensor_split(torch.arange(num_keys), ctx.world_size)[ctx.rank]
+    lo, hi = (int(mine[0]), int(mine[-1]) + 1) if len(mine) else (0, 0)
+    out, lse = attention_with_lse(q.to(dev, dt), k[lo:hi].to(dev, dt), v[lo:hi].to(dev, dt))
+    first = len(ctx.trace)
+    outs = ctx.world.all_gather(out[None], dim=0)  # [world, Tq, H, D]
+    lses = ctx.world.all_gather(lse[None].double(), dim=0)  # [world, Tq, H]
+    comm = [(r.op, r.bytes_sent) for r in ctx.trace[first:]]
+    merged, merged_lse = merge_attn_states(list(outs), list(lses))
+    ref, ref_lse = dense_attention(q, k, v)
+    err = max(
+        (merged.cpu().double() - ref).abs().max().item(),
+        (merged_lse.cpu() - ref_lse).abs().max().item(),
+    )
+    print(f"keys [{lo}, {hi}): {hi - lo} of {num_keys}; merged == dense: {err <= 1e-10}")
+    return {
+        "keys": (lo, hi),
+        "max_abs_err": err,
+        "comm": comm,
+        "expected": merge_comm_bytes(
+            num_queries, num_heads, head_dim, ctx.world_size, out.element_size()
+        ),
+    }

@@ -51,11 +51,19 @@ finer set of rules; each rule below says which part of the article's line it ref
     ``dcp_comm_backend`` is ``"ag_rs"`` (AllGather + ReduceScatter, vLLM's default) or
     ``"a2a"`` (one All2All, vLLM's newer backend).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-__all__ = ["ConfigError", "ParallelConfig", "check_positive", "check_interleave", "q_heads_of_rank", "kv_heads_of_rank"]
+__all__ = [
+    "ConfigError",
+    "ParallelConfig",
+    "check_positive",
+    "check_interleave",
+    "q_heads_of_rank",
+    "kv_heads_of_rank",
+]
 
 
 class ConfigError(ValueError):
@@ -76,14 +84,21 @@ def check_positive(**sizes: object) -> None:
 
 
 def check_interleave(block_size: int, interleave: int) -> None:
-    """The two interleave rules: ``interleave <= block_size`` and ``block_size % interleave == 0``."""
+    """The interleave rules: ``interleave <= block_size`` and ``block_size % interleave == 0``."""
     if block_size < interleave:
-        raise ConfigError("interleave-le-block-size", "cp_kv_cache_interleave_size <= block_size",
-                          cp_kv_cache_interleave_size=interleave, block_size=block_size)
+        raise ConfigError(
+            "interleave-le-block-size",
+            "cp_kv_cache_interleave_size <= block_size",
+            cp_kv_cache_interleave_size=interleave,
+            block_size=block_size,
+        )
     if block_size % interleave:
-        raise ConfigError("block-size-divisible-by-interleave",
-                          "block_size % cp_kv_cache_interleave_size == 0",
-                          block_size=block_size, cp_kv_cache_interleave_size=interleave)
+        raise ConfigError(
+            "block-size-divisible-by-interleave",
+            "block_size % cp_kv_cache_interleave_size == 0",
+            block_size=block_size,
+            cp_kv_cache_interleave_size=interleave,
+        )
 
 
 @dataclass(frozen=True)
@@ -149,57 +164,98 @@ class ParallelConfig:
 
     # -- validation ---------------------------------------------------------------------
     def __post_init__(self) -> None:
-        check_positive(**{f.name: getattr(self, f.name) for f in fields(self) if f.type in ("int", int)})
+        check_positive(
+            **{f.name: getattr(self, f.name) for f in fields(self) if f.type in ("int", int)}
+        )
         tp, dcp, pcp = self.tp, self.dcp, self.pcp
         q, kv = self.num_q_heads, self.num_kv_heads
         if self.dcp_comm_backend not in ("ag_rs", "a2a"):
-            raise ConfigError("comm-backend", "dcp_comm_backend in {'ag_rs', 'a2a'}",
-                              dcp_comm_backend=self.dcp_comm_backend)
+            raise ConfigError(
+                "comm-backend",
+                "dcp_comm_backend in {'ag_rs', 'a2a'}",
+                dcp_comm_backend=self.dcp_comm_backend,
+            )
         if self.use_mla and kv != 1:
-            raise ConfigError("mla-single-latent", "num_kv_heads == 1 for MLA (one latent per token)",
-                              num_kv_heads=kv)
+            raise ConfigError(
+                "mla-single-latent",
+                "num_kv_heads == 1 for MLA (one latent per token)",
+                num_kv_heads=kv,
+            )
         if q % kv:
-            raise ConfigError("gqa-group-divisible-by-kv-heads", "num_q_heads % num_kv_heads == 0",
-                              num_q_heads=q, num_kv_heads=kv)
+            raise ConfigError(
+                "gqa-group-divisible-by-kv-heads",
+                "num_q_heads % num_kv_heads == 0",
+                num_q_heads=q,
+                num_kv_heads=kv,
+            )
         if q % tp:
-            raise ConfigError("heads-divisible-by-tp", "num_q_heads % tensor_parallel_size == 0",
-                              num_q_heads=q, tensor_parallel_size=tp)
+            raise ConfigError(
+                "heads-divisible-by-tp",
+                "num_q_heads % tensor_parallel_size == 0",
+                num_q_heads=q,
+                tensor_parallel_size=tp,
+            )
         if not self.use_mla and (kv % tp if kv >= tp else tp % kv):
-            raise ConfigError("heads-divisible-by-tp",
-                              "num_kv_heads % tp == 0 (kv >= tp) or tp % num_kv_heads == 0 (kv < tp)",
-                              num_kv_heads=kv, tensor_parallel_size=tp)
+            raise ConfigError(
+                "heads-divisible-by-tp",
+                "num_kv_heads % tp == 0 (kv >= tp) or tp % num_kv_heads == 0 (kv < tp)",
+                num_kv_heads=kv,
+                tensor_parallel_size=tp,
+            )
         check_interleave(self.block_size, self.interleave)
         if pcp > 1:
             if dcp not in (1, pcp, tp * pcp):
-                raise ConfigError("pcp-dcp-combination",
-                                  "decode_context_parallel_size in {1, pcp, tp*pcp} when pcp > 1",
-                                  decode_context_parallel_size=dcp, prefill_context_parallel_size=pcp,
-                                  tensor_parallel_size=tp)
+                raise ConfigError(
+                    "pcp-dcp-combination",
+                    "decode_context_parallel_size in {1, pcp, tp*pcp} when pcp > 1",
+                    decode_context_parallel_size=dcp,
+                    prefill_context_parallel_size=pcp,
+                    tensor_parallel_size=tp,
+                )
             dcp_in_tp = tp if dcp == tp * pcp else 1  # dcp == pcp spans PCP slices, not TP ranks
         else:
             if tp % dcp:
-                raise ConfigError("tp-divisible-by-dcp", "tensor_parallel_size % decode_context_parallel_size == 0",
-                                  tensor_parallel_size=tp, decode_context_parallel_size=dcp)
+                raise ConfigError(
+                    "tp-divisible-by-dcp",
+                    "tensor_parallel_size % decode_context_parallel_size == 0",
+                    tensor_parallel_size=tp,
+                    decode_context_parallel_size=dcp,
+                )
             dcp_in_tp = dcp
         if not self.use_mla and dcp_in_tp > 1:
             if tp <= kv:
-                raise ConfigError("gqa-dcp-needs-replicated-kv",
-                                  "tensor_parallel_size > num_kv_heads for GQA with DCP",
-                                  tensor_parallel_size=tp, num_kv_heads=kv, decode_context_parallel_size=dcp)
+                raise ConfigError(
+                    "gqa-dcp-needs-replicated-kv",
+                    "tensor_parallel_size > num_kv_heads for GQA with DCP",
+                    tensor_parallel_size=tp,
+                    num_kv_heads=kv,
+                    decode_context_parallel_size=dcp,
+                )
             if dcp_in_tp > tp // kv:
-                raise ConfigError("gqa-dcp-within-replicas",
-                                  "decode_context_parallel_size <= tensor_parallel_size // num_kv_heads "
-                                  "(the article's DCP x KV_heads <= TP)",
-                                  decode_context_parallel_size=dcp_in_tp, tensor_parallel_size=tp,
-                                  num_kv_heads=kv)
+                raise ConfigError(
+                    "gqa-dcp-within-replicas",
+                    "decode_context_parallel_size <= tensor_parallel_size // num_kv_heads "
+                    "(the article's DCP x KV_heads <= TP)",
+                    decode_context_parallel_size=dcp_in_tp,
+                    tensor_parallel_size=tp,
+                    num_kv_heads=kv,
+                )
             if (q // kv) % dcp_in_tp:
-                raise ConfigError("gqa-q-per-kv-divisible-by-dcp",
-                                  "(num_q_heads // num_kv_heads) % decode_context_parallel_size == 0",
-                                  num_q_heads=q, num_kv_heads=kv, decode_context_parallel_size=dcp_in_tp)
+                raise ConfigError(
+                    "gqa-q-per-kv-divisible-by-dcp",
+                    "(num_q_heads // num_kv_heads) % decode_context_parallel_size == 0",
+                    num_q_heads=q,
+                    num_kv_heads=kv,
+                    decode_context_parallel_size=dcp_in_tp,
+                )
             if (tp // kv) % dcp_in_tp:
-                raise ConfigError("gqa-dcp-group-shares-kv-head",
-                                  "(tensor_parallel_size // num_kv_heads) % decode_context_parallel_size == 0",
-                                  tensor_parallel_size=tp, num_kv_heads=kv, decode_context_parallel_size=dcp_in_tp)
+                raise ConfigError(
+                    "gqa-dcp-group-shares-kv-head",
+                    "(tensor_parallel_size // num_kv_heads) % decode_context_parallel_size == 0",
+                    tensor_parallel_size=tp,
+                    num_kv_heads=kv,
+                    decode_context_parallel_size=dcp_in_tp,
+                )
 
 
 def q_heads_of_rank(config: ParallelConfig, tp_rank: int) -> slice:

@@ -117,9 +117,14 @@ def parallel_config(model: ModelSpec, tp: int = 1, dcp: int = 1) -> ParallelConf
     One source of truth for vLLM's rules: an invalid layout raises ``ConfigError`` (a
     ``ValueError``) naming the violated rule and the values.
     """
-    return ParallelConfig(tensor_parallel_size=tp, decode_context_parallel_size=dcp,
-                          num_q_heads=model.num_q_heads, num_kv_heads=model.num_kv_heads,
-                          head_dim=model.head_dim, use_mla=model.use_mla)
+    return ParallelConfig(
+        tensor_parallel_size=tp,
+        decode_context_parallel_size=dcp,
+        num_q_heads=model.num_q_heads,
+        num_kv_heads=model.num_kv_heads,
+        head_dim=model.head_dim,
+        use_mla=model.use_mla,
+    )
 
 
 def kv_bytes_per_token(model: ModelSpec, kv_dtype: str = "bf16") -> int:
@@ -130,7 +135,9 @@ def kv_bytes_per_token(model: ModelSpec, kv_dtype: str = "bf16") -> int:
     ``kv_dtype="fp8"`` vLLM's ``fp8_ds_mla`` layout, 656 B per token and layer.
     """
     if kv_dtype not in KV_DTYPE_BYTES:
-        raise ValueError(f"[kv-dtype] requires kv_dtype in {sorted(KV_DTYPE_BYTES)}; got kv_dtype={kv_dtype!r}")
+        raise ValueError(
+            f"[kv-dtype] requires kv_dtype in {sorted(KV_DTYPE_BYTES)}; got kv_dtype={kv_dtype!r}"
+        )
     if model.use_mla:
         if kv_dtype == "fp8":
             return FP8_DS_MLA_BYTES_PER_TOKEN_PER_LAYER * model.num_layers
@@ -142,7 +149,9 @@ def kv_bytes_per_token(model: ModelSpec, kv_dtype: str = "bf16") -> int:
 def kv_bytes_for_context(model: ModelSpec, tokens: int, kv_dtype: str = "bf16") -> int:
     """Bytes of KV cache for ``tokens`` tokens of one request (one copy, all layers)."""
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
-        raise ValueError(f"[non-negative-tokens] requires a non-negative int; got tokens={tokens!r}")
+        raise ValueError(
+            f"[non-negative-tokens] requires a non-negative int; got tokens={tokens!r}"
+        )
     return tokens * kv_bytes_per_token(model, kv_dtype)
 
 
@@ -200,11 +209,15 @@ def kv_budget_bytes_per_gpu(
     Raises ValueError when the result is not positive (the model does not fit).
     """
     if not 0 < gpu_memory_utilization <= 1:
-        raise ValueError(f"[gpu-memory-utilization] requires 0 < gpu_memory_utilization <= 1; "
-                         f"got gpu_memory_utilization={gpu_memory_utilization}")
+        raise ValueError(
+            f"[gpu-memory-utilization] requires 0 < gpu_memory_utilization <= 1; "
+            f"got gpu_memory_utilization={gpu_memory_utilization}"
+        )
     if activation_reserve_bytes < 0:
-        raise ValueError(f"[activation-reserve] requires activation_reserve_bytes >= 0; "
-                         f"got activation_reserve_bytes={activation_reserve_bytes}")
+        raise ValueError(
+            f"[activation-reserve] requires activation_reserve_bytes >= 0; "
+            f"got activation_reserve_bytes={activation_reserve_bytes}"
+        )
     weights = weight_bytes_per_gpu(model, tp)
     budget = gpu.hbm_bytes * gpu_memory_utilization - weights - activation_reserve_bytes
     if budget <= 0:
@@ -250,13 +263,16 @@ def prefill_flops(model: ModelSpec, tokens: int) -> tuple[float, float]:
     overtakes the matmuls is ``tokens = num_params / (num_layers * num_q_heads * head_dim)``.
     """
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
-        raise ValueError(f"[non-negative-tokens] requires a non-negative int; got tokens={tokens!r}")
+        raise ValueError(
+            f"[non-negative-tokens] requires a non-negative int; got tokens={tokens!r}"
+        )
     attention = 2.0 * model.num_layers * model.num_q_heads * model.head_dim * tokens**2
     return 2.0 * model.num_params * tokens, attention
 
 
-def decode_bytes_per_step(model: ModelSpec, context_tokens: int, tp: int = 1, dcp: int = 1,
-                          kv_dtype: str = "bf16") -> tuple[float, float]:
+def decode_bytes_per_step(
+    model: ModelSpec, context_tokens: int, tp: int = 1, dcp: int = 1, kv_dtype: str = "bf16"
+) -> tuple[float, float]:
     """HBM bytes one GPU reads for one decode step of one request: ``(weights, kv)``.
 
     Decode is memory-bound: every step streams this GPU's weight shard and its share of the

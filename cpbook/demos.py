@@ -1,59 +1,30 @@
-"""Named demos: per-rank functions that run unchanged inline, under torchrun and from the CLI.
+"""Named demos: every chapter's per-rank function, runnable inline, under torchrun and from the CLI.
 
 ``python -m cpbook demo NAME --world-size N [--backend torchrun]`` runs one through
 :func:`cpbook.launch.run`; ``torchrun --nproc-per-node N -m cpbook demo NAME`` runs it on the
-processes torchrun started.  Chapters register their mechanisms in :data:`DEMOS`.
+processes torchrun started.  ``--param KEY=VALUE`` values are parsed and checked against the
+function's signature (:func:`parse_params`) before any rank starts.
 """
+
 from __future__ import annotations
 
+import ast
 import importlib
+import inspect
+import typing
+from collections.abc import Sequence
 from typing import Any, Callable
 
-import torch
+__all__ = ["DEMOS", "get_demo", "demo_params", "parse_params"]
 
-from .attention import attention_with_lse, dense_attention, merge_attn_states
-from .comm import RankContext
-
-__all__ = ["DEMOS", "get_demo", "sharded_keys_attention"]
-
-
-def sharded_keys_attention(ctx: RankContext, num_keys: int = 64,
-                           num_queries: int = 2, num_heads: int = 4,
-                           head_dim: int = 16, seed: int = 0) -> dict[str, Any]:
-    """Chapter 1: split one attention's keys over the ranks, merge by the LSE.
-
-    Every rank draws the same float64 ``q, k, v`` from ``seed`` and keeps a
-    contiguous slice of the keys (``torch.tensor_split``: uneven, empty when
-    ``num_keys < world_size``).  It computes ``(out, lse)`` on its slice,
-    all-gathers both and merges them.  Returns this rank's key range and the
-    merged result's maximum error against dense attention on all keys.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    f64, dev = torch.float64, ctx.device
-    q = torch.randn(num_queries, num_heads, head_dim, generator=gen, dtype=f64)
-    k = torch.randn(num_keys, num_heads, head_dim, generator=gen, dtype=f64)
-    v = torch.randn(num_keys, num_heads, head_dim, generator=gen, dtype=f64)
-    mine = torch.tensor_split(torch.arange(num_keys), ctx.world_size)[ctx.rank]
-    lo, hi = (int(mine[0]), int(mine[-1]) + 1) if len(mine) else (0, 0)
-    out, lse = attention_with_lse(q.to(dev), k[lo:hi].to(dev), v[lo:hi].to(dev))
-    outs = ctx.world.all_gather(out[None], dim=0)  # [world, Tq, H, D]
-    lses = ctx.world.all_gather(lse[None], dim=0)  # [world, Tq, H]
-    merged, merged_lse = merge_attn_states(list(outs), list(lses))
-    ref, ref_lse = dense_attention(q, k, v)
-    err = max((merged.cpu() - ref).abs().max().item(),
-              (merged_lse.cpu() - ref_lse).abs().max().item())
-    print(f"keys [{lo}, {hi}): {hi - lo} of {num_keys}; "
-          f"merged == dense: {err <= 1e-10}")
-    return {"keys": (lo, hi), "max_abs_err": err}
-
-
-DEMOS: dict[str, str] = {
-    "merge": "cpbook.demos:sharded_keys_attention",
-    "kvcache": "cpbook.kvcache:reconstruct_kv",
-    "dcp-gqa": "cpbook.dcp:gqa_decode_rank",
-    "dcp-mla": "cpbook.mla:mla_decode_rank",
-    "dcp-mla-ctx": "cpbook.mla:mla_context_rank",
-    "pcp": "cpbook.pcp:pcp_prefill_demo",
+#: name -> (chapter, "module:function")
+DEMOS: dict[str, tuple[int, str]] = {
+    "merge": (1, "cpbook.attention:merge_rank"),
+    "kvcache": (2, "cpbook.kvcache:kvcache_rank"),
+    "dcp-gqa": (3, "cpbook.dcp:gqa_decode_rank"),
+    "dcp-mla": (3, "cpbook.mla:mla_decode_rank"),
+    "dcp-mla-ctx": (3, "cpbook.mla:mla_context_rank"),
+    "pcp": (4, "cpbook.pcp:pcp_prefill_rank"),
 }
 
 
@@ -61,5 +32,83 @@ def get_demo(name: str) -> Callable[..., Any]:
     """The per-rank function registered under ``name``."""
     if name not in DEMOS:
         raise ValueError(f"[demo-name] requires one of {sorted(DEMOS)}; got {name!r}")
-    mod, fn = DEMOS[name].split(":")
+    mod, fn = DEMOS[name][1].split(":")
     return getattr(importlib.import_module(mod), fn)
+
+
+def demo_params(fn: Callable[..., Any]) -> dict[str, tuple[Any, Any]]:
+    """``name -> (type, default)`` of the keyword parameters of a per-rank function."""
+    hints = typing.get_type_hints(fn)
+    return {
+        p.name: (hints.get(p.name, Any), p.default)
+        for p in inspect.signature(fn).parameters.values()
+        if p.kind is p.KEYWORD_ONLY
+    }
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is None:
+        return getattr(tp, "__name__", str(tp))
+    args = ", ".join(_type_name(a) for a in typing.get_args(tp) if a is not Ellipsis)
+    return f"{getattr(origin, '__name__', str(origin))}[{args}]"
+
+
+def _convert(name: str, text: str, tp: Any) -> Any:
+    """``text`` as a value of type ``tp`` (int, float, bool, str or a sequence of ints)."""
+
+    def bad(why: str) -> ValueError:
+        return ValueError(f"[param-{name}] requires {why}; got {name}={text!r}")
+
+    if tp is str:
+        return text
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        raise bad(f"a {_type_name(tp)} literal") from None
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise bad("True or False")
+        return value
+    if tp is int or tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float) if tp is float else int):
+            raise bad(f"a {tp.__name__}")
+        if name != "seed" and value < 0:
+            raise bad("a value >= 0")
+        return tp(value)
+    if typing.get_origin(tp) in (Sequence, tuple, list):
+        items = value if isinstance(value, (tuple, list)) else None
+        if items is None or any(isinstance(x, bool) or not isinstance(x, int) for x in items):
+            raise bad("a sequence of integers, e.g. 8,16 or (8, 16)")
+        if any(x < 0 for x in items):
+            raise bad("integers >= 0")
+        return tuple(items)
+    return value
+
+
+def parse_params(fn: Callable[..., Any], pairs: Sequence[str]) -> dict[str, Any]:
+    """Parse ``KEY=VALUE`` strings into ``fn``'s keyword arguments, checked against its signature.
+
+    Raises ``ValueError`` naming the parameter for an unknown name, a missing ``=`` or a value of
+    the wrong type or range.  Sequences may be written ``8,16`` or ``(8, 16)``.
+    """
+    params, out = demo_params(fn), {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        if not sep:
+            raise ValueError(f"[param-syntax] requires KEY=VALUE; got {pair!r}")
+        if key not in params:
+            raise ValueError(f"[param-name] requires one of {sorted(params)}; got {key!r}")
+        out[key] = _convert(key, text, params[key][0])
+    return out
+
+
+def describe(name: str) -> str:
+    """The parameter list of demo ``name``, one line each (for ``demo NAME --help``)."""
+    fn = get_demo(name)
+    chapter, path = DEMOS[name]
+    doc = (fn.__doc__ or "").strip().splitlines()[0]
+    lines = [f"{name} (chapter {chapter}, {path}): {doc}", "", "parameters (--param KEY=VALUE):"]
+    for key, (tp, default) in demo_params(fn).items():
+        lines.append(f"  {key:32s} {_type_name(tp):14s} default {default!r}")
+    return "\n".join(lines)

@@ -13,6 +13,7 @@ vLLM builds every group from one tensor of global ranks (``initialize_model_para
     ``reshape(-1, dcp)``.  Identical for PCP = 1; for PCP > 1 a DCP group spans PCP first:
     TP=2, PCP=2, DCP=2 → ``[[0,2],[1,3]]`` (= the PCP groups), DCP=4 → ``[[0,2,1,3]]``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -54,27 +55,42 @@ class RankGrid:
         return cls(config.tp, config.pcp, config.dcp, layout)
 
     def __post_init__(self) -> None:
-        tp, pcp, dcp = (self.tensor_parallel_size, self.prefill_context_parallel_size,
-                        self.decode_context_parallel_size)
-        check_positive(tensor_parallel_size=tp, prefill_context_parallel_size=pcp,
-                       decode_context_parallel_size=dcp)
+        tp, pcp, dcp = (
+            self.tensor_parallel_size,
+            self.prefill_context_parallel_size,
+            self.decode_context_parallel_size,
+        )
+        check_positive(
+            tensor_parallel_size=tp,
+            prefill_context_parallel_size=pcp,
+            decode_context_parallel_size=dcp,
+        )
         if self.layout not in LAYOUTS:
             raise ConfigError("grid-layout", f"layout in {LAYOUTS}", layout=self.layout)
         if (tp * pcp) % dcp:
-            raise ConfigError("grid-dcp-divides-world", "(tp * pcp) % dcp == 0",
-                              tensor_parallel_size=tp, prefill_context_parallel_size=pcp,
-                              decode_context_parallel_size=dcp)
+            raise ConfigError(
+                "grid-dcp-divides-world",
+                "(tp * pcp) % dcp == 0",
+                tensor_parallel_size=tp,
+                prefill_context_parallel_size=pcp,
+                decode_context_parallel_size=dcp,
+            )
         if self.layout == "v0.14" and tp % dcp:
-            raise ConfigError("tp-divisible-by-dcp", "tp % dcp == 0 (v0.14 keeps DCP inside TP)",
-                              tensor_parallel_size=tp, decode_context_parallel_size=dcp)
+            raise ConfigError(
+                "tp-divisible-by-dcp",
+                "tp % dcp == 0 (v0.14 keeps DCP inside TP)",
+                tensor_parallel_size=tp,
+                decode_context_parallel_size=dcp,
+            )
 
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.prefill_context_parallel_size
 
     def _grid(self) -> torch.Tensor:
-        return torch.arange(self.world_size).reshape(self.prefill_context_parallel_size,
-                                                     self.tensor_parallel_size)
+        return torch.arange(self.world_size).reshape(
+            self.prefill_context_parallel_size, self.tensor_parallel_size
+        )
 
     def tp_groups(self) -> list[list[int]]:
         return self._grid().tolist()
@@ -94,13 +110,17 @@ class RankGrid:
             return [list(range(self.world_size))]
         table = {"tp": self.tp_groups, "pcp": self.pcp_groups, "dcp": self.dcp_groups}
         if kind not in table:
-            raise ValueError(f"[group-kind] requires kind in ('tp', 'pcp', 'dcp', 'world'); got kind={kind!r}")
+            raise ValueError(
+                f"[group-kind] requires kind in ('tp', 'pcp', 'dcp', 'world'); got kind={kind!r}"
+            )
         return table[kind]()
 
     def group_of(self, kind: str, rank: int) -> list[int]:
         """The rank list of the ``kind`` group that contains global ``rank``."""
         if not 0 <= rank < self.world_size:
-            raise ValueError(f"[rank-in-world] requires 0 <= rank < {self.world_size}; got rank={rank}")
+            raise ValueError(
+                f"[rank-in-world] requires 0 <= rank < {self.world_size}; got rank={rank}"
+            )
         return next(g for g in self.groups(kind) if rank in g)
 
     def coords(self, rank: int) -> RankCoords:
@@ -121,13 +141,20 @@ class ParallelGroups:
     dcp: "Group"
 
 
-def make_groups(ctx: "RankContext", grid: RankGrid | ParallelConfig,
-                layout: str = "current") -> ParallelGroups:
+def make_groups(
+    ctx: "RankContext", grid: RankGrid | ParallelConfig, layout: str = "current"
+) -> ParallelGroups:
     """Create every group of ``grid`` on all ranks (collective: every rank must call it)."""
     if isinstance(grid, ParallelConfig):
         grid = RankGrid.from_config(grid, layout)
     if grid.world_size != ctx.world_size:
-        raise ConfigError("grid-matches-world", "tp * pcp == world_size",
-                          grid_world_size=grid.world_size, world_size=ctx.world_size)
+        raise ConfigError(
+            "grid-matches-world",
+            "tp * pcp == world_size",
+            grid_world_size=grid.world_size,
+            world_size=ctx.world_size,
+        )
     made = {kind: ctx.new_group(grid.groups(kind), kind) for kind in ("tp", "pcp", "dcp")}
-    return ParallelGroups(grid, grid.coords(ctx.rank), ctx.world, made["tp"], made["pcp"], made["dcp"])
+    return ParallelGroups(
+        grid, grid.coords(ctx.rank), ctx.world, made["tp"], made["pcp"], made["dcp"]
+    )

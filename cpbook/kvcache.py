@@ -18,10 +18,11 @@ blocks densely, in position order.
 Public names: :func:`check_layout`, :func:`owner_rank`, :func:`slot_mapping`, :func:`local_seq_len`,
 :func:`local_positions`, :func:`num_virtual_blocks`, :func:`block_fill`, :class:`PagedKVCache`
 (one rank's paged store), :func:`transfer_plan` / :class:`TransferPlan` (P/D block transfer),
-:func:`reconstruct_kv` (the per-rank demo), and, from :mod:`cpbook.kvmanager`,
-:class:`KVCacheManager` (virtual-block allocator with prefix caching).  Bad input raises
+:func:`kvcache_rank` (the per-rank demo).  The virtual-block allocator with prefix caching,
+:class:`~cpbook.kvmanager.KVCacheManager`, lives in :mod:`cpbook.kvmanager`.  Bad input raises
 :class:`~cpbook.config.ConfigError` (a ``ValueError``) naming the rule and the values.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -32,42 +33,51 @@ import torch
 from .comm import RankContext
 from .config import ConfigError, check_interleave, check_positive
 
-__all__ = ["PAD_SLOT_ID", "check_layout", "owner_rank", "slot_mapping", "local_seq_len", "local_positions",
-           "num_virtual_blocks", "block_fill", "PagedKVCache", "TransferPlan", "transfer_plan",
-           "reconstruct_kv", "KVCacheManager", "PrefixHit"]
+__all__ = [
+    "PAD_SLOT_ID",
+    "check_layout",
+    "owner_rank",
+    "slot_mapping",
+    "local_seq_len",
+    "local_positions",
+    "num_virtual_blocks",
+    "block_fill",
+    "PagedKVCache",
+    "TransferPlan",
+    "transfer_plan",
+    "kvcache_problem",
+    "kvcache_comm_bytes",
+    "kvcache_rank",
+]
 
 PAD_SLOT_ID = -1
-_MANAGER_NAMES = ("KVCacheManager", "PrefixHit")
-
-
-def __getattr__(name: str) -> Any:
-    """The allocator lives in :mod:`cpbook.kvmanager` (it imports this module); re-export it."""
-    if name in _MANAGER_NAMES:
-        from . import kvmanager
-        return getattr(kvmanager, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # ------------------------------------------------------------------------------------------
 # validation
 # ------------------------------------------------------------------------------------------
-def check_layout(dcp_size: int, interleave: int, block_size: int | None = None,
-                 dcp_rank: int | None = None) -> None:
+def check_layout(
+    dcp_size: int, interleave: int, block_size: int | None = None, dcp_rank: int | None = None
+) -> None:
     """Raise :class:`ConfigError` unless the sizes describe a valid DCP KV layout."""
     check_positive(dcp_size=dcp_size, interleave=interleave)
     if block_size is not None:
         check_positive(block_size=block_size)
         check_interleave(block_size, interleave)
-    if dcp_rank is not None and (isinstance(dcp_rank, bool) or not isinstance(dcp_rank, int)
-                                 or not 0 <= dcp_rank < dcp_size):
-        raise ConfigError("dcp-rank-in-range", "0 <= dcp_rank < dcp_size", dcp_rank=dcp_rank,
-                          dcp_size=dcp_size)
+    if dcp_rank is not None and (
+        isinstance(dcp_rank, bool) or not isinstance(dcp_rank, int) or not 0 <= dcp_rank < dcp_size
+    ):
+        raise ConfigError(
+            "dcp-rank-in-range", "0 <= dcp_rank < dcp_size", dcp_rank=dcp_rank, dcp_size=dcp_size
+        )
 
 
 def _as_long(x: torch.Tensor | Sequence[int] | int, name: str) -> torch.Tensor:
     t = torch.as_tensor(x)
     if t.dtype.is_floating_point or t.dtype == torch.bool or t.is_complex():
-        raise ConfigError("integer-positions", f"{name} to hold integers", **{f"{name}.dtype": t.dtype})
+        raise ConfigError(
+            "integer-positions", f"{name} to hold integers", **{f"{name}.dtype": t.dtype}
+        )
     return t.to(torch.long)
 
 
@@ -79,17 +89,27 @@ def _seq_len(seq_len: int) -> None:
 # ------------------------------------------------------------------------------------------
 # the layout
 # ------------------------------------------------------------------------------------------
-def owner_rank(positions: torch.Tensor | Sequence[int], dcp_size: int, interleave: int) -> torch.Tensor:
+def owner_rank(
+    positions: torch.Tensor | Sequence[int], dcp_size: int, interleave: int
+) -> torch.Tensor:
     """The DCP rank storing each position: ``(p // interleave) % dcp_size`` (same shape, int64)."""
     check_layout(dcp_size, interleave)
     p = _as_long(positions, "positions")
     if p.numel() and int(p.min()) < 0:
-        raise ConfigError("positions-non-negative", "every position >= 0", min_position=int(p.min()))
+        raise ConfigError(
+            "positions-non-negative", "every position >= 0", min_position=int(p.min())
+        )
     return torch.div(p, interleave, rounding_mode="floor") % dcp_size
 
 
-def slot_mapping(positions: torch.Tensor | Sequence[int], block_table: torch.Tensor | Sequence[int],
-                 block_size: int, dcp_size: int, dcp_rank: int, interleave: int) -> torch.Tensor:
+def slot_mapping(
+    positions: torch.Tensor | Sequence[int],
+    block_table: torch.Tensor | Sequence[int],
+    block_size: int,
+    dcp_size: int,
+    dcp_rank: int,
+    interleave: int,
+) -> torch.Tensor:
     """vLLM's DCP slot mapping of one request on one rank: a slot per position, ``-1`` if foreign.
 
     ``positions``: 1-D global token positions; ``block_table``: the request's virtual block ids
@@ -101,22 +121,32 @@ def slot_mapping(positions: torch.Tensor | Sequence[int], block_table: torch.Ten
     p = _as_long(positions, "positions")
     table = _as_long(block_table, "block_table").reshape(-1)
     if p.numel() and int(p.min()) < 0:
-        raise ConfigError("positions-non-negative", "every position >= 0", min_position=int(p.min()))
+        raise ConfigError(
+            "positions-non-negative", "every position >= 0", min_position=int(p.min())
+        )
     vb = block_size * dcp_size
     block_idx = torch.div(p, vb, rounding_mode="floor")
     if p.numel() and int(block_idx.max()) >= table.numel():
-        raise ConfigError("positions-within-block-table",
-                          "max(position) < len(block_table) * block_size * dcp_size",
-                          max_position=int(p.max()), len_block_table=table.numel(),
-                          virtual_block_size=vb)
+        raise ConfigError(
+            "positions-within-block-table",
+            "max(position) < len(block_table) * block_size * dcp_size",
+            max_position=int(p.max()),
+            len_block_table=table.numel(),
+            virtual_block_size=vb,
+        )
     off = p - block_idx * vb
     stripe = torch.div(off, interleave, rounding_mode="floor")
-    slot = table[block_idx] * block_size + torch.div(stripe, dcp_size, rounding_mode="floor") * interleave \
+    slot = (
+        table[block_idx] * block_size
+        + torch.div(stripe, dcp_size, rounding_mode="floor") * interleave
         + (off - stripe * interleave)
+    )
     return torch.where(stripe % dcp_size == dcp_rank, slot, PAD_SLOT_ID)
 
 
-def local_seq_len(seq_len: int | torch.Tensor, dcp_size: int, dcp_rank: int, interleave: int) -> int | torch.Tensor:
+def local_seq_len(
+    seq_len: int | torch.Tensor, dcp_size: int, dcp_rank: int, interleave: int
+) -> int | torch.Tensor:
     """How many of a request's first ``seq_len`` tokens rank ``dcp_rank`` stores.
 
     vLLM's ``get_dcp_local_seq_lens``: ``base = seq_len // (I*N) * I`` plus
@@ -127,7 +157,9 @@ def local_seq_len(seq_len: int | torch.Tensor, dcp_size: int, dcp_rank: int, int
     if isinstance(seq_len, torch.Tensor):
         lens = _as_long(seq_len, "seq_len")
         if lens.numel() and int(lens.min()) < 0:
-            raise ConfigError("seq-len-non-negative", "every seq_len >= 0", min_seq_len=int(lens.min()))
+            raise ConfigError(
+                "seq-len-non-negative", "every seq_len >= 0", min_seq_len=int(lens.min())
+            )
         base = torch.div(lens, interleave * dcp_size, rounding_mode="floor") * interleave
         return base + (lens - base * dcp_size - dcp_rank * interleave).clamp(0, interleave)
     _seq_len(seq_len)
@@ -138,12 +170,15 @@ def local_seq_len(seq_len: int | torch.Tensor, dcp_size: int, dcp_rank: int, int
 def local_positions(seq_len: int, dcp_size: int, dcp_rank: int, interleave: int) -> torch.Tensor:
     """Global positions of the tokens ``dcp_rank`` stores, in its slot order (sorted, int64)."""
     j = torch.arange(local_seq_len(seq_len, dcp_size, dcp_rank, interleave))
-    return torch.div(j, interleave, rounding_mode="floor") * (dcp_size * interleave) \
-        + dcp_rank * interleave + j % interleave
+    return (
+        torch.div(j, interleave, rounding_mode="floor") * (dcp_size * interleave)
+        + dcp_rank * interleave
+        + j % interleave
+    )
 
 
 def num_virtual_blocks(seq_len: int, block_size: int, dcp_size: int) -> int:
-    """Block ids a request of ``seq_len`` tokens needs: ``ceil(seq_len / (block_size*dcp_size))``."""
+    """Block ids a request of ``seq_len`` tokens needs: ``ceil(seq_len / (block_size*dcp))``."""
     check_positive(block_size=block_size, dcp_size=dcp_size)
     _seq_len(seq_len)
     return -(-seq_len // (block_size * dcp_size))
@@ -156,7 +191,9 @@ def block_fill(seq_len: int, block_size: int, dcp_size: int, interleave: int) ->
     """
     check_layout(dcp_size, interleave, block_size)
     vb = block_size * dcp_size
-    in_block = (seq_len - torch.arange(num_virtual_blocks(seq_len, block_size, dcp_size)) * vb).clamp(0, vb)
+    in_block = (
+        seq_len - torch.arange(num_virtual_blocks(seq_len, block_size, dcp_size)) * vb
+    ).clamp(0, vb)
     return torch.stack([local_seq_len(in_block, dcp_size, r, interleave) for r in range(dcp_size)])
 
 
@@ -182,21 +219,36 @@ class PagedKVCache:
       Reading a slot never written raises ``ValueError``.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 v_head_dim: int | None = None, *, dcp_size: int = 1, dcp_rank: int = 0,
-                 interleave: int = 1, dtype: torch.dtype = torch.float64,
-                 device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        v_head_dim: int | None = None,
+        *,
+        dcp_size: int = 1,
+        dcp_rank: int = 0,
+        interleave: int = 1,
+        dtype: torch.dtype = torch.float64,
+        device: torch.device | str = "cpu",
+    ) -> None:
         check_positive(num_blocks=num_blocks, num_kv_heads=num_kv_heads, head_dim=head_dim)
         check_layout(dcp_size, interleave, block_size, dcp_rank)
         v_head_dim = head_dim if v_head_dim is None else v_head_dim
         if isinstance(v_head_dim, bool) or not isinstance(v_head_dim, int) or v_head_dim < 0:
-            raise ConfigError("positive-sizes", "v_head_dim to be an integer >= 0 (0: no V cache)",
-                              v_head_dim=v_head_dim)
+            raise ConfigError(
+                "positive-sizes",
+                "v_head_dim to be an integer >= 0 (0: no V cache)",
+                v_head_dim=v_head_dim,
+            )
         self.num_blocks, self.block_size = num_blocks, block_size
         self.dcp_size, self.dcp_rank, self.interleave = dcp_size, dcp_rank, interleave
         shape = (num_blocks, block_size, num_kv_heads)
         self.key_cache = torch.zeros(*shape, head_dim, dtype=dtype, device=device)
-        self.value_cache = torch.zeros(*shape, v_head_dim, dtype=dtype, device=device) if v_head_dim else None
+        self.value_cache = (
+            torch.zeros(*shape, v_head_dim, dtype=dtype, device=device) if v_head_dim else None
+        )
         self.written = torch.zeros(num_blocks * block_size, dtype=torch.bool, device=device)
 
     @property
@@ -209,61 +261,105 @@ class PagedKVCache:
         caches = [self.key_cache] + ([self.value_cache] if self.value_cache is not None else [])
         return sum(c[0, 0].numel() * c.element_size() for c in caches)
 
-    def slot_mapping(self, positions: torch.Tensor | Sequence[int],
-                     block_table: torch.Tensor | Sequence[int]) -> torch.Tensor:
+    def slot_mapping(
+        self, positions: torch.Tensor | Sequence[int], block_table: torch.Tensor | Sequence[int]
+    ) -> torch.Tensor:
         """:func:`slot_mapping` with this store's layout."""
-        return slot_mapping(positions, block_table, self.block_size, self.dcp_size, self.dcp_rank,
-                            self.interleave)
+        return slot_mapping(
+            positions, block_table, self.block_size, self.dcp_size, self.dcp_rank, self.interleave
+        )
 
     def write(self, k: torch.Tensor, v: torch.Tensor | None, slot_mapping: torch.Tensor) -> int:
-        """Store ``k[t]`` (and ``v[t]``) in slot ``slot_mapping[t]``; skip ``-1``.  Returns tokens written."""
+        """Store ``k[t]`` (and ``v[t]``) in slot ``slot_mapping[t]``; skip ``-1``.
+
+        Returns the number of tokens written."""
         slots = _as_long(slot_mapping, "slot_mapping").to(self.written.device).reshape(-1)
         if k.shape[1:] != self.key_cache.shape[2:] or k.shape[0] != slots.numel():
-            raise ConfigError("kv-shape", "k of shape [len(slot_mapping), num_kv_heads, head_dim]",
-                              k_shape=tuple(k.shape), len_slot_mapping=slots.numel(),
-                              per_token=tuple(self.key_cache.shape[2:]))
+            raise ConfigError(
+                "kv-shape",
+                "k of shape [len(slot_mapping), num_kv_heads, head_dim]",
+                k_shape=tuple(k.shape),
+                len_slot_mapping=slots.numel(),
+                per_token=tuple(self.key_cache.shape[2:]),
+            )
         if (v is None) != (self.value_cache is None) or (
-                v is not None and v.shape != (slots.numel(), *self.value_cache.shape[2:])):
-            raise ConfigError("kv-shape", "v of shape [len(slot_mapping), num_kv_heads, v_head_dim], "
-                              "or None exactly when v_head_dim == 0",
-                              v_shape=None if v is None else tuple(v.shape),
-                              v_head_dim=0 if self.value_cache is None else self.value_cache.shape[-1])
+            v is not None and v.shape != (slots.numel(), *self.value_cache.shape[2:])
+        ):
+            raise ConfigError(
+                "kv-shape",
+                "v of shape [len(slot_mapping), num_kv_heads, v_head_dim], "
+                "or None exactly when v_head_dim == 0",
+                v_shape=None if v is None else tuple(v.shape),
+                v_head_dim=0 if self.value_cache is None else self.value_cache.shape[-1],
+            )
         keep = slots != PAD_SLOT_ID
         mine = slots[keep]
         if mine.numel() and (int(mine.min()) < 0 or int(mine.max()) >= self.num_slots):
-            raise ConfigError("slot-in-cache", "every slot in [0, num_blocks*block_size) or -1",
-                              min_slot=int(mine.min()), max_slot=int(mine.max()), num_slots=self.num_slots)
+            raise ConfigError(
+                "slot-in-cache",
+                "every slot in [0, num_blocks*block_size) or -1",
+                min_slot=int(mine.min()),
+                max_slot=int(mine.max()),
+                num_slots=self.num_slots,
+            )
         keep = keep.to(k.device)
-        self.key_cache.view(self.num_slots, *self.key_cache.shape[2:])[mine] = k[keep].to(self.key_cache)
+        self.key_cache.view(self.num_slots, *self.key_cache.shape[2:])[mine] = k[keep].to(
+            self.key_cache
+        )
         if v is not None:
-            self.value_cache.view(self.num_slots, *self.value_cache.shape[2:])[mine] = v[keep].to(self.value_cache)
+            self.value_cache.view(self.num_slots, *self.value_cache.shape[2:])[mine] = v[keep].to(
+                self.value_cache
+            )
         self.written[mine] = True
         return int(mine.numel())
 
     def local_slots(self, block_table: torch.Tensor | Sequence[int], seq_len: int) -> torch.Tensor:
-        """Slots of this rank's tokens of a request (``block_table[j // B] * B + j % B``), slot order."""
+        """Slots of this rank's tokens of a request (``block_table[j // B] * B + j % B``),
+        in slot order."""
         table = _as_long(block_table, "block_table").reshape(-1)
         n = local_seq_len(seq_len, self.dcp_size, self.dcp_rank, self.interleave)
         if num_virtual_blocks(seq_len, self.block_size, self.dcp_size) > table.numel():
-            raise ConfigError("positions-within-block-table",
-                              "seq_len <= len(block_table) * block_size * dcp_size",
-                              seq_len=seq_len, len_block_table=table.numel(),
-                              virtual_block_size=self.block_size * self.dcp_size)
+            raise ConfigError(
+                "positions-within-block-table",
+                "seq_len <= len(block_table) * block_size * dcp_size",
+                seq_len=seq_len,
+                len_block_table=table.numel(),
+                virtual_block_size=self.block_size * self.dcp_size,
+            )
         j = torch.arange(n)
-        return table[torch.div(j, self.block_size, rounding_mode="floor")] * self.block_size + j % self.block_size
+        return (
+            table[torch.div(j, self.block_size, rounding_mode="floor")] * self.block_size
+            + j % self.block_size
+        )
 
-    def read(self, block_table: torch.Tensor | Sequence[int],
-             seq_len: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    def read(
+        self, block_table: torch.Tensor | Sequence[int], seq_len: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """This rank's K, V (``None`` without a V cache) and global positions for a request."""
         slots = self.local_slots(block_table, seq_len).to(self.written.device)
-        if slots.numel() and (int(slots.max()) >= self.num_slots or not bool(self.written[slots].all())):
-            raise ConfigError("read-written-slots", "every slot read to have been written",
-                              seq_len=seq_len, dcp_rank=self.dcp_rank,
-                              unwritten=int((~self.written[slots.clamp(max=self.num_slots - 1)]).sum()))
+        if slots.numel() and (
+            int(slots.max()) >= self.num_slots or not bool(self.written[slots].all())
+        ):
+            raise ConfigError(
+                "read-written-slots",
+                "every slot read to have been written",
+                seq_len=seq_len,
+                dcp_rank=self.dcp_rank,
+                unwritten=int((~self.written[slots.clamp(max=self.num_slots - 1)]).sum()),
+            )
         k = self.key_cache.view(self.num_slots, *self.key_cache.shape[2:])[slots]
-        v = None if self.value_cache is None else \
-            self.value_cache.view(self.num_slots, *self.value_cache.shape[2:])[slots]
-        return k, v, local_positions(seq_len, self.dcp_size, self.dcp_rank, self.interleave).to(slots.device)
+        v = (
+            None
+            if self.value_cache is None
+            else self.value_cache.view(self.num_slots, *self.value_cache.shape[2:])[slots]
+        )
+        return (
+            k,
+            v,
+            local_positions(seq_len, self.dcp_size, self.dcp_rank, self.interleave).to(
+                slots.device
+            ),
+        )
 
 
 # ------------------------------------------------------------------------------------------
@@ -292,7 +388,10 @@ class TransferPlan:
     @property
     def fill_ratios(self) -> list[list[float]]:
         """Per rank, the fill ratio (tokens / block_size) of each block it sends."""
-        return [[int(row[b]) / self.block_size for b in blocks] for row, blocks in zip(self.fill, self.blocks_sent)]
+        return [
+            [int(row[b]) / self.block_size for b in blocks]
+            for row, blocks in zip(self.fill, self.blocks_sent)
+        ]
 
     @property
     def rank_bytes(self) -> list[int]:
@@ -322,46 +421,126 @@ class TransferPlan:
         return 1 - self.useful_bytes / self.bytes_sent if self.seq_len else 0.0
 
     def as_dict(self) -> dict[str, Any]:
-        return {"seq_len": self.seq_len, "block_size": self.block_size, "dcp_size": self.dcp_size,
-                "interleave": self.interleave, "blocks_sent": sum(map(len, self.blocks_sent)),
-                "bytes_sent": self.bytes_sent, "useful_bytes": self.useful_bytes,
-                "amplification": round(self.amplification, 6), "waste": round(self.waste, 6)}
+        return {
+            "seq_len": self.seq_len,
+            "block_size": self.block_size,
+            "dcp_size": self.dcp_size,
+            "interleave": self.interleave,
+            "blocks_sent": sum(map(len, self.blocks_sent)),
+            "bytes_sent": self.bytes_sent,
+            "useful_bytes": self.useful_bytes,
+            "amplification": round(self.amplification, 6),
+            "waste": round(self.waste, 6),
+        }
 
 
-def transfer_plan(seq_len: int, block_size: int, dcp_size: int, interleave: int,
-                  bytes_per_token: int = 1) -> TransferPlan:
-    """The :class:`TransferPlan` of a request of ``seq_len`` tokens (bytes in ``bytes_per_token`` units)."""
+def transfer_plan(
+    seq_len: int, block_size: int, dcp_size: int, interleave: int, bytes_per_token: int = 1
+) -> TransferPlan:
+    """The :class:`TransferPlan` of a request of ``seq_len`` tokens (bytes in units of
+    ``bytes_per_token``)."""
     check_positive(bytes_per_token=bytes_per_token)
-    return TransferPlan(seq_len, block_size, dcp_size, interleave, bytes_per_token,
-                        block_fill(seq_len, block_size, dcp_size, interleave))
+    return TransferPlan(
+        seq_len,
+        block_size,
+        dcp_size,
+        interleave,
+        bytes_per_token,
+        block_fill(seq_len, block_size, dcp_size, interleave),
+    )
 
 
 # ------------------------------------------------------------------------------------------
 # the per-rank demo: write own tokens, read back, all-gather, reconstruct
 # ------------------------------------------------------------------------------------------
-def reconstruct_kv(ctx: RankContext, seq_len: int = 200, block_size: int = 16, interleave: int = 4,
-                   num_kv_heads: int = 2, head_dim: int = 8, num_blocks: int = 64,
-                   seed: int = 0) -> dict[str, Any]:
-    """Each rank of the DCP group (the world) stores only its tokens; an all-gather rebuilds K/V.
-
-    Every rank draws the same float64 ``k, v [seq_len, H, D]`` and the same shuffled block table
-    from ``seed``, writes through its :func:`slot_mapping`, reads its tokens back, and
-    all-gathers them (uneven sizes) with their positions.  Returns this rank's token count and
-    bytes, whether every position came back exactly once, and the max error (exactly 0.0).
-    """
-    group = ctx.world
-    n, r = group.size, group.rank
+def kvcache_problem(
+    seq_len: int,
+    num_kv_heads: int,
+    head_dim: int,
+    num_blocks: int,
+    block_size: int,
+    dcp_size: int,
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Float64 ``k, v [seq_len, H, D]`` and a shuffled block table of
+    ``ceil(seq_len / (block_size * dcp_size))`` distinct ids below ``num_blocks``, from ``seed``."""
     gen = torch.Generator().manual_seed(seed)
     k = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen, dtype=torch.float64)
     v = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen, dtype=torch.float64)
-    table = torch.randperm(num_blocks, generator=gen)[:num_virtual_blocks(seq_len, block_size, n)]
-    cache = PagedKVCache(num_blocks, block_size, num_kv_heads, head_dim, dcp_size=n, dcp_rank=r,
-                         interleave=interleave, device=ctx.device)
-    wrote = cache.write(k.to(ctx.device), v.to(ctx.device), cache.slot_mapping(torch.arange(seq_len), table))
+    table = torch.randperm(num_blocks, generator=gen)[
+        : num_virtual_blocks(seq_len, block_size, dcp_size)
+    ]
+    return k, v, table
+
+
+def kvcache_comm_bytes(
+    seq_len: int,
+    dcp_size: int,
+    interleave: int,
+    num_kv_heads: int,
+    head_dim: int,
+    elem_bytes: int = 8,
+) -> list[tuple[str, int]]:
+    """Bytes one rank sends to rebuild the request from its shards, in call order.
+
+    Three uneven all-gathers (K, V, positions), each a size exchange (one int64) and the rows
+    padded to the largest shard, ``ceil``-stripe rank 0's ``local_seq_len``:
+    ``[("all_gather", 8·(N−1)), ("all_gather", rows·H·D·e·(N−1))] × 2`` then positions at 8 B.
+    """
+    n = dcp_size
+    rows = local_seq_len(seq_len, n, 0, interleave)  # rank 0 holds the most tokens
+    kv = [
+        ("all_gather", 8 * (n - 1)),
+        ("all_gather", rows * num_kv_heads * head_dim * elem_bytes * (n - 1)),
+    ]
+    return kv + kv + [("all_gather", 8 * (n - 1)), ("all_gather", rows * 8 * (n - 1))]
+
+
+def kvcache_rank(
+    ctx: RankContext,
+    *,
+    seq_len: int = 200,
+    block_size: int = 16,
+    cp_kv_cache_interleave_size: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 8,
+    num_blocks: int = 64,
+    seed: int = 0,
+    dtype: str = "float64",
+) -> dict[str, Any]:
+    """Each rank of the DCP group (the world) stores only its tokens; an all-gather rebuilds K/V.
+
+    Every rank draws the same ``k, v`` and block table (:func:`kvcache_problem`), writes through
+    its :func:`slot_mapping`, reads its tokens back, and all-gathers them (uneven sizes) with
+    their positions.  Returns this rank's token count and bytes, whether every position came
+    back exactly once, the max error (exactly 0.0: data is only moved), the traced
+    ``comm`` and the formula's ``expected`` (:func:`kvcache_comm_bytes`).
+    """
+    group, interleave = ctx.world, cp_kv_cache_interleave_size
+    n, r = group.size, group.rank
+    check_layout(n, interleave, block_size)
+    k, v, table = kvcache_problem(seq_len, num_kv_heads, head_dim, num_blocks, block_size, n, seed)
+    k, v = k.to(getattr(torch, dtype)), v.to(getattr(torch, dtype))
+    cache = PagedKVCache(
+        num_blocks,
+        block_size,
+        num_kv_heads,
+        head_dim,
+        dcp_size=n,
+        dcp_rank=r,
+        interleave=interleave,
+        dtype=k.dtype,
+        device=ctx.device,
+    )
+    wrote = cache.write(
+        k.to(ctx.device), v.to(ctx.device), cache.slot_mapping(torch.arange(seq_len), table)
+    )
     lk, lv, pos = cache.read(table, seq_len)
+    first = len(ctx.trace)
     all_k, sizes = group.all_gather_v(lk, dim=0)
     all_v, _ = group.all_gather_v(lv, dim=0)
     all_pos, _ = group.all_gather_v(pos.to(ctx.device), dim=0)
+    comm = [(rec.op, rec.bytes_sent) for rec in ctx.trace[first:]]
     all_pos = all_pos.cpu()
     once = bool((torch.bincount(all_pos, minlength=seq_len) == 1).all()) and sum(sizes) == seq_len
     full_k, full_v = torch.empty_like(k), torch.empty_like(v)
@@ -370,8 +549,20 @@ def reconstruct_kv(ctx: RankContext, seq_len: int = 200, block_size: int = 16, i
     blocks = int((block_fill(seq_len, block_size, n, interleave)[r] > 0).sum())
     stored = wrote * cache.bytes_per_token
     total = seq_len * cache.bytes_per_token
-    print(f"stores {wrote} of {seq_len} tokens in {blocks} blocks: {stored:,} of {total:,} B "
-          f"({stored / total:.3f})")
+    print(
+        f"stores {wrote} of {seq_len} tokens in {blocks} blocks: {stored:,} of {total:,} B "
+        f"({stored / total:.3f})"
+    )
     print(f"rebuilt: every token once: {once}; max err {err:.1f}")
-    return {"tokens": wrote, "blocks": blocks, "bytes": stored, "total_bytes": total,
-            "each_once": once, "max_abs_err": err}
+    return {
+        "tokens": wrote,
+        "blocks": blocks,
+        "bytes": stored,
+        "total_bytes": total,
+        "each_once": once,
+        "max_abs_err": err,
+        "comm": comm,
+        "expected": kvcache_comm_bytes(
+            seq_len, n, interleave, num_kv_heads, head_dim, k.element_size()
+        ),
+    }

@@ -24,6 +24,7 @@ Bytes each rank sends (``N`` = dcp, ``h`` local heads, ``C``/``R`` latent/rope w
 decode ``T`` tokens by moving Q (ag_rs): ``T·h·e·(C+R + C + N·e_lse/e)·(N−1)``;
 moving the context KV: ``Σ_chunks rows·(C+R)·e·(N−1)`` ≈ ``L/N·(C+R)·e·(N−1)``.
 """
+
 from __future__ import annotations
 
 import math
@@ -34,15 +35,25 @@ import torch
 
 from .attention import attention_with_lse, dense_attention, merge_attn_states
 from .comm import Group, RankContext
-from .config import ConfigError, ParallelConfig
-from .dcp import (dcp_combine, decode_comm_bytes, local_attention, q_heads_of_rank,
-                  shard_kv_cache)
+from .config import ConfigError, ParallelConfig, q_heads_of_rank
+from .dcp import dcp_combine, decode_comm_bytes, local_attention, shard_kv_cache
 from .groups import make_groups
 from .kvcache import local_seq_len
 
-__all__ = ["TinyMLA", "mla_decode_attention", "context_chunk_len", "reorg_kvcache",
-           "mla_context_attention", "context_gather_bytes", "q_move_bytes", "kv_move_bytes",
-           "crossover_context_len", "mla_problem", "mla_decode_rank", "mla_context_rank"]
+__all__ = [
+    "TinyMLA",
+    "mla_decode_attention",
+    "context_chunk_len",
+    "reorg_kvcache",
+    "mla_context_attention",
+    "context_gather_bytes",
+    "q_move_bytes",
+    "kv_move_bytes",
+    "crossover_context_len",
+    "mla_problem",
+    "mla_decode_rank",
+    "mla_context_rank",
+]
 
 
 @dataclass(frozen=True)
@@ -54,13 +65,27 @@ class TinyMLA:
     qk_rope_head_dim: int
 
     @classmethod
-    def random(cls, num_heads: int = 8, kv_lora_rank: int = 32, qk_nope_head_dim: int = 16,
-               qk_rope_head_dim: int = 8, v_head_dim: int = 16, seed: int = 0,
-               dtype: torch.dtype = torch.float64) -> "TinyMLA":
+    def random(
+        cls,
+        num_heads: int = 8,
+        kv_lora_rank: int = 32,
+        qk_nope_head_dim: int = 16,
+        qk_rope_head_dim: int = 8,
+        v_head_dim: int = 16,
+        seed: int = 0,
+        dtype: torch.dtype = torch.float64,
+    ) -> "TinyMLA":
         gen = torch.Generator().manual_seed(seed)
-        s = kv_lora_rank ** -0.5
-        uk = torch.randn(kv_lora_rank, num_heads, qk_nope_head_dim, generator=gen, dtype=torch.float64) * s
-        uv = torch.randn(kv_lora_rank, num_heads, v_head_dim, generator=gen, dtype=torch.float64) * s
+        s = kv_lora_rank**-0.5
+        uk = (
+            torch.randn(
+                kv_lora_rank, num_heads, qk_nope_head_dim, generator=gen, dtype=torch.float64
+            )
+            * s
+        )
+        uv = (
+            torch.randn(kv_lora_rank, num_heads, v_head_dim, generator=gen, dtype=torch.float64) * s
+        )
         return cls(uk.to(dtype), uv.to(dtype), qk_rope_head_dim)
 
     @property
@@ -101,9 +126,16 @@ class TinyMLA:
 # ------------------------------------------------------------------------------------------
 # decode: all-gather the absorbed Q over DCP heads
 # ------------------------------------------------------------------------------------------
-def mla_decode_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, latents: Sequence[torch.Tensor],
-                         mla: TinyMLA, heads: slice, group: Group, dcp_comm_backend: str = "ag_rs",
-                         shapes: dict[str, Any] | None = None) -> torch.Tensor:
+def mla_decode_attention(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    latents: Sequence[torch.Tensor],
+    mla: TinyMLA,
+    heads: slice,
+    group: Group,
+    dcp_comm_backend: str = "ag_rs",
+    shapes: dict[str, Any] | None = None,
+) -> torch.Tensor:
     """vLLM's absorbed MLA decode under DCP; returns ``[B, h, Dv]`` for this rank's ``heads``.
 
     ``q_nope [B, h, Dn]``, ``q_pe [B, h, R]``: one token per request; ``latents[i] [n_i, C+R]``:
@@ -113,12 +145,18 @@ def mla_decode_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, latents: Sequ
     decode_q = mla.absorb_q(q_nope, q_pe, heads)  # [B, h, C+R]
     q_all = group.all_gather(decode_q, dim=1)  # [B, N·h, C+R]
     c = mla.kv_lora_rank
-    o, lse = local_attention(q_all, [x[:, None] for x in latents], [x[:, None, :c] for x in latents], mla.scale)
+    o, lse = local_attention(
+        q_all, [x[:, None] for x in latents], [x[:, None, :c] for x in latents], mla.scale
+    )
     o_latent = dcp_combine(o, lse.to(o.dtype), group, dcp_comm_backend)  # [B, h, C]
     if shapes is not None:
-        shapes.update(q=tuple(decode_q.shape), q_gathered=tuple(q_all.shape),
-                      kv_local=[tuple(x.shape) for x in latents], out_partial=tuple(o.shape),
-                      out_latent=tuple(o_latent.shape))
+        shapes.update(
+            q=tuple(decode_q.shape),
+            q_gathered=tuple(q_all.shape),
+            kv_local=[tuple(x.shape) for x in latents],
+            out_partial=tuple(o.shape),
+            out_latent=tuple(o_latent.shape),
+        )
     out = mla.v_up_proj(o_latent, heads)
     if shapes is not None:
         shapes["out"] = tuple(out.shape)
@@ -135,15 +173,20 @@ def context_chunk_len(num_requests: int, workspace_size: int, dcp: int, interlea
     stripe = dcp * interleave
     chunk = workspace_size // max(1, num_requests) // stripe * stripe
     if chunk < stripe:
-        raise ConfigError("workspace-fits-requests",
-                          "workspace_size >= num_requests * dcp * cp_kv_cache_interleave_size",
-                          workspace_size=workspace_size, num_requests=num_requests, dcp=dcp,
-                          cp_kv_cache_interleave_size=interleave)
+        raise ConfigError(
+            "workspace-fits-requests",
+            "workspace_size >= num_requests * dcp * cp_kv_cache_interleave_size",
+            workspace_size=workspace_size,
+            num_requests=num_requests,
+            dcp=dcp,
+            cp_kv_cache_interleave_size=interleave,
+        )
     return chunk
 
 
-def reorg_kvcache(gathered: torch.Tensor, counts: Sequence[Sequence[int]],
-                  padded: Sequence[int]) -> tuple[torch.Tensor, list[int]]:
+def reorg_kvcache(
+    gathered: torch.Tensor, counts: Sequence[Sequence[int]], padded: Sequence[int]
+) -> tuple[torch.Tensor, list[int]]:
     """Turn the all-gathered, padded rows into one contiguous run per request.
 
     ``gathered [N·toks, W]`` is ``[rank 0 rows | rank 1 rows | ...]``, each rank's part being
@@ -153,25 +196,37 @@ def reorg_kvcache(gathered: torch.Tensor, counts: Sequence[Sequence[int]],
     """
     n, toks = len(counts), sum(padded)
     if gathered.shape[0] != n * toks:
-        raise ValueError(f"[reorg-rows] requires gathered rows == dcp * sum(padded); got "
-                         f"{gathered.shape[0]} rows, dcp={n}, sum(padded)={toks}")
+        raise ValueError(
+            f"[reorg-rows] requires gathered rows == dcp * sum(padded); got "
+            f"{gathered.shape[0]} rows, dcp={n}, sum(padded)={toks}"
+        )
     starts = [sum(padded[:i]) for i in range(len(padded))]
     pieces, cu = [], [0]
     for i, start in enumerate(starts):
         for r in range(n):
             if counts[r][i] > padded[i]:
-                raise ValueError(f"[reorg-counts] requires counts <= padded; got counts[{r}][{i}]="
-                                 f"{counts[r][i]} > padded[{i}]={padded[i]}")
-            pieces.append(gathered[r * toks + start: r * toks + start + counts[r][i]])
+                raise ValueError(
+                    f"[reorg-counts] requires counts <= padded; got counts[{r}][{i}]="
+                    f"{counts[r][i]} > padded[{i}]={padded[i]}"
+                )
+            pieces.append(gathered[r * toks + start : r * toks + start + counts[r][i]])
         cu.append(cu[-1] + sum(counts[r][i] for r in range(n)))
     return torch.cat(pieces) if pieces else gathered[:0], cu
 
 
-def mla_context_attention(q_nope: Sequence[torch.Tensor], q_pe: Sequence[torch.Tensor],
-                          new_latents: Sequence[torch.Tensor], context_lens: Sequence[int],
-                          local_context: Sequence[torch.Tensor], mla: TinyMLA, heads: slice,
-                          group: Group, interleave: int, workspace_size: int,
-                          stats: dict[str, Any] | None = None) -> list[torch.Tensor]:
+def mla_context_attention(
+    q_nope: Sequence[torch.Tensor],
+    q_pe: Sequence[torch.Tensor],
+    new_latents: Sequence[torch.Tensor],
+    context_lens: Sequence[int],
+    local_context: Sequence[torch.Tensor],
+    mla: TinyMLA,
+    heads: slice,
+    group: Group,
+    interleave: int,
+    workspace_size: int,
+    stats: dict[str, Any] | None = None,
+) -> list[torch.Tensor]:
     """Chunked prefill with a DCP-sharded cached context (vLLM's MHA context path).
 
     Request ``i`` brings ``T_i`` new tokens (``q_nope[i] [T_i, h, Dn]``, ``q_pe[i] [T_i, h, R]``,
@@ -192,14 +247,14 @@ def mla_context_attention(q_nope: Sequence[torch.Tensor], q_pe: Sequence[torch.T
         lo = c * chunk // n
         mine = []
         for i, x in enumerate(local_context):
-            got = x[lo: lo + counts[me][i]]
+            got = x[lo : lo + counts[me][i]]
             mine += [got, got.new_zeros(padded[i] - got.shape[0], got.shape[1])]
         gathered = group.all_gather(torch.cat(mine), dim=0)  # [N·toks, C+R]
         rows.append(gathered.shape[0])
         ws, cu = reorg_kvcache(gathered, counts, padded)
         for i in range(len(context_lens)):
             if cu[i + 1] > cu[i]:
-                k, v = mla.expand_kv(ws[cu[i]:cu[i + 1]], heads)
+                k, v = mla.expand_kv(ws[cu[i] : cu[i + 1]], heads)
                 q = torch.cat([q_nope[i], q_pe[i]], dim=-1)
                 parts[i].append(attention_with_lse(q, k, v, scale=mla.scale))
     outs = []
@@ -213,41 +268,83 @@ def mla_context_attention(q_nope: Sequence[torch.Tensor], q_pe: Sequence[torch.T
     return outs
 
 
-def context_gather_bytes(context_lens: Sequence[int], workspace_size: int, dcp: int, interleave: int,
-                         latent_dim: int, elem_bytes: int = 8) -> list[int]:
+def context_gather_bytes(
+    context_lens: Sequence[int],
+    workspace_size: int,
+    dcp: int,
+    interleave: int,
+    latent_dim: int,
+    elem_bytes: int = 8,
+) -> list[int]:
     """Bytes each rank sends in each chunk's AllGather: ``toks·(C+R)·e·(N−1)``, where ``toks``
     is rank 0's row count (every rank pads to it)."""
     chunk = context_chunk_len(sum(c > 0 for c in context_lens), workspace_size, dcp, interleave)
     num_chunks = max([-(-c // chunk) for c in context_lens] + [0])
-    return [sum(local_seq_len(min(max(L - c * chunk, 0), chunk), dcp, 0, interleave) for L in context_lens)
-            * latent_dim * elem_bytes * (dcp - 1) for c in range(num_chunks)]
+    return [
+        sum(
+            local_seq_len(min(max(L - c * chunk, 0), chunk), dcp, 0, interleave)
+            for L in context_lens
+        )
+        * latent_dim
+        * elem_bytes
+        * (dcp - 1)
+        for c in range(num_chunks)
+    ]
 
 
-def q_move_bytes(query_tokens: int, heads_per_rank: int, kv_lora_rank: int, rope_dim: int, dcp: int,
-                 elem_bytes: int = 2, lse_bytes: int = 4) -> int:
+def q_move_bytes(
+    query_tokens: int,
+    heads_per_rank: int,
+    kv_lora_rank: int,
+    rope_dim: int,
+    dcp: int,
+    elem_bytes: int = 2,
+    lse_bytes: int = 4,
+) -> int:
     """Per rank, per layer: AllGather of the latent Q, AllGather of the LSE, ReduceScatter of
     the latent output (``ag_rs``), for ``query_tokens`` tokens.  Independent of the context."""
     t, h, n = query_tokens, heads_per_rank, dcp
-    return t * h * ((kv_lora_rank + rope_dim) * elem_bytes + n * lse_bytes + kv_lora_rank * elem_bytes) * (n - 1)
+    return (
+        t
+        * h
+        * ((kv_lora_rank + rope_dim) * elem_bytes + n * lse_bytes + kv_lora_rank * elem_bytes)
+        * (n - 1)
+    )
 
 
-def kv_move_bytes(context_len: int, kv_lora_rank: int, rope_dim: int, dcp: int, elem_bytes: int = 2) -> float:
+def kv_move_bytes(
+    context_len: int, kv_lora_rank: int, rope_dim: int, dcp: int, elem_bytes: int = 2
+) -> float:
     """Per rank, per layer: AllGather of the context's latent rows, ``L/N·(C+R)·e·(N−1)``
     (without the padding of the last stripe)."""
     return context_len / dcp * (kv_lora_rank + rope_dim) * elem_bytes * (dcp - 1)
 
 
-def crossover_context_len(query_tokens: int, heads_per_rank: int, kv_lora_rank: int, rope_dim: int,
-                          dcp: int, elem_bytes: int = 2, lse_bytes: int = 4) -> float:
+def crossover_context_len(
+    query_tokens: int,
+    heads_per_rank: int,
+    kv_lora_rank: int,
+    rope_dim: int,
+    dcp: int,
+    elem_bytes: int = 2,
+    lse_bytes: int = 4,
+) -> float:
     """Context length above which moving the latent KV costs more bytes than moving Q."""
-    return q_move_bytes(query_tokens, heads_per_rank, kv_lora_rank, rope_dim, dcp, elem_bytes, lse_bytes) \
-        * dcp / ((kv_lora_rank + rope_dim) * elem_bytes * (dcp - 1))
+    return (
+        q_move_bytes(
+            query_tokens, heads_per_rank, kv_lora_rank, rope_dim, dcp, elem_bytes, lse_bytes
+        )
+        * dcp
+        / ((kv_lora_rank + rope_dim) * elem_bytes * (dcp - 1))
+    )
 
 
 # ------------------------------------------------------------------------------------------
 # per-rank demos
 # ------------------------------------------------------------------------------------------
-def mla_problem(mla: TinyMLA, query_lens: Sequence[int], context_lens: Sequence[int], seed: int = 0):
+def mla_problem(
+    mla: TinyMLA, query_lens: Sequence[int], context_lens: Sequence[int], seed: int = 0
+):
     """Random queries and latent rows, identical on every rank.  Request ``i`` has
     ``context_lens[i]`` cached tokens followed by ``query_lens[i]`` new ones; returns per
     request ``q_nope [T_i, H, Dn]``, ``q_pe [T_i, H, R]`` and ``latent [ctx_i + T_i, C + R]``."""
@@ -275,87 +372,231 @@ def _reference(mla: TinyMLA, qn, qp, lat, context_lens, heads: slice) -> list[to
     return outs
 
 
-def _mla_setup(ctx: RankContext, tp: int, dcp: int, num_heads: int, kv_lora_rank: int, qk_nope_head_dim: int,
-               qk_rope_head_dim: int, v_head_dim: int, block_size: int, interleave: int,
-               dcp_comm_backend: str, dtype: str, seed: int):
-    cfg = ParallelConfig(tensor_parallel_size=tp, decode_context_parallel_size=dcp,
-                         cp_kv_cache_interleave_size=interleave, block_size=block_size,
-                         num_q_heads=num_heads, num_kv_heads=1, head_dim=qk_nope_head_dim + qk_rope_head_dim,
-                         use_mla=True, dcp_comm_backend=dcp_comm_backend)
+def _mla_setup(
+    ctx: RankContext,
+    tp: int,
+    dcp: int,
+    num_heads: int,
+    kv_lora_rank: int,
+    qk_nope_head_dim: int,
+    qk_rope_head_dim: int,
+    v_head_dim: int,
+    block_size: int,
+    interleave: int,
+    dcp_comm_backend: str,
+    dtype: str,
+    seed: int,
+):
+    cfg = ParallelConfig(
+        tensor_parallel_size=tp,
+        decode_context_parallel_size=dcp,
+        cp_kv_cache_interleave_size=interleave,
+        block_size=block_size,
+        num_q_heads=num_heads,
+        num_kv_heads=1,
+        head_dim=qk_nope_head_dim + qk_rope_head_dim,
+        use_mla=True,
+        dcp_comm_backend=dcp_comm_backend,
+    )
     if cfg.world_size != ctx.world_size:
-        raise ConfigError("grid-matches-world", "tp * pcp == world_size",
-                          grid_world_size=cfg.world_size, world_size=ctx.world_size)
+        raise ConfigError(
+            "grid-matches-world",
+            "tp * pcp == world_size",
+            grid_world_size=cfg.world_size,
+            world_size=ctx.world_size,
+        )
     groups = make_groups(ctx, cfg)
-    mla = TinyMLA.random(num_heads, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, seed,
-                         getattr(torch, dtype))
+    mla = TinyMLA.random(
+        num_heads,
+        kv_lora_rank,
+        qk_nope_head_dim,
+        qk_rope_head_dim,
+        v_head_dim,
+        seed,
+        getattr(torch, dtype),
+    )
     return cfg, groups, mla, q_heads_of_rank(cfg, groups.coords.tp_rank)
 
 
-def mla_decode_rank(ctx: RankContext, tensor_parallel_size: int = 4, decode_context_parallel_size: int = 4,
-                    num_heads: int = 8, kv_lora_rank: int = 32, qk_nope_head_dim: int = 16,
-                    qk_rope_head_dim: int = 8, v_head_dim: int = 16, seq_lens: Sequence[int] = (40, 5, 2),
-                    block_size: int = 8, cp_kv_cache_interleave_size: int = 1,
-                    dcp_comm_backend: str = "ag_rs", dtype: str = "float64", seed: int = 0) -> dict[str, Any]:
+def mla_decode_rank(
+    ctx: RankContext,
+    *,
+    tensor_parallel_size: int = 4,
+    decode_context_parallel_size: int = 4,
+    num_heads: int = 8,
+    kv_lora_rank: int = 32,
+    qk_nope_head_dim: int = 16,
+    qk_rope_head_dim: int = 8,
+    v_head_dim: int = 16,
+    seq_lens: Sequence[int] = (40, 5, 2),
+    block_size: int = 8,
+    cp_kv_cache_interleave_size: int = 1,
+    dcp_comm_backend: str = "ag_rs",
+    dtype: str = "float64",
+    seed: int = 0,
+) -> dict[str, Any]:
     """One absorbed MLA decode step on this rank, checked against float64 dense MHA attention.
 
     Each request's last token is the query; its latent row is cached (by its owner) with the
     rest, as vLLM writes the KV before attending.  Returns shapes, local token counts, traced
     ``(op, bytes_sent)``, the formula's prediction and the max error.
     """
-    cfg, groups, mla, heads = _mla_setup(ctx, tensor_parallel_size, decode_context_parallel_size, num_heads,
-                                         kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim,
-                                         block_size, cp_kv_cache_interleave_size, dcp_comm_backend, dtype, seed)
+    cfg, groups, mla, heads = _mla_setup(
+        ctx,
+        tensor_parallel_size,
+        decode_context_parallel_size,
+        num_heads,
+        kv_lora_rank,
+        qk_nope_head_dim,
+        qk_rope_head_dim,
+        v_head_dim,
+        block_size,
+        cp_kv_cache_interleave_size,
+        dcp_comm_backend,
+        dtype,
+        seed,
+    )
     ctx_lens = [n - 1 for n in seq_lens]
     qn, qp, lat = mla_problem(mla, [1] * len(seq_lens), ctx_lens, seed + 1)
-    local, cache = shard_kv_cache([x[:, None] for x in lat], [None] * len(lat), block_size, cfg.dcp,
-                                  groups.coords.dcp_rank, cfg.interleave, ctx.device)
+    local, cache = shard_kv_cache(
+        [x[:, None] for x in lat],
+        [None] * len(lat),
+        block_size,
+        cfg.dcp,
+        groups.coords.dcp_rank,
+        cfg.interleave,
+        ctx.device,
+    )
     first, shapes = len(ctx.trace), {}
-    out = mla_decode_attention(torch.cat(qn)[:, heads].to(ctx.device), torch.cat(qp)[:, heads].to(ctx.device),
-                               [k[:, 0] for k, _, _ in local], mla, heads, groups.dcp, dcp_comm_backend, shapes)
+    out = mla_decode_attention(
+        torch.cat(qn)[:, heads].to(ctx.device),
+        torch.cat(qp)[:, heads].to(ctx.device),
+        [k[:, 0] for k, _, _ in local],
+        mla,
+        heads,
+        groups.dcp,
+        dcp_comm_backend,
+        shapes,
+    )
     step = [(r.op, r.bytes_sent) for r in ctx.trace[first:]]
     ref = torch.cat(_reference(mla, qn, qp, lat, ctx_lens, heads))
     err = (out.cpu().double() - ref).abs().max().item()
     local_tokens = [int(k.shape[0]) for k, _, _ in local]
-    print(f"tp {groups.coords.tp_rank} dcp {groups.coords.dcp_rank}/{cfg.dcp} heads {heads.start}-{heads.stop - 1}: "
-          f"latent Q {shapes['q']} -> {shapes['q_gathered']}, out {shapes['out']}")
-    print(f"local latent rows {local_tokens} of {list(seq_lens)}, "
-          f"== dense (<= 1e-10): {err <= 1e-10}")
-    return {"max_abs_err": err, "shapes": shapes, "local_tokens": local_tokens,
-            "kv_bytes": sum(local_tokens) * cache.bytes_per_token, "comm": step,
-            "expected": decode_comm_bytes(len(seq_lens), cfg.q_heads_per_rank, mla.latent_dim, kv_lora_rank,
-                                          cfg.dcp, dcp_comm_backend, out.element_size())}
+    print(
+        f"tp {groups.coords.tp_rank} dcp {groups.coords.dcp_rank}/{cfg.dcp} "
+        f"heads {heads.start}-{heads.stop - 1}: "
+        f"latent Q {shapes['q']} -> {shapes['q_gathered']}, out {shapes['out']}"
+    )
+    print(
+        f"local latent rows {local_tokens} of {list(seq_lens)}, == dense (<= 1e-10): {err <= 1e-10}"
+    )
+    return {
+        "max_abs_err": err,
+        "shapes": shapes,
+        "local_tokens": local_tokens,
+        "kv_bytes": sum(local_tokens) * cache.bytes_per_token,
+        "comm": step,
+        "expected": decode_comm_bytes(
+            len(seq_lens),
+            cfg.q_heads_per_rank,
+            mla.latent_dim,
+            kv_lora_rank,
+            cfg.dcp,
+            dcp_comm_backend,
+            out.element_size(),
+        ),
+    }
 
 
-def mla_context_rank(ctx: RankContext, tensor_parallel_size: int = 4, decode_context_parallel_size: int = 4,
-                     num_heads: int = 8, kv_lora_rank: int = 32, qk_nope_head_dim: int = 16,
-                     qk_rope_head_dim: int = 8, v_head_dim: int = 16, context_lens: Sequence[int] = (40, 13, 0),
-                     query_lens: Sequence[int] = (3, 2, 4), workspace_size: int = 48, block_size: int = 8,
-                     cp_kv_cache_interleave_size: int = 1, dtype: str = "float64", seed: int = 0) -> dict[str, Any]:
+def mla_context_rank(
+    ctx: RankContext,
+    *,
+    tensor_parallel_size: int = 4,
+    decode_context_parallel_size: int = 4,
+    num_heads: int = 8,
+    kv_lora_rank: int = 32,
+    qk_nope_head_dim: int = 16,
+    qk_rope_head_dim: int = 8,
+    v_head_dim: int = 16,
+    context_lens: Sequence[int] = (40, 13, 0),
+    query_lens: Sequence[int] = (3, 2, 4),
+    workspace_size: int = 48,
+    block_size: int = 8,
+    cp_kv_cache_interleave_size: int = 1,
+    dtype: str = "float64",
+    seed: int = 0,
+) -> dict[str, Any]:
     """Chunked prefill over a DCP-sharded latent context on this rank, checked against dense.
 
     Returns the chunking stats, traced ``(op, bytes_sent)``, the formula's prediction and the
     max error over every request's new tokens for this rank's heads.
     """
-    cfg, groups, mla, heads = _mla_setup(ctx, tensor_parallel_size, decode_context_parallel_size, num_heads,
-                                         kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim,
-                                         block_size, cp_kv_cache_interleave_size, "ag_rs", dtype, seed)
+    cfg, groups, mla, heads = _mla_setup(
+        ctx,
+        tensor_parallel_size,
+        decode_context_parallel_size,
+        num_heads,
+        kv_lora_rank,
+        qk_nope_head_dim,
+        qk_rope_head_dim,
+        v_head_dim,
+        block_size,
+        cp_kv_cache_interleave_size,
+        "ag_rs",
+        dtype,
+        seed,
+    )
     qn, qp, lat = mla_problem(mla, query_lens, context_lens, seed + 1)
     ctx_rows = [x[:c, None] for x, c in zip(lat, context_lens)]
-    local, _ = shard_kv_cache(ctx_rows, [None] * len(lat), block_size, cfg.dcp, groups.coords.dcp_rank,
-                              cfg.interleave, ctx.device)
+    local, _ = shard_kv_cache(
+        ctx_rows,
+        [None] * len(lat),
+        block_size,
+        cfg.dcp,
+        groups.coords.dcp_rank,
+        cfg.interleave,
+        ctx.device,
+    )
     first, stats = len(ctx.trace), {}
     dev = ctx.device
-    outs = mla_context_attention([x[:, heads].to(dev) for x in qn], [x[:, heads].to(dev) for x in qp],
-                                 [x[c:].to(dev) for x, c in zip(lat, context_lens)], context_lens,
-                                 [k[:, 0] for k, _, _ in local], mla, heads, groups.dcp, cfg.interleave,
-                                 workspace_size, stats)
+    outs = mla_context_attention(
+        [x[:, heads].to(dev) for x in qn],
+        [x[:, heads].to(dev) for x in qp],
+        [x[c:].to(dev) for x, c in zip(lat, context_lens)],
+        context_lens,
+        [k[:, 0] for k, _, _ in local],
+        mla,
+        heads,
+        groups.dcp,
+        cfg.interleave,
+        workspace_size,
+        stats,
+    )
     step = [(r.op, r.bytes_sent) for r in ctx.trace[first:]]
     ref = _reference(mla, qn, qp, lat, context_lens, heads)
     err = max((o.cpu().double() - r).abs().max().item() for o, r in zip(outs, ref))
-    print(f"tp {groups.coords.tp_rank} dcp {groups.coords.dcp_rank}/{cfg.dcp} heads {heads.start}-{heads.stop - 1}: "
-          f"{stats['num_chunks']} chunks of {stats['chunk_len']} context tokens per request")
-    print(f"gathered rows {stats['rows_per_chunk']} (workspace {workspace_size}), "
-          f"== dense (<= 1e-10): {err <= 1e-10}")
-    return {"max_abs_err": err, "stats": stats, "comm": step,
-            "expected": [("all_gather", b) for b in context_gather_bytes(
-                context_lens, workspace_size, cfg.dcp, cfg.interleave, mla.latent_dim, lat[0].element_size())]}
+    print(
+        f"tp {groups.coords.tp_rank} dcp {groups.coords.dcp_rank}/{cfg.dcp} "
+        f"heads {heads.start}-{heads.stop - 1}: "
+        f"{stats['num_chunks']} chunks of {stats['chunk_len']} context tokens per request"
+    )
+    print(
+        f"gathered rows {stats['rows_per_chunk']} (workspace {workspace_size}), "
+        f"== dense (<= 1e-10): {err <= 1e-10}"
+    )
+    return {
+        "max_abs_err": err,
+        "stats": stats,
+        "comm": step,
+        "expected": [
+            ("all_gather", b)
+            for b in context_gather_bytes(
+                context_lens,
+                workspace_size,
+                cfg.dcp,
+                cfg.interleave,
+                mla.latent_dim,
+                lat[0].element_size(),
+            )
+        ],
+    }

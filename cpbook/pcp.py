@@ -10,55 +10,40 @@ the keys are in flight and then each remote key block in full, merged exactly by
 Masked-out pairs are never computed.  :func:`pcp_restore` puts per-rank outputs back in
 sequence order (vLLM's ``restore_hidden_states``).
 
-Every function here talks only to :class:`cpbook.comm.Group`.  All names of
-:mod:`cpbook.zigzag` (partition, metadata, ``causal_work``) are importable from here too.
+Every function here talks only to :class:`cpbook.comm.Group`.  The partition and its metadata
+live in :mod:`cpbook.zigzag`.
 """
+
 from __future__ import annotations
 
-import functools
 import math
-import statistics
 import textwrap
-import time
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Sequence
 
 import torch
 
-from .attention import attention_with_lse, dense_attention, merge_attn_states_
+from .attention import attention_with_lse, dense_attention, merge_attn_states_, rope
 from .comm import Group, RankContext
 from .config import ParallelConfig, kv_heads_of_rank, q_heads_of_rank
 from .groups import RankGrid, make_groups
-from .zigzag import (LAYOUTS, PCPMetadata, PCPPartition, Segment, causal_pairs, causal_work,
-                     padded_len, pcp_partition, zigzag_partition)
+from .zigzag import PCPMetadata, PCPPartition, Segment, pcp_partition
 
-__all__ = ["LAYOUTS", "Segment", "PCPPartition", "PCPMetadata", "pcp_partition", "zigzag_partition",
-           "padded_len", "causal_work", "causal_pairs", "rope", "pcp_shard", "pcp_restore",
-           "pcp_local_attention", "pcp_prefill_attention",
-           "pcp_prefill_demo", "prefill_timing"]
+__all__ = [
+    "pcp_shard",
+    "pcp_restore",
+    "pcp_local_attention",
+    "pcp_prefill_attention",
+    "pcp_comm_bytes",
+    "pcp_restore_bytes",
+    "pcp_prefill_problem",
+    "pcp_prefill_rank",
+]
 
 _DTYPES = {"float64": torch.float64, "float32": torch.float32}
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
-    """Rotary embedding, rotate-half form (vLLM's ``is_neox_style``): ``x [T, H, D]``, ``positions [T]``.
-
-    Rotates the pair ``(x[i], x[i + D/2])`` by ``positions * base^(-2i/D)``; the angles are
-    computed in float64, so any position order gives bit-identical rows.
-    """
-    d = x.shape[-1]
-    if x.dim() != 3 or d % 2 or positions.shape != x.shape[:1]:
-        raise ValueError(f"[rope-shapes] requires x [T, H, D] with even D and positions [T]; "
-                         f"got x{tuple(x.shape)}, positions{tuple(positions.shape)}")
-    half = d // 2
-    inv = base ** (-torch.arange(half, dtype=torch.float64) / half)
-    ang = positions.to(torch.float64)[:, None, None] * inv
-    cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
-
-
 def pcp_shard(t: torch.Tensor, meta: PCPMetadata) -> torch.Tensor:
-    """This rank's rows of ``t`` (``[sum(seq_lens), ...]``, request-major), zeros on padding rows."""
+    """This rank's rows of ``t`` (``[sum(seq_lens), ...]``, request-major); padding rows 0."""
     rows = t.index_select(0, meta.token_index.clamp(min=0).to(t.device))
     mask = meta.is_padding.to(t.device).view(-1, *([1] * (t.dim() - 1)))
     return rows.masked_fill(mask, 0)
@@ -66,15 +51,19 @@ def pcp_shard(t: torch.Tensor, meta: PCPMetadata) -> torch.Tensor:
 
 def _check_group(meta: PCPMetadata, group: Group) -> None:
     if group.size != meta.pcp_size or group.rank != meta.pcp_rank:
-        raise ValueError(f"[pcp-group-matches-metadata] requires group size/rank == pcp_size/pcp_rank; "
-                         f"got group {group.name!r} size={group.size} rank={group.rank}, "
-                         f"pcp_size={meta.pcp_size} pcp_rank={meta.pcp_rank}")
+        raise ValueError(
+            f"[pcp-group-matches-metadata] requires group size/rank == pcp_size/pcp_rank; "
+            f"got group {group.name!r} size={group.size} rank={group.rank}, "
+            f"pcp_size={meta.pcp_size} pcp_rank={meta.pcp_rank}"
+        )
 
 
 def _empty(q: torch.Tensor, dv: int) -> tuple[torch.Tensor, torch.Tensor]:
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return (q.new_zeros(q.shape[0], q.shape[1], dv),
-            torch.full(q.shape[:2], float("-inf"), dtype=lse_dtype, device=q.device))
+    return (
+        q.new_zeros(q.shape[0], q.shape[1], dv),
+        torch.full(q.shape[:2], float("-inf"), dtype=lse_dtype, device=q.device),
+    )
 
 
 def pcp_restore(t: torch.Tensor, meta: PCPMetadata, group: Group) -> torch.Tensor:
@@ -84,8 +73,13 @@ def pcp_restore(t: torch.Tensor, meta: PCPMetadata, group: Group) -> torch.Tenso
     return group.all_gather(t, dim=0).index_select(0, meta.restore_index.to(t.device))
 
 
-def pcp_local_attention(q: torch.Tensor, k_seq: torch.Tensor, v_seq: torch.Tensor, meta: PCPMetadata,
-                        scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def pcp_local_attention(
+    q: torch.Tensor,
+    k_seq: torch.Tensor,
+    v_seq: torch.Tensor,
+    meta: PCPMetadata,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of this rank's queries ``q [num_tokens, Hq, D]`` to full, ordered keys.
 
     ``k_seq, v_seq`` hold every request's keys in sequence order (what vLLM's all-gather plus
@@ -96,16 +90,24 @@ def pcp_local_attention(q: torch.Tensor, k_seq: torch.Tensor, v_seq: torch.Tenso
     padding rows get 0 and ``-inf``.  Exact; no masked-out pair is computed.
     """
     if q.shape[0] != meta.num_tokens:
-        raise ValueError(f"[pcp-local-rows] requires q with num_tokens rows; got q{tuple(q.shape)}, "
-                         f"num_tokens={meta.num_tokens}")
+        raise ValueError(
+            f"[pcp-local-rows] requires q with num_tokens rows; got q{tuple(q.shape)}, "
+            f"num_tokens={meta.num_tokens}"
+        )
     out, lse = _empty(q, v_seq.shape[-1])
     cu = meta.cu_seq_lens
     for seg, qlen, klen in zip(meta.segments, meta.query_lens, meta.key_lens):
         if qlen:
             rows, base = slice(seg.row, seg.row + qlen), cu[seg.request]
             out[rows], lse[rows] = attention_with_lse(
-                q[rows], k_seq[base: base + klen], v_seq[base: base + klen], causal=True,
-                q_offset=seg.start, k_offset=0, scale=scale)
+                q[rows],
+                k_seq[base : base + klen],
+                v_seq[base : base + klen],
+                causal=True,
+                q_offset=seg.start,
+                k_offset=0,
+                scale=scale,
+            )
     return out, lse
 
 
@@ -123,7 +125,9 @@ def _request_rows(segments: Sequence[Segment]) -> dict[int, tuple[int, int]]:
     return rows
 
 
-def _remote_blocks(meta: PCPMetadata, part: PCPPartition) -> list[tuple[slice, list[tuple[int, slice]]]]:
+def _remote_blocks(
+    meta: PCPMetadata, part: PCPPartition
+) -> list[tuple[slice, list[tuple[int, slice]]]]:
     """The remote keys this rank's queries see in full, grouped by the queries that see them.
 
     A source segment ``t`` is visible, whole, to exactly the local queries at positions
@@ -149,8 +153,14 @@ def _remote_blocks(meta: PCPMetadata, part: PCPPartition) -> list[tuple[slice, l
     return [(slice(lo, hi), blocks) for (lo, hi), blocks in groups.items()]
 
 
-def pcp_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PCPMetadata,
-                          group: Group, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def pcp_prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: PCPMetadata,
+    group: Group,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """PCP prefill on one rank: all-gather K/V in the PCP ``group``, attend causally.
 
     ``q, k, v`` are this rank's local rows (``meta.num_tokens``, padding included).  The
@@ -164,22 +174,33 @@ def pcp_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, met
     """
     _check_group(meta, group)
     if not q.shape[0] == k.shape[0] == v.shape[0] == meta.num_tokens:
-        raise ValueError(f"[pcp-local-rows] requires q, k, v with num_tokens rows; got q{tuple(q.shape)}, "
-                         f"k{tuple(k.shape)}, v{tuple(v.shape)}, num_tokens={meta.num_tokens}")
+        raise ValueError(
+            f"[pcp-local-rows] requires q, k, v with num_tokens rows; got q{tuple(q.shape)}, "
+            f"k{tuple(k.shape)}, v{tuple(v.shape)}, num_tokens={meta.num_tokens}"
+        )
     # Head-major copies: the fused CPU kernel reads [H, T, D] rows ~6 % faster than the
     # strided [T, H, D] view, more than the copies cost.  ``_rows`` views them as [T, H, D].
     qh, kh, vh = (t.transpose(0, 1).contiguous() for t in (q, k, v))
     k_all = group.all_gather_async(kh, parts=True)  # every rank's [H, T, D]; ours not copied
     v_all = group.all_gather_async(vh, parts=True)
-    local = [attention_with_lse(_rows(qh, lo, hi), _rows(kh, lo, hi), _rows(vh, lo, hi), causal=True,
-                                scale=scale) for lo, hi in _request_rows(meta.segments).values()]
-    out, lse = local[0] if len(local) == 1 else (torch.cat([o for o, _ in local]),
-                                                 torch.cat([l for _, l in local]))
+    local = [
+        attention_with_lse(
+            _rows(qh, lo, hi), _rows(kh, lo, hi), _rows(vh, lo, hi), causal=True, scale=scale
+        )
+        for lo, hi in _request_rows(meta.segments).values()
+    ]
+    out, lse = (
+        local[0]
+        if len(local) == 1
+        else (torch.cat([o for o, _ in local]), torch.cat([l for _, l in local]))
+    )
     k_all, v_all = k_all.wait(), v_all.wait()
     part = pcp_partition(meta.seq_lens, meta.pcp_size, meta.layout)
     for ours, blocks in _remote_blocks(meta, part):
-        keys = [(_rows(k_all[src], rows.start, rows.stop), _rows(v_all[src], rows.start, rows.stop))
-                for src, rows in blocks]
+        keys = [
+            (_rows(k_all[src], rows.start, rows.stop), _rows(v_all[src], rows.start, rows.stop))
+            for src, rows in blocks
+        ]
         if len(keys) > 1:  # one call over every remote key these queries see (a small copy)
             keys = [(torch.cat([kk for kk, _ in keys]), torch.cat([vv for _, vv in keys]))]
         o, l = attention_with_lse(_rows(qh, ours.start, ours.stop), *keys[0], scale=scale)
@@ -190,8 +211,9 @@ def pcp_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, met
 # ------------------------------------------------------------------------------------------
 # Per-rank functions (run inline, under torchrun, and by the tests)
 # ------------------------------------------------------------------------------------------
-def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PCPMetadata,
-               block: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+def _reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PCPMetadata, block: int = 256
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense float64 attention for this rank's real rows, in local row order (query blocks)."""
     out = torch.zeros(meta.num_tokens, q.shape[1], v.shape[-1], dtype=torch.float64)
     lse = torch.full((meta.num_tokens, q.shape[1]), float("-inf"), dtype=torch.float64)
@@ -201,43 +223,111 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PCPMetad
         for i in range(0, qlen, block):
             n = min(block, qlen - i)
             rows = slice(base + seg.start + i, base + seg.start + i + n)
-            o, l = dense_attention(q[rows].double(), k[base: base + klen].double(),
-                                   v[base: base + klen].double(), causal=True,
-                                   q_offset=seg.start + i, k_offset=0)
-            out[seg.row + i: seg.row + i + n], lse[seg.row + i: seg.row + i + n] = o, l
+            o, l = dense_attention(
+                q[rows].double(),
+                k[base : base + klen].double(),
+                v[base : base + klen].double(),
+                causal=True,
+                q_offset=seg.start + i,
+                k_offset=0,
+            )
+            out[seg.row + i : seg.row + i + n], lse[seg.row + i : seg.row + i + n] = o, l
     return out, lse
 
 
-def pcp_prefill_demo(ctx: RankContext, seq_lens: Sequence[int] = (37, 64), tensor_parallel_size: int = 1,
-                     num_q_heads: int = 8, num_kv_heads: int = 2, head_dim: int = 16,
-                     hidden_size: int = 64, layouts: Sequence[str] = ("zigzag",),
-                     dtype: str = "float64", repeats: int = 0, seed: int = 0) -> dict[str, Any]:
+def pcp_comm_bytes(
+    tokens_per_rank: int,
+    num_kv_heads: int,
+    head_dim: int,
+    pcp_size: int,
+    v_head_dim: int | None = None,
+    elem_bytes: int = 8,
+) -> list[tuple[str, int]]:
+    """Bytes one rank sends per layer: the all-gathers of its K rows, then of its V rows.
+
+    ``tokens_per_rank`` rows (padding included: every rank sends the same shape) of
+    ``num_kv_heads`` heads: ``T·Hkv·D·e·(K−1)`` for K and ``T·Hkv·Dv·e·(K−1)`` for V.  Nothing
+    else moves per layer; the output restore is once per forward (:func:`pcp_restore_bytes`).
+    """
+    dv = head_dim if v_head_dim is None else v_head_dim
+    t, h, k = tokens_per_rank, num_kv_heads, pcp_size
+    return [
+        ("all_gather", t * h * head_dim * elem_bytes * (k - 1)),
+        ("all_gather", t * h * dv * elem_bytes * (k - 1)),
+    ]
+
+
+def pcp_restore_bytes(tokens_per_rank: int, row_bytes: int, pcp_size: int) -> list[tuple[str, int]]:
+    """Bytes one rank sends for :func:`pcp_restore`, once per forward (not per layer): one
+    all-gather of its ``tokens_per_rank`` rows of ``row_bytes`` each (vLLM restores the hidden
+    states, ``hidden_size·e`` bytes a row, before sampling)."""
+    return [("all_gather", tokens_per_rank * row_bytes * (pcp_size - 1))]
+
+
+def pcp_prefill_problem(
+    seq_lens: Sequence[int],
+    hidden_size: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    seed: int = 0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Float64 hidden states ``x [sum(seq_lens), hidden_size]`` and Q/K/V projection weights
+    (``hidden_size x heads·head_dim``, scaled by ``hidden_size^-1/2``), from ``seed``."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(sum(seq_lens), hidden_size, generator=gen, dtype=torch.float64)
+    w = {
+        n: torch.randn(hidden_size, h * head_dim, generator=gen, dtype=torch.float64)
+        / math.sqrt(hidden_size)
+        for n, h in (("q", num_q_heads), ("k", num_kv_heads), ("v", num_kv_heads))
+    }
+    return x, w
+
+
+def pcp_prefill_rank(
+    ctx: RankContext,
+    *,
+    seq_lens: Sequence[int] = (37, 64),
+    tensor_parallel_size: int = 1,
+    num_q_heads: int = 8,
+    num_kv_heads: int = 2,
+    head_dim: int = 16,
+    hidden_size: int = 64,
+    layout: str = "zigzag",
+    seed: int = 0,
+    dtype: str = "float64",
+) -> dict[str, Any]:
     """Chapter 4: exact PCP prefill of a batch on a ``tp × pcp`` grid (``pcp = world // tp``).
 
-    Every rank draws the same hidden states and projection weights from ``seed``, keeps its
-    tokens (``pcp_shard``) and its TP heads, applies RoPE at the true positions, runs
-    :func:`pcp_prefill_attention` in its PCP group and checks its rows against dense float64
-    attention; :func:`pcp_restore` must put its rows where the sequence has them.  With
-    ``repeats > 0`` it also times :func:`pcp_prefill_attention` by the CPU time of its thread
-    (``time.thread_time``: kernels and merges, not the wait for peers), the minimum of
-    ``repeats`` runs after one warm-up: the work is deterministic, so the minimum is the run
-    least disturbed by the other processes.  Meaningful with one torch thread per rank, as
-    under torchrun.  Returns, per layout, the max error, this rank's exact causal work and
-    that time.
+    Every rank draws the same hidden states and projection weights (:func:`pcp_prefill_problem`),
+    keeps its tokens (:func:`pcp_shard`) and its TP heads, applies RoPE at the true positions,
+    runs :func:`pcp_prefill_attention` in its PCP group (one layer) and checks its rows against
+    dense float64 attention.  Then :func:`pcp_restore` (once per forward) must put every rank's
+    rows where the sequence has them.  Returns the max error, this rank's exact causal work,
+    the layer's traced ``comm`` and formula ``expected`` (:func:`pcp_comm_bytes`: the K/V
+    all-gathers), and apart from them the restore's ``restore_comm`` / ``restore_expected``.
     """
     tp = tensor_parallel_size
     if ctx.world_size % tp:
-        raise ValueError(f"[world-divisible-by-tp] requires world_size % tensor_parallel_size == 0; "
-                         f"got world_size={ctx.world_size}, tensor_parallel_size={tp}")
-    cfg = ParallelConfig(tensor_parallel_size=tp, prefill_context_parallel_size=ctx.world_size // tp,
-                         num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
+        raise ValueError(
+            f"[world-divisible-by-tp] requires world_size % tensor_parallel_size == 0; "
+            f"got world_size={ctx.world_size}, tensor_parallel_size={tp}"
+        )
+    cfg = ParallelConfig(
+        tensor_parallel_size=tp,
+        prefill_context_parallel_size=ctx.world_size // tp,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+    )
+    part = pcp_partition(tuple(seq_lens), cfg.pcp, layout)
     groups = make_groups(ctx, RankGrid(tp, cfg.pcp))
-    qh, kh = q_heads_of_rank(cfg, groups.coords.tp_rank), kv_heads_of_rank(cfg, groups.coords.tp_rank)
+    qh, kh = (
+        q_heads_of_rank(cfg, groups.coords.tp_rank),
+        kv_heads_of_rank(cfg, groups.coords.tp_rank),
+    )
     dt = _DTYPES[dtype]
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(sum(seq_lens), hidden_size, generator=gen, dtype=torch.float64)
-    w = {n: torch.randn(hidden_size, h * head_dim, generator=gen, dtype=torch.float64) / math.sqrt(hidden_size)
-         for n, h in (("q", num_q_heads), ("k", num_kv_heads), ("v", num_kv_heads))}
+    x, w = pcp_prefill_problem(seq_lens, hidden_size, num_q_heads, num_kv_heads, head_dim, seed)
 
     def qkv(hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         t = hidden.shape[0]
@@ -246,85 +336,47 @@ def pcp_prefill_demo(ctx: RankContext, seq_lens: Sequence[int] = (37, 64), tenso
         v = (hidden @ w["v"]).view(t, num_kv_heads, head_dim)[:, kh]
         return tuple(a.to(dt).contiguous() for a in (q, k, v))
 
-    full_pos = torch.cat([torch.arange(n) for n in seq_lens])
-    q_ref, k_ref, v_ref = qkv(x, full_pos)
-    result: dict[str, Any] = {"pcp_rank": groups.coords.pcp_rank, "tp_rank": groups.coords.tp_rank}
-    for layout in layouts:
-        part = pcp_partition(tuple(seq_lens), cfg.pcp, layout)
-        meta = part.metadata(groups.coords.pcp_rank)
-        q, k, v = qkv(pcp_shard(x, meta), meta.positions)
-        out, lse = pcp_prefill_attention(q, k, v, meta, groups.pcp)
-        ref_out, ref_lse = _reference(q_ref, k_ref, v_ref, meta)
-        real = ~meta.is_padding
-        err = max((out[real].double() - ref_out[real]).abs().max().item(),
-                  (lse[real].double() - ref_lse[real]).abs().max().item()) if bool(real.any()) else 0.0
-        restored = pcp_restore(out, meta, groups.pcp)
-        placed = torch.equal(restored[meta.token_index[real]], out[real])
-        secs = None
-        if repeats:
-            times = []
-            for _ in range(repeats + 1):
-                t0 = time.thread_time()
-                pcp_prefill_attention(q, k, v, meta, groups.pcp)
-                times.append(time.thread_time() - t0)
-            secs = min(times[1:])
-        work = part.work()[meta.pcp_rank]
-        chunks = " ".join(f"r{s.request}[{s.start},{s.end})" for s in meta.segments[:8])
-        more = f" +{len(meta.segments) - 8} more" if len(meta.segments) > 8 else ""
-        # three short lines (the report prefixes each with "[rank N] "): fits 84 columns
-        print(f"{layout}: pcp {meta.pcp_rank} tp {groups.coords.tp_rank}, "
-              f"{int(real.sum())} real tokens, {work:,} causal pairs/head")
-        print(textwrap.fill(chunks + more, 74, initial_indent="  chunks ", subsequent_indent=" " * 9))
-        print(f"  == dense (<= 1e-10): {err <= 1e-10}, restored in place: {placed}"
-              + (f", attention {1e3 * secs:.1f} ms" if secs is not None else ""))
-        result[layout] = {"max_abs_err": err, "work": work, "seconds": secs, "restored": placed}
-    return result
-
-
-def prefill_timing(ctx: RankContext, seq_len: int = 8192, num_heads: int = 8, head_dim: int = 64,
-                   repeats: int = 5, layouts: Sequence[str] = ("zigzag", "contiguous"),
-                   single: bool = True, seed: int = 0,
-                   baselines: Mapping[str, Callable[[], Any]] | None = None) -> dict[str, float]:
-    """Medians of one causal prefill attention (float32, MHA) on the world group as PCP group.
-
-    Methods: ``single`` (rank 0 runs the whole prompt with ``F.scaled_dot_product_attention``
-    while the others wait), one :func:`pcp_prefill_attention` per layout (K/V all-gather
-    included, restore excluded) and any ``baselines`` (name -> zero-argument callable run on
-    every rank, e.g. another library's ring attention).  Every run starts from a common
-    barrier; the methods take turns, run after run, so drifts of a shared machine hit all of
-    them alike.  One warm-up round, then ``repeats``.  Returns this rank's median wall seconds
-    per method, its median CPU seconds of the whole process (``<method>_cpu``: every thread,
-    communication included) and of the calling thread (``<method>_thread``: the kernels and
-    merges), and the max error of its rows against the single-process output
-    (``<layout>_err``).  Inputs are laid out head-major for every method (what the fused CPU
-    kernel reads fastest), prepared before the clock starts.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(seq_len, num_heads, head_dim, generator=gen) for _ in range(3))
-    q4, k4, v4 = (t.transpose(0, 1)[None].contiguous() for t in (q, k, v))
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    ref = sdpa(q4, k4, v4, is_causal=True)[0].transpose(0, 1)
-    methods: dict[str, Callable[[], Any]] = {}
-    if single:
-        methods["single"] = lambda: sdpa(q4, k4, v4, is_causal=True) if ctx.rank == 0 else None
-    metas = {}
-    for layout in layouts:
-        meta = metas[layout] = pcp_partition(seq_len, ctx.world_size, layout).metadata(ctx.rank)
-        ql, kl, vl = (pcp_shard(t, meta).transpose(0, 1).contiguous().transpose(0, 1) for t in (q, k, v))
-        methods[layout] = functools.partial(pcp_prefill_attention, ql, kl, vl, meta, ctx.world)
-    methods.update(baselines or {})
-    clocks = {"": time.perf_counter, "_cpu": time.process_time, "_thread": time.thread_time}
-    runs = {m + c: [] for m in methods for c in clocks}
-    last: dict[str, Any] = {}
-    for _ in range(repeats + 1):
-        for name, fn in methods.items():
-            ctx.world.barrier()
-            start = {c: clock() for c, clock in clocks.items()}
-            last[name] = fn()
-            for c, clock in clocks.items():
-                runs[name + c].append(clock() - start[c])
-    out = {key: statistics.median(t[1:]) for key, t in runs.items()}
-    for layout, meta in metas.items():
-        real = ~meta.is_padding
-        out[f"{layout}_err"] = (last[layout][0][real] - ref[meta.token_index[real]]).abs().max().item()
-    return out
+    q_ref, k_ref, v_ref = qkv(x, torch.cat([torch.arange(n) for n in seq_lens]))
+    meta = part.metadata(groups.coords.pcp_rank)
+    q, k, v = qkv(pcp_shard(x, meta), meta.positions)
+    first = len(ctx.trace)
+    out, lse = pcp_prefill_attention(q, k, v, meta, groups.pcp)
+    comm = [(r.op, r.bytes_sent) for r in ctx.trace[first:]]
+    ref_out, ref_lse = _reference(q_ref, k_ref, v_ref, meta)
+    real = ~meta.is_padding
+    err = (
+        max(
+            (out[real].double() - ref_out[real]).abs().max().item(),
+            (lse[real].double() - ref_lse[real]).abs().max().item(),
+        )
+        if bool(real.any())
+        else 0.0
+    )
+    first = len(ctx.trace)
+    restored = pcp_restore(out, meta, groups.pcp)
+    restore_comm = [(r.op, r.bytes_sent) for r in ctx.trace[first:]]
+    placed = torch.equal(restored[meta.token_index[real]], out[real])
+    work = part.work()[meta.pcp_rank]
+    chunks = " ".join(f"r{s.request}[{s.start},{s.end})" for s in meta.segments[:8])
+    more = f" +{len(meta.segments) - 8} more" if len(meta.segments) > 8 else ""
+    # three short lines (the report prefixes each with "[rank N] "): fits 84 columns
+    print(
+        f"{layout}: pcp {meta.pcp_rank} tp {groups.coords.tp_rank}, "
+        f"{int(real.sum())} real tokens, {work:,} causal pairs/head"
+    )
+    print(textwrap.fill(chunks + more, 74, initial_indent="  chunks ", subsequent_indent=" " * 9))
+    print(f"  == dense (<= 1e-10): {err <= 1e-10}, restored in place: {placed}")
+    e = out.element_size()
+    return {
+        "pcp_rank": meta.pcp_rank,
+        "tp_rank": groups.coords.tp_rank,
+        "max_abs_err": err,
+        "work": work,
+        "restored": placed,
+        "comm": comm,
+        "expected": pcp_comm_bytes(
+            meta.num_tokens, kh.stop - kh.start, head_dim, cfg.pcp, elem_bytes=e
+        ),
+        "restore_comm": restore_comm,
+        "restore_expected": pcp_restore_bytes(meta.num_tokens, out[0].numel() * e, cfg.pcp),
+    }

@@ -14,6 +14,7 @@ rows included, so every rank holds the same number of rows and a plain all-gathe
 them.  :class:`PCPMetadata` is what one rank needs for attention: true global ``positions``
 (for RoPE), per-chunk ``query_lens`` and ``key_lens``, the padding mask and the restore order.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -23,8 +24,17 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["LAYOUTS", "Segment", "PCPPartition", "PCPMetadata", "pcp_partition", "zigzag_partition",
-           "padded_len", "causal_work", "causal_pairs"]
+__all__ = [
+    "LAYOUTS",
+    "Segment",
+    "PCPPartition",
+    "PCPMetadata",
+    "pcp_partition",
+    "zigzag_partition",
+    "padded_len",
+    "causal_work",
+    "causal_pairs",
+]
 
 LAYOUTS = ("zigzag", "contiguous", "striped")
 
@@ -32,8 +42,10 @@ LAYOUTS = ("zigzag", "contiguous", "striped")
 def _lens(seq_lens: int | Sequence[int]) -> tuple[int, ...]:
     lens = (seq_lens,) if isinstance(seq_lens, int) else tuple(seq_lens)
     if not lens or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in lens):
-        raise ValueError(f"[pcp-seq-lens] requires one or more positive integer request lengths; "
-                         f"got seq_lens={seq_lens!r}")
+        raise ValueError(
+            f"[pcp-seq-lens] requires one or more positive integer request lengths; "
+            f"got seq_lens={seq_lens!r}"
+        )
     return lens
 
 
@@ -44,7 +56,9 @@ def _offsets(lens: Sequence[int]) -> list[int]:
 
 def _check(pcp_size: int, layout: str) -> None:
     if isinstance(pcp_size, bool) or not isinstance(pcp_size, int) or pcp_size < 1:
-        raise ValueError(f"[pcp-size] requires a positive integer pcp_size; got pcp_size={pcp_size!r}")
+        raise ValueError(
+            f"[pcp-size] requires a positive integer pcp_size; got pcp_size={pcp_size!r}"
+        )
     if layout not in LAYOUTS:
         raise ValueError(f"[pcp-layout] requires layout in {LAYOUTS}; got layout={layout!r}")
 
@@ -66,7 +80,8 @@ def causal_pairs(start: int, end: int, seq_len: int) -> int:
 
 @dataclass(frozen=True)
 class Segment:
-    """Positions ``[start, end)`` of request ``request``, held at local rows ``[row, row + end - start)``."""
+    """Positions ``[start, end)`` of request ``request``, held at local rows
+    ``[row, row + end - start)``."""
 
     request: int
     start: int
@@ -133,7 +148,7 @@ class PCPMetadata:
 
 @dataclass(frozen=True)
 class PCPPartition:
-    """A batch of prefill requests partitioned over ``pcp_size`` ranks (see the module docstring)."""
+    """A batch of prefill requests partitioned over ``pcp_size`` ranks (module docstring)."""
 
     seq_lens: tuple[int, ...]
     pcp_size: int
@@ -156,8 +171,10 @@ class PCPPartition:
     def pad(self) -> int:
         """Padding tokens of a single-request partition."""
         if len(self.seq_lens) != 1:
-            raise ValueError(f"[single-request] requires one request for .pad (use .pads); "
-                             f"got seq_lens={self.seq_lens}")
+            raise ValueError(
+                f"[single-request] requires one request for .pad (use .pads); "
+                f"got seq_lens={self.seq_lens}"
+            )
         return self.pads[0]
 
     @property
@@ -188,8 +205,10 @@ class PCPPartition:
         request-major concatenation (for one request: the global positions; padding
         tokens are those ``>= seq_len``)."""
         offs = _offsets(self.padded_lens)
-        return [[offs[s.request] + p for s in segs for p in range(s.start, s.end)]
-                for segs in self.segments]
+        return [
+            [offs[s.request] + p for s in segs for p in range(s.start, s.end)]
+            for segs in self.segments
+        ]
 
     @cached_property
     def restore_index(self) -> torch.Tensor:
@@ -202,20 +221,25 @@ class PCPPartition:
             for s in segs:
                 e = min(s.end, self.seq_lens[s.request])
                 if e > s.start:
-                    idx[cu[s.request] + s.start: cu[s.request] + e] = torch.arange(
-                        rank * t + s.row, rank * t + s.row + e - s.start)
+                    idx[cu[s.request] + s.start : cu[s.request] + e] = torch.arange(
+                        rank * t + s.row, rank * t + s.row + e - s.start
+                    )
         return idx
 
     def work(self) -> list[int]:
         """Causal (query, key) pairs per head each rank computes (padding excluded)."""
-        return [sum(causal_pairs(s.start, s.end, self.seq_lens[s.request]) for s in segs)
-                for segs in self.segments]
+        return [
+            sum(causal_pairs(s.start, s.end, self.seq_lens[s.request]) for s in segs)
+            for segs in self.segments
+        ]
 
     def metadata(self, pcp_rank: int) -> PCPMetadata:
         """What PCP rank ``pcp_rank`` needs to run its part of the prefill."""
         if not 0 <= pcp_rank < self.pcp_size:
-            raise ValueError(f"[pcp-rank] requires 0 <= pcp_rank < pcp_size; got pcp_rank={pcp_rank}, "
-                             f"pcp_size={self.pcp_size}")
+            raise ValueError(
+                f"[pcp-rank] requires 0 <= pcp_rank < pcp_size; got pcp_rank={pcp_rank}, "
+                f"pcp_size={self.pcp_size}"
+            )
         segs = self.segments[pcp_rank]
         cu = _offsets(self.seq_lens)
         pos = torch.cat([torch.arange(s.start, s.end) for s in segs])
@@ -223,11 +247,24 @@ class PCPPartition:
         lens = torch.tensor(self.seq_lens)[req]
         pad = pos >= lens
         index = torch.where(pad, -1, torch.tensor(cu)[req] + pos)
-        return PCPMetadata(pcp_rank, self.pcp_size, self.layout, self.seq_lens, segs,
-                           self.tokens_per_rank, pos, req, index, pad, self.restore_index)
+        return PCPMetadata(
+            pcp_rank,
+            self.pcp_size,
+            self.layout,
+            self.seq_lens,
+            segs,
+            self.tokens_per_rank,
+            pos,
+            req,
+            index,
+            pad,
+            self.restore_index,
+        )
 
 
-def pcp_partition(seq_lens: int | Sequence[int], pcp_size: int, layout: str = "zigzag") -> PCPPartition:
+def pcp_partition(
+    seq_lens: int | Sequence[int], pcp_size: int, layout: str = "zigzag"
+) -> PCPPartition:
     """Partition one request (``int``) or a batch (sequence of lengths) over ``pcp_size`` ranks."""
     return PCPPartition(_lens(seq_lens), pcp_size, layout)
 

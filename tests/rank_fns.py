@@ -1,4 +1,5 @@
 """Per-rank functions the tests run on both backends (importable by torchrun workers)."""
+
 from __future__ import annotations
 
 import torch
@@ -38,7 +39,9 @@ def grid_groups(ctx: RankContext, tp: int, pcp: int, dcp: int) -> dict:
     pg = make_groups(ctx, RankGrid(tp, pcp, dcp))
     me = torch.tensor([float(ctx.rank)])
     return {k: [int(x) for x in getattr(pg, k).all_gather(me)] for k in ("tp", "pcp", "dcp")} | {
-        "dcp_rank": pg.coords.dcp_rank, "group_rank": pg.dcp.rank}
+        "dcp_rank": pg.coords.dcp_rank,
+        "group_rank": pg.dcp.rank,
+    }
 
 
 def fail_on_rank(ctx: RankContext, bad: int = 1) -> int:
@@ -54,3 +57,9 @@ def skip_collective(ctx: RankContext) -> int:
     if ctx.rank == 0:
         ctx.world.all_gather(torch.ones(1))
     return ctx.rank
+
+
+def echo_timeout(ctx: RankContext, *, timeout: int, threads: int) -> tuple[int, int]:
+    """Return the function's own ``timeout`` and ``threads`` (not the launcher's)."""
+    ctx.world.barrier()
+    return timeout, threads

@@ -1,4 +1,5 @@
 """attention: dense reference == fused SDPA path == merge of split key sets."""
+
 import math
 
 import pytest
@@ -11,8 +12,11 @@ from cpbook.attention import attention_with_lse, dense_attention, merge_attn_sta
 
 def _rand(seed, tq, tk, hq, hk, d, dv, dtype=torch.float64):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(tq, hq, d, generator=g, dtype=dtype), torch.randn(tk, hk, d, generator=g, dtype=dtype),
-            torch.randn(tk, hk, dv, generator=g, dtype=dtype))
+    return (
+        torch.randn(tq, hq, d, generator=g, dtype=dtype),
+        torch.randn(tk, hk, d, generator=g, dtype=dtype),
+        torch.randn(tk, hk, dv, generator=g, dtype=dtype),
+    )
 
 
 def _err(a, b):
@@ -23,9 +27,17 @@ def _err(a, b):
     return max(e, (la[fin] - lb[fin]).abs().max().item() if fin.any() else 0.0)
 
 
-shapes = st.tuples(st.integers(0, 9), st.integers(0, 40), st.sampled_from([(4, 1), (4, 2), (6, 3), (8, 8), (8, 2)]),
-                   st.sampled_from([8, 16]), st.sampled_from([8, 12, 16]), st.booleans(),
-                   st.integers(0, 40), st.integers(0, 40), st.integers(0, 2**31))
+shapes = st.tuples(
+    st.integers(0, 9),
+    st.integers(0, 40),
+    st.sampled_from([(4, 1), (4, 2), (6, 3), (8, 8), (8, 2)]),
+    st.sampled_from([8, 16]),
+    st.sampled_from([8, 12, 16]),
+    st.booleans(),
+    st.integers(0, 40),
+    st.integers(0, 40),
+    st.integers(0, 2**31),
+)
 
 
 @settings(max_examples=300, deadline=None)
@@ -33,7 +45,10 @@ shapes = st.tuples(st.integers(0, 9), st.integers(0, 40), st.sampled_from([(4, 1
 def test_fused_equals_dense_float64(s):
     tq, tk, (hq, hk), d, dv, causal, qo, ko, seed = s
     q, k, v = _rand(seed, tq, tk, hq, hk, d, dv)
-    assert _err(dense_attention(q, k, v, causal, qo, ko), attention_with_lse(q, k, v, causal, qo, ko)) <= 1e-10
+    assert (
+        _err(dense_attention(q, k, v, causal, qo, ko), attention_with_lse(q, k, v, causal, qo, ko))
+        <= 1e-10
+    )
 
 
 @settings(max_examples=200, deadline=None)
@@ -42,7 +57,10 @@ def test_merge_of_split_keys_equals_dense(s, cuts):
     tq, tk, (hq, hk), d, dv, causal, qo, ko, seed = s
     q, k, v = _rand(seed, tq, tk, hq, hk, d, dv)
     bounds = [0, *sorted(min(c, tk) for c in cuts), tk]  # repeated cuts make empty shards
-    parts = [attention_with_lse(q, k[a:b], v[a:b], causal, qo, ko + a) for a, b in zip(bounds, bounds[1:])]
+    parts = [
+        attention_with_lse(q, k[a:b], v[a:b], causal, qo, ko + a)
+        for a, b in zip(bounds, bounds[1:])
+    ]
     merged = merge_attn_states([p[0] for p in parts], [p[1] for p in parts])
     assert _err(dense_attention(q, k, v, causal, qo, ko), merged) <= 1e-10
 
@@ -66,7 +84,9 @@ def test_empty_and_fully_masked():
     out, lse = attention_with_lse(q, k, v)
     assert out.shape == (3, 4, 8) and not out.any() and torch.isneginf(lse).all()
     q, k, v = _rand(0, 3, 5, 4, 2, 8, 8)
-    out, lse = attention_with_lse(q, k, v, causal=True, q_offset=0, k_offset=10)  # all keys in the future
+    out, lse = attention_with_lse(
+        q, k, v, causal=True, q_offset=0, k_offset=10
+    )  # all keys in the future
     assert not out.any() and torch.isneginf(lse).all()
     o, l = merge_attn_states([out, out], [lse, lse])
     assert not o.any() and torch.isneginf(l).all()
@@ -75,7 +95,9 @@ def test_empty_and_fully_masked():
 def test_merge_treats_nan_lse_as_empty():
     q, k, v = _rand(0, 2, 6, 2, 2, 8, 8)
     a = attention_with_lse(q, k, v)
-    o, l = merge_attn_states([a[0], torch.full_like(a[0], 7.0)], [a[1], torch.full_like(a[1], float("nan"))])
+    o, l = merge_attn_states(
+        [a[0], torch.full_like(a[0], 7.0)], [a[1], torch.full_like(a[1], float("nan"))]
+    )
     assert _err(a, (o, l)) == 0.0
 
 

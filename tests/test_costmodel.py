@@ -42,6 +42,7 @@ def valid_layouts(model: cm.ModelSpec, max_tp: int = 128):
 
 # --------------------------------------------------------------- KV per token
 
+
 @pytest.mark.parametrize(
     "key, bf16, fp8",
     [
@@ -74,12 +75,19 @@ def test_kv_bytes_for_context_is_linear():
 
 # ---------------------------------------------------------------- replication
 
+
 @pytest.mark.parametrize(
     "key, tp, copies",
     [
-        ("DeepSeek-V3", 1, 1), ("DeepSeek-V3", 8, 8), ("Kimi-K2", 16, 16),
-        ("Llama-3.1-70B", 4, 1), ("Llama-3.1-70B", 8, 1), ("Llama-3.1-70B", 16, 2),
-        ("Llama-3.1-70B", 64, 8), ("Qwen3-235B-A22B", 8, 2), ("Qwen2.5-7B-1M", 28, 7),
+        ("DeepSeek-V3", 1, 1),
+        ("DeepSeek-V3", 8, 8),
+        ("Kimi-K2", 16, 16),
+        ("Llama-3.1-70B", 4, 1),
+        ("Llama-3.1-70B", 8, 1),
+        ("Llama-3.1-70B", 16, 2),
+        ("Llama-3.1-70B", 64, 8),
+        ("Qwen3-235B-A22B", 8, 2),
+        ("Qwen2.5-7B-1M", 28, 7),
     ],
 )
 def test_kv_replication(key, tp, copies):
@@ -97,6 +105,7 @@ def test_tp_group_holds_replication_copies_of_the_cache(key):
 
 
 # ------------------------------------------------------------------------ DCP
+
 
 @pytest.mark.parametrize("key", sorted(cm.MODELS))
 def test_dcp_divides_per_gpu_bytes_exactly(key):
@@ -133,6 +142,7 @@ def test_max_context_scales_with_dcp_up_to_rounding():
 
 # ---------------------------------------------------------- budget, monotone
 
+
 @settings(max_examples=60, deadline=None)
 @given(
     key=st.sampled_from(["DeepSeek-V3", "Llama-3.1-70B", "Qwen3-235B-A22B"]),
@@ -143,13 +153,21 @@ def test_max_context_scales_with_dcp_up_to_rounding():
 )
 def test_max_context_is_monotone(key, gpu_key, util, extra, reserve):
     model, gpu = cm.MODELS[key], cm.GPUS[gpu_key]
-    lo = cm.max_context_tokens(model, gpu, 8, 1, gpu_memory_utilization=util * (1 - extra),
-                               activation_reserve_bytes=reserve)
-    hi = cm.max_context_tokens(model, gpu, 8, 1, gpu_memory_utilization=util,
-                               activation_reserve_bytes=reserve)
+    lo = cm.max_context_tokens(
+        model,
+        gpu,
+        8,
+        1,
+        gpu_memory_utilization=util * (1 - extra),
+        activation_reserve_bytes=reserve,
+    )
+    hi = cm.max_context_tokens(
+        model, gpu, 8, 1, gpu_memory_utilization=util, activation_reserve_bytes=reserve
+    )
     assert 0 <= lo <= hi
-    less_reserve = cm.max_context_tokens(model, gpu, 8, 1, gpu_memory_utilization=util,
-                                         activation_reserve_bytes=reserve // 2)
+    less_reserve = cm.max_context_tokens(
+        model, gpu, 8, 1, gpu_memory_utilization=util, activation_reserve_bytes=reserve // 2
+    )
     assert less_reserve >= hi
     assert cm.max_context_tokens(model, gpu, 8, 1, "fp8", util, reserve) >= hi
 
@@ -178,6 +196,7 @@ def test_weights_per_gpu():
 
 # ---------------------------------------------------------------- ValueErrors
 
+
 @pytest.mark.parametrize(
     "call, match",
     [
@@ -191,15 +210,29 @@ def test_weights_per_gpu():
         (lambda: cm.kv_bytes_per_token_per_gpu(DSV3, 8, 0), r"\[positive-sizes\]"),
         (lambda: cm.kv_bytes_per_token_per_gpu(L70B, 8, 2), r"\[gqa-dcp-needs-replicated-kv\]"),
         (lambda: cm.kv_bytes_per_token_per_gpu(QWEN3, 8, 4), r"\[gqa-dcp-within-replicas\]"),
-        (lambda: cm.kv_bytes_per_token_per_gpu(cm.MODELS["Qwen2.5-7B-1M"], 28, 2),
-         r"\[gqa-q-per-kv-divisible-by-dcp\]"),
+        (
+            lambda: cm.kv_bytes_per_token_per_gpu(cm.MODELS["Qwen2.5-7B-1M"], 28, 2),
+            r"\[gqa-q-per-kv-divisible-by-dcp\]",
+        ),
         (lambda: cm.kv_bytes_per_token(L8B, "int4"), r"\[kv-dtype\]"),
         (lambda: cm.kv_bytes_for_context(L8B, -1), "non-negative int"),
-        (lambda: cm.kv_budget_bytes_per_gpu(L8B, cm.GPUS["H100"], 1, 0.0), "gpu_memory_utilization"),
-        (lambda: cm.kv_budget_bytes_per_gpu(L8B, cm.GPUS["H100"], 1, 1.5), "gpu_memory_utilization"),
-        (lambda: cm.kv_budget_bytes_per_gpu(L8B, cm.GPUS["H100"], 1, 0.9, -1), "activation_reserve"),
+        (
+            lambda: cm.kv_budget_bytes_per_gpu(L8B, cm.GPUS["H100"], 1, 0.0),
+            "gpu_memory_utilization",
+        ),
+        (
+            lambda: cm.kv_budget_bytes_per_gpu(L8B, cm.GPUS["H100"], 1, 1.5),
+            "gpu_memory_utilization",
+        ),
+        (
+            lambda: cm.kv_budget_bytes_per_gpu(L8B, cm.GPUS["H100"], 1, 0.9, -1),
+            "activation_reserve",
+        ),
         (lambda: cm.max_context_tokens(cm.MODELS["Kimi-K2"], cm.GPUS["H200"], 8), "does not fit"),
-        (lambda: cm.max_context_tokens(cm.MODELS["Llama-3.1-405B"], cm.GPUS["H100"], 8), "does not fit"),
+        (
+            lambda: cm.max_context_tokens(cm.MODELS["Llama-3.1-405B"], cm.GPUS["H100"], 8),
+            "does not fit",
+        ),
     ],
 )
 def test_invalid_arguments_raise_value_error_naming_the_rule(call, match):
@@ -210,11 +243,15 @@ def test_invalid_arguments_raise_value_error_naming_the_rule(call, match):
 def test_error_messages_name_the_numbers():
     with pytest.raises(ValueError) as err:
         cm.kv_bytes_per_token_per_gpu(QWEN3, 8, 4)
-    assert "decode_context_parallel_size=4" in str(err.value) and "tensor_parallel_size=8" in str(err.value) \
+    assert (
+        "decode_context_parallel_size=4" in str(err.value)
+        and "tensor_parallel_size=8" in str(err.value)
         and "num_kv_heads=4" in str(err.value)
+    )
 
 
 # ------------------------------------------------------------------- sources
+
 
 def bib_keys() -> set[str]:
     return set(re.findall(r"^@\w+\{([^,\s]+),", BIB.read_text(), flags=re.M))
@@ -248,12 +285,13 @@ def test_every_cited_key_in_the_book_pages_exists():
 
 # --------------------------------------------------------- appendix tables
 
+
 def appendix_table(name: str) -> list[dict[str, str]]:
     """Rows of the MyST table with ``:name: name``, as header -> cell text."""
     lines = APPENDIX.read_text().splitlines()
     start = lines.index(f":name: {name}")  # options, then the pipe table
     rows: list[list[str]] = []
-    for line in lines[start + 1:]:
+    for line in lines[start + 1 :]:
         if line.startswith("|"):
             rows.append([cell.strip() for cell in line.strip().strip("|").split("|")])
         elif rows:

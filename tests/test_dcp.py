@@ -1,4 +1,5 @@
 """dcp: GQA decode under TP × DCP is exact, both combines, and moves exactly the bytes predicted."""
+
 import random
 
 import pytest
@@ -7,8 +8,12 @@ import torch
 from cpbook.attention import dense_attention, merge_attn_states
 from cpbook.comm import RankContext
 from cpbook.config import ConfigError, ParallelConfig
-from cpbook.dcp import (correct_attn_out, decode_comm_bytes, gqa_decode_rank,
-                        kv_heads_of_rank, shard_kv_cache)
+from cpbook.dcp import (
+    correct_attn_out,
+    decode_comm_bytes,
+    gqa_decode_rank,
+    shard_kv_cache,
+)
 from cpbook.groups import RankGrid
 from cpbook.launch import run
 
@@ -23,8 +28,18 @@ def _check(res):
 
 
 # (tp, dcp, num_q_heads, num_kv_heads): DCP sizes 1-4 and the article's TP=6, DCP=3, 2 KV heads
-LAYOUTS = [(1, 1, 4, 2), (2, 1, 4, 2), (2, 2, 4, 1), (4, 2, 8, 2), (3, 3, 6, 1), (4, 4, 8, 1),
-           (4, 4, 16, 1), (6, 3, 12, 2), (6, 2, 12, 3), (8, 4, 16, 2)]
+LAYOUTS = [
+    (1, 1, 4, 2),
+    (2, 1, 4, 2),
+    (2, 2, 4, 1),
+    (4, 2, 8, 2),
+    (3, 3, 6, 1),
+    (4, 4, 8, 1),
+    (4, 4, 16, 1),
+    (6, 3, 12, 2),
+    (6, 2, 12, 3),
+    (8, 4, 16, 2),
+]
 
 
 def _cases(n: int, seed: int = 0):
@@ -34,42 +49,65 @@ def _cases(n: int, seed: int = 0):
         block = rng.choice([4, 8, 16])
         interleave = rng.choice([1, block, *[d for d in (2, 4) if block % d == 0]])
         lens = tuple(rng.choice([1, 2, 3, rng.randint(1, 90)]) for _ in range(rng.randint(1, 4)))
-        yield dict(tensor_parallel_size=tp, decode_context_parallel_size=dcp, num_q_heads=hq,
-                   num_kv_heads=hkv, head_dim=rng.choice([8, 16]), seq_lens=lens, block_size=block,
-                   cp_kv_cache_interleave_size=interleave, dcp_comm_backend=rng.choice(["ag_rs", "a2a"]),
-                   seed=rng.randint(0, 2**31))
+        yield dict(
+            tensor_parallel_size=tp,
+            decode_context_parallel_size=dcp,
+            num_q_heads=hq,
+            num_kv_heads=hkv,
+            head_dim=rng.choice([8, 16]),
+            seq_lens=lens,
+            block_size=block,
+            cp_kv_cache_interleave_size=interleave,
+            dcp_comm_backend=rng.choice(["ag_rs", "a2a"]),
+            seed=rng.randint(0, 2**31),
+        )
 
 
-@pytest.mark.parametrize("case", list(_cases(30)), ids=lambda c: "tp{tensor_parallel_size}-dcp"
-                         "{decode_context_parallel_size}-I{cp_kv_cache_interleave_size}-"
-                         "{dcp_comm_backend}-{seq_lens}".format(**c))
+@pytest.mark.parametrize(
+    "case",
+    list(_cases(30)),
+    ids=lambda c: (
+        "tp{tensor_parallel_size}-dcp"
+        "{decode_context_parallel_size}-I{cp_kv_cache_interleave_size}-"
+        "{dcp_comm_backend}-{seq_lens}".format(**c)
+    ),
+)
 def test_gqa_decode_exact_and_bytes_match_formula(case):
-    res = run(gqa_decode_rank, case["tensor_parallel_size"], report=False, **case)
+    res = run(gqa_decode_rank, case["tensor_parallel_size"], fn_kwargs=case, report=False)
     _check(res)
     n = case["decode_context_parallel_size"]
     for i, L in enumerate(case["seq_lens"]):  # each token is stored once in its DCP group
         for g in range(case["tensor_parallel_size"] // n):
-            assert sum(r["local_tokens"][i] for r in res[g * n:(g + 1) * n]) == L
+            assert sum(r["local_tokens"][i] for r in res[g * n : (g + 1) * n]) == L
 
 
 def test_article_example_shapes_and_empty_shards():
     """TP=6, DCP=3, 2 KV heads, 12 query heads: (1, 2) -> (1, 6) -> (1, 2); a 2-token request
     leaves one rank of each group empty, and nothing turns into NaN."""
     for backend in ("ag_rs", "a2a"):
-        res = run(gqa_decode_rank, 6, seq_lens=(48, 2), dcp_comm_backend=backend, report=False)
+        res = run(
+            gqa_decode_rank,
+            6,
+            fn_kwargs=dict(seq_lens=(48, 2), dcp_comm_backend=backend),
+            report=False,
+        )
         _check(res)
         assert [r["kv_head"] for r in res] == [0, 0, 0, 1, 1, 1]
         assert [r["local_tokens"] for r in res] == [[16, 1], [16, 1], [16, 0]] * 2
         s = res[0]["shapes"]
-        assert (s["q"], s["q_gathered"], s["out_partial"], s["out"]) == ((2, 2, 16), (2, 6, 16), (2, 6, 16),
-                                                                         (2, 2, 16))
+        assert (s["q"], s["q_gathered"], s["out_partial"], s["out"]) == (
+            (2, 2, 16),
+            (2, 6, 16),
+            (2, 6, 16),
+            (2, 2, 16),
+        )
         assert s["kv_local"] == [(16, 1, 16), (1, 1, 16)]
 
 
 def test_bytes_do_not_grow_with_context():
     sent = []
     for L in (8, 64, 512):
-        res = run(gqa_decode_rank, 6, seq_lens=(L, L), report=False)
+        res = run(gqa_decode_rank, 6, fn_kwargs=dict(seq_lens=(L, L)), report=False)
         _check(res)
         sent.append([c.bytes_sent for c in res.traces[0]])
     assert sent[0] == sent[1] == sent[2]
@@ -78,16 +116,33 @@ def test_bytes_do_not_grow_with_context():
 
 
 def test_float32_inputs():
-    res = run(gqa_decode_rank, 4, tensor_parallel_size=4, decode_context_parallel_size=4, num_q_heads=8,
-              num_kv_heads=1, seq_lens=(300, 3), dtype="float32", report=False)
+    res = run(
+        gqa_decode_rank,
+        4,
+        fn_kwargs=dict(
+            tensor_parallel_size=4,
+            decode_context_parallel_size=4,
+            num_q_heads=8,
+            num_kv_heads=1,
+            seq_lens=(300, 3),
+            dtype="float32",
+        ),
+        report=False,
+    )
     assert max(r["max_abs_err"] for r in res) <= 1e-5
     assert all(r["comm"] == r["expected"] for r in res)
 
 
+@pytest.mark.torchrun
 @pytest.mark.parametrize("backend", ["ag_rs", "a2a"])
 def test_article_example_under_torchrun(backend):
-    res = run(gqa_decode_rank, 6, backend="torchrun", seq_lens=(48, 5, 2), dcp_comm_backend=backend,
-              report=False)
+    res = run(
+        gqa_decode_rank,
+        6,
+        fn_kwargs=dict(seq_lens=(48, 5, 2), dcp_comm_backend=backend),
+        backend="torchrun",
+        report=False,
+    )
     _check(res)
     assert res.dist_backend == "gloo"
 
@@ -135,17 +190,42 @@ def test_shard_kv_cache_stores_each_token_once():
 
 
 def test_invalid_layouts_rejected_before_any_collective():
-    ctx = RankContext(0, 4, "inline", torch.device("cpu"))  # no simulated world: a collective would fail
-    bad = [dict(tensor_parallel_size=4, decode_context_parallel_size=4, num_q_heads=8, num_kv_heads=2),
-           dict(tensor_parallel_size=4, decode_context_parallel_size=3, num_q_heads=12, num_kv_heads=1),
-           dict(tensor_parallel_size=4, decode_context_parallel_size=2, num_q_heads=4, num_kv_heads=4),
-           dict(tensor_parallel_size=12, decode_context_parallel_size=4, num_q_heads=12, num_kv_heads=2),
-           dict(tensor_parallel_size=4, decode_context_parallel_size=2, num_q_heads=8, num_kv_heads=1,
-                cp_kv_cache_interleave_size=3, block_size=8),
-           dict(tensor_parallel_size=4, decode_context_parallel_size=2, num_q_heads=8, num_kv_heads=1,
-                dcp_comm_backend="ring")]
-    rules = ["gqa-dcp-within-replicas", "tp-divisible-by-dcp", "gqa-dcp-needs-replicated-kv",
-             "gqa-q-per-kv-divisible-by-dcp", "block-size-divisible-by-interleave", "comm-backend"]
+    ctx = RankContext(
+        0, 4, "inline", torch.device("cpu")
+    )  # no simulated world: a collective would fail
+    bad = [
+        dict(tensor_parallel_size=4, decode_context_parallel_size=4, num_q_heads=8, num_kv_heads=2),
+        dict(
+            tensor_parallel_size=4, decode_context_parallel_size=3, num_q_heads=12, num_kv_heads=1
+        ),
+        dict(tensor_parallel_size=4, decode_context_parallel_size=2, num_q_heads=4, num_kv_heads=4),
+        dict(
+            tensor_parallel_size=12, decode_context_parallel_size=4, num_q_heads=12, num_kv_heads=2
+        ),
+        dict(
+            tensor_parallel_size=4,
+            decode_context_parallel_size=2,
+            num_q_heads=8,
+            num_kv_heads=1,
+            cp_kv_cache_interleave_size=3,
+            block_size=8,
+        ),
+        dict(
+            tensor_parallel_size=4,
+            decode_context_parallel_size=2,
+            num_q_heads=8,
+            num_kv_heads=1,
+            dcp_comm_backend="ring",
+        ),
+    ]
+    rules = [
+        "gqa-dcp-within-replicas",
+        "tp-divisible-by-dcp",
+        "gqa-dcp-needs-replicated-kv",
+        "gqa-q-per-kv-divisible-by-dcp",
+        "block-size-divisible-by-interleave",
+        "comm-backend",
+    ]
     for kwargs, rule in zip(bad, rules):
         with pytest.raises(ConfigError) as e:
             gqa_decode_rank(ctx, **kwargs)
@@ -160,9 +240,16 @@ def test_dcp_group_must_share_one_kv_head():
     assert grid.group_of("dcp", 4) == [4, 5, 6, 7]
     assert [t // (12 // 2) for t in (4, 5, 6, 7)] == [0, 0, 1, 1]  # KV head of each TP rank
     with pytest.raises(ConfigError, match=r"\[gqa-dcp-group-shares-kv-head\]"):
-        ParallelConfig(tensor_parallel_size=12, decode_context_parallel_size=4, num_q_heads=24, num_kv_heads=2)
+        ParallelConfig(
+            tensor_parallel_size=12, decode_context_parallel_size=4, num_q_heads=24, num_kv_heads=2
+        )
     ctx = RankContext(0, 12, "inline", torch.device("cpu"))
     with pytest.raises(ConfigError, match="gqa-dcp-group-shares-kv-head"):
-        gqa_decode_rank(ctx, tensor_parallel_size=12, decode_context_parallel_size=4, num_q_heads=24,
-                        num_kv_heads=2)
+        gqa_decode_rank(
+            ctx,
+            tensor_parallel_size=12,
+            decode_context_parallel_size=4,
+            num_q_heads=24,
+            num_kv_heads=2,
+        )
     assert len(ctx.trace) == 0

@@ -1,4 +1,5 @@
 """groups: vLLM's documented DCP layouts, and the groups built on real ranks."""
+
 import pytest
 
 from cpbook.config import ConfigError, ParallelConfig
@@ -36,7 +37,9 @@ def test_tp_and_pcp_groups_and_coords():
     assert g.pcp_groups() == [[0, 4], [1, 5], [2, 6], [3, 7]]
     c = g.coords(6)
     assert (c.pcp_rank, c.tp_rank, c.dcp_rank) == (1, 2, 0)
-    assert RankGrid.from_config(ParallelConfig(2, 2, 2, num_q_heads=4, num_kv_heads=4)).dcp_groups() == [[0, 2], [1, 3]]
+    assert RankGrid.from_config(
+        ParallelConfig(2, 2, 2, num_q_heads=4, num_kv_heads=4)
+    ).dcp_groups() == [[0, 2], [1, 3]]
 
 
 def test_bad_grids():
@@ -48,9 +51,11 @@ def test_bad_grids():
         RankGrid(2).groups("ep")
 
 
-@pytest.mark.parametrize("backend", ["inline", "torchrun"])
+@pytest.mark.parametrize(
+    "backend", ["inline", pytest.param("torchrun", marks=pytest.mark.torchrun)]
+)
 def test_groups_on_ranks(backend):
-    res = run(grid_groups, 4, backend=backend, tp=2, pcp=2, dcp=4, report=False)
+    res = run(grid_groups, 4, fn_kwargs=dict(tp=2, pcp=2, dcp=4), backend=backend, report=False)
     assert [r["tp"] for r in res] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     assert [r["pcp"] for r in res] == [[0, 2], [1, 3], [0, 2], [1, 3]]
     assert all(r["dcp"] == [0, 2, 1, 3] for r in res)  # group order kept (not sorted)

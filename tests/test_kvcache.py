@@ -1,4 +1,5 @@
 """cpbook.kvcache and cpbook.kvmanager: vLLM's slot mapping, the paged store, the allocator."""
+
 from __future__ import annotations
 
 import pytest
@@ -6,10 +7,18 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cpbook.config import ConfigError, ParallelConfig
-from cpbook.kvcache import (PAD_SLOT_ID, KVCacheManager, PagedKVCache, block_fill, local_positions,
-                            local_seq_len, num_virtual_blocks, owner_rank, reconstruct_kv, slot_mapping,
-                            transfer_plan)
+from cpbook.kvcache import (
+    PAD_SLOT_ID,
+    PagedKVCache,
+    block_fill,
+    kvcache_rank,
+    local_positions,
+    local_seq_len,
+    num_virtual_blocks,
+    owner_rank,
+    slot_mapping,
+    transfer_plan,
+)
 from cpbook.launch import run
 
 PROPERTY = settings(max_examples=500, deadline=None)
@@ -32,7 +41,9 @@ def _table(seq_len: int, block_size: int, dcp: int, seed: int) -> torch.Tensor:
 # -- the examples the book quotes ---------------------------------------------------------
 def test_vllm_hand_example():
     """tests/v1/worker/test_block_table_slot_mapping.py: dcp 2, rank 1, blocks [5, 6], B 16."""
-    slots = slot_mapping(torch.arange(64), [5, 6], block_size=16, dcp_size=2, dcp_rank=1, interleave=1)
+    slots = slot_mapping(
+        torch.arange(64), [5, 6], block_size=16, dcp_size=2, dcp_rank=1, interleave=1
+    )
     assert slots[[1, 3, 5, 33]].tolist() == [80, 81, 82, 96]
     assert (slots[0::2] == PAD_SLOT_ID).all()
 
@@ -60,8 +71,10 @@ def test_interleave_equal_block_size_leaves_at_most_one_partial_block(layout):
     dcp, _, block_size, seq_len, _ = layout
     fill = transfer_plan(seq_len, block_size, dcp, block_size).fill
     assert int(((fill > 0) & (fill < block_size)).sum()) <= 1
-    assert transfer_plan(seq_len, block_size, dcp, block_size).bytes_sent <= \
-        transfer_plan(seq_len, block_size, dcp, 1).bytes_sent
+    assert (
+        transfer_plan(seq_len, block_size, dcp, block_size).bytes_sent
+        <= transfer_plan(seq_len, block_size, dcp, 1).bytes_sent
+    )
 
 
 # -- properties of the layout -----------------------------------------------------------------
@@ -80,7 +93,10 @@ def test_every_token_owned_by_exactly_one_rank(layout):
 def test_local_lengths_sum_and_match_vllm(layout):
     dcp, inter, bs, n, _ = layout
     table = _table(n, bs, dcp, 1)
-    counts = [int((slot_mapping(torch.arange(n), table, bs, dcp, r, inter) != PAD_SLOT_ID).sum()) for r in range(dcp)]
+    counts = [
+        int((slot_mapping(torch.arange(n), table, bs, dcp, r, inter) != PAD_SLOT_ID).sum())
+        for r in range(dcp)
+    ]
     assert counts == [local_seq_len(n, dcp, r, inter) for r in range(dcp)]
     assert sum(counts) == n and max(counts) - min(counts) <= inter
     lens = torch.arange(n + 1)
@@ -97,9 +113,15 @@ def test_slots_unique_dense_and_inside_request_blocks(layout):
     mine = slots[slots != PAD_SLOT_ID]
     assert mine.unique().numel() == mine.numel()
     assert torch.isin(torch.div(mine, bs, rounding_mode="floor"), table).all()
-    cache = PagedKVCache(int(table.max()) + 1 if n else 1, bs, 1, 1, dcp_size=dcp, dcp_rank=r, interleave=inter)
-    assert torch.equal(mine, cache.local_slots(table, n))  # position order == slot order, blocks filled densely
-    assert torch.equal(torch.nonzero(slots != PAD_SLOT_ID).flatten(), local_positions(n, dcp, r, inter))
+    cache = PagedKVCache(
+        int(table.max()) + 1 if n else 1, bs, 1, 1, dcp_size=dcp, dcp_rank=r, interleave=inter
+    )
+    assert torch.equal(
+        mine, cache.local_slots(table, n)
+    )  # position order == slot order, blocks filled densely
+    assert torch.equal(
+        torch.nonzero(slots != PAD_SLOT_ID).flatten(), local_positions(n, dcp, r, inter)
+    )
 
 
 @given(layouts(max_len=200), st.booleans())
@@ -112,10 +134,18 @@ def test_write_then_read_reconstructs_exactly(layout, mla):
     v = None if mla else torch.randn(n, heads, 4, generator=gen, dtype=torch.float64)
     table = _table(n, bs, dcp, 3)
     num_blocks = int(table.max()) + 1 if n else 1
-    got_k, got_v, seen = torch.full_like(k, float("nan")), None if mla else torch.full_like(v, float("nan")), []
+    got_k, got_v, seen = (
+        torch.full_like(k, float("nan")),
+        None if mla else torch.full_like(v, float("nan")),
+        [],
+    )
     for r in range(dcp):
-        cache = PagedKVCache(num_blocks, bs, heads, dim, 0 if mla else 4, dcp_size=dcp, dcp_rank=r, interleave=inter)
-        assert cache.write(k, v, cache.slot_mapping(torch.arange(n), table)) == local_seq_len(n, dcp, r, inter)
+        cache = PagedKVCache(
+            num_blocks, bs, heads, dim, 0 if mla else 4, dcp_size=dcp, dcp_rank=r, interleave=inter
+        )
+        assert cache.write(k, v, cache.slot_mapping(torch.arange(n), table)) == local_seq_len(
+            n, dcp, r, inter
+        )
         lk, lv, pos = cache.read(table, n)
         got_k[pos] = lk
         if not mla:
@@ -127,101 +157,60 @@ def test_write_then_read_reconstructs_exactly(layout, mla):
     assert torch.equal(got_k, k) and (mla or torch.equal(got_v, v))
 
 
-# -- the allocator ----------------------------------------------------------------------------
-ops = st.lists(st.tuples(st.sampled_from(["alloc", "append", "free"]), st.integers(0, 5),
-                         st.integers(0, 90), st.integers(0, 2)), max_size=25)
-
-
-@given(layouts(max_len=0), st.booleans(), ops)
-@PROPERTY
-def test_allocator_never_double_assigns(layout, caching, script):
-    dcp, inter, bs, _, _ = layout
-    m = KVCacheManager(24, bs, dcp, inter, enable_prefix_caching=caching)
-    vb = m.virtual_block_size
-    for op, rid, n, prefix in script:
-        name = f"r{rid}"
-        try:
-            if op == "alloc" and name not in m.requests:
-                m.allocate(name, n, [prefix] * n)  # three prompt families share prefixes
-            elif op == "append" and name in m.requests:
-                m.append(name, n % 7 + 1, [prefix] * (n % 7 + 1))
-            elif op == "free" and name in m.requests:
-                m.free(name)
-        except ConfigError as e:
-            assert e.rule == "enough-free-blocks"
-        owners: dict[int, list] = {}
-        for req in m.requests.values():
-            assert len(req.blocks) == num_virtual_blocks(req.num_tokens, bs, dcp)
-            for b, blk in enumerate(req.blocks):
-                owners.setdefault(blk, []).append(req.token_ids[b * vb:(b + 1) * vb])
-        for blk, contents in owners.items():
-            assert m.ref_cnt[blk] == len(contents) and blk not in m.free_queue
-            if len(contents) > 1:  # shared only through the prefix cache: full, identical blocks
-                assert caching and all(c == contents[0] and len(c) == vb for c in contents)
-        assert len(owners) + m.num_free_blocks == m.num_blocks
-
-
-def test_prefix_hits_come_in_whole_virtual_blocks():
-    m = KVCacheManager.from_config(ParallelConfig(tensor_parallel_size=4, decode_context_parallel_size=4,
-                                                  cp_kv_cache_interleave_size=4, block_size=16, use_mla=True,
-                                                  num_q_heads=16, num_kv_heads=1), num_blocks=32,
-                                   enable_prefix_caching=True)
-    system = list(range(1000, 1150))  # 150 shared tokens: two full 64-token virtual blocks + 22
-    assert m.allocate("a", 200, system + [1] * 50).num_tokens == 0
-    hit = m.allocate("b", 180, system + [2] * 30)
-    assert (hit.num_blocks, hit.num_tokens) == (2, 128)
-    assert m.block_table("b")[:2].tolist() == m.block_table("a")[:2].tolist()
-    assert m.allocate("c", 128, system[:128]).num_blocks == 1  # the last token is always recomputed
-    m.free("a")
-    assert m.allocate("d", 200, system + [1] * 50).num_blocks == 3  # a's blocks stayed cached
-    assert m.stats == {"requests": 4, "query_tokens": 708, "hit_tokens": 384, "hit_blocks": 6}
-
-
-def test_allocator_memory_per_rank():
-    m = KVCacheManager(256, 16, 4, 1)
-    m.allocate("long", 8192)
-    assert len(m.block_table("long")) == 128
-    assert [u["tokens"] for u in m.rank_usage()] == [2048] * 4
-    assert all(u["blocks"] == 128 and u["fill"] == 1.0 for u in m.rank_usage())
-    assert m.append("long", 1) == [128] and m.rank_usage()[0]["tokens"] == 2049
-    with pytest.raises(ConfigError, match=r"\[enough-free-blocks\]"):
-        m.allocate("too-long", 128 * 64 + 1)
-    assert m.num_free_blocks == 127
-
-
 # -- bad input --------------------------------------------------------------------------------
-@pytest.mark.parametrize("call, rule", [
-    (lambda: slot_mapping([0], [0], 16, 4, 0, 3), "block-size-divisible-by-interleave"),
-    (lambda: slot_mapping([0], [0], 16, 4, 0, 32), "interleave-le-block-size"),
-    (lambda: slot_mapping([64], [0], 16, 4, 0, 1), "positions-within-block-table"),
-    (lambda: slot_mapping([-1], [0], 16, 4, 0, 1), "positions-non-negative"),
-    (lambda: slot_mapping([0], [0], 16, 4, 4, 1), "dcp-rank-in-range"),
-    (lambda: slot_mapping([0.5], [0], 16, 4, 0, 1), "integer-positions"),
-    (lambda: local_seq_len(-1, 4, 0, 1), "seq-len-non-negative"),
-    (lambda: local_seq_len(10, 4, -1, 1), "dcp-rank-in-range"),
-    (lambda: owner_rank([1], 0, 1), "positive-sizes"),
-    (lambda: PagedKVCache(2, 16, 1, 4).write(torch.zeros(1, 1, 4), torch.zeros(1, 1, 4), torch.tensor([32])),
-     "slot-in-cache"),
-    (lambda: PagedKVCache(2, 16, 1, 4, 0).write(torch.zeros(1, 1, 4), torch.zeros(1, 1, 4), torch.tensor([0])),
-     "kv-shape"),
-    (lambda: PagedKVCache(2, 16, 1, 4).read([0], 5), "read-written-slots"),
-    (lambda: KVCacheManager(4, 16, 2).free("nobody"), "known-request-id"),
-])
+@pytest.mark.parametrize(
+    "call, rule",
+    [
+        (lambda: slot_mapping([0], [0], 16, 4, 0, 3), "block-size-divisible-by-interleave"),
+        (lambda: slot_mapping([0], [0], 16, 4, 0, 32), "interleave-le-block-size"),
+        (lambda: slot_mapping([64], [0], 16, 4, 0, 1), "positions-within-block-table"),
+        (lambda: slot_mapping([-1], [0], 16, 4, 0, 1), "positions-non-negative"),
+        (lambda: slot_mapping([0], [0], 16, 4, 4, 1), "dcp-rank-in-range"),
+        (lambda: slot_mapping([0.5], [0], 16, 4, 0, 1), "integer-positions"),
+        (lambda: local_seq_len(-1, 4, 0, 1), "seq-len-non-negative"),
+        (lambda: local_seq_len(10, 4, -1, 1), "dcp-rank-in-range"),
+        (lambda: owner_rank([1], 0, 1), "positive-sizes"),
+        (
+            lambda: PagedKVCache(2, 16, 1, 4).write(
+                torch.zeros(1, 1, 4), torch.zeros(1, 1, 4), torch.tensor([32])
+            ),
+            "slot-in-cache",
+        ),
+        (
+            lambda: PagedKVCache(2, 16, 1, 4, 0).write(
+                torch.zeros(1, 1, 4), torch.zeros(1, 1, 4), torch.tensor([0])
+            ),
+            "kv-shape",
+        ),
+        (lambda: PagedKVCache(2, 16, 1, 4).read([0], 5), "read-written-slots"),
+    ],
+)
 def test_bad_input_names_the_rule(call, rule):
     with pytest.raises(ValueError, match=rf"^\[{rule}\] requires"):
         call()
 
 
 # -- distributed: the same per-rank function inline and on gloo ---------------------------------
-@pytest.mark.parametrize("backend, world, kwargs", [
-    ("inline", 4, {"seq_len": 203, "interleave": 4}),
-    ("inline", 3, {"seq_len": 2, "interleave": 1}),  # one rank stores nothing
-    ("torchrun", 4, {"seq_len": 203, "interleave": 16}),
-])
+@pytest.mark.parametrize(
+    "backend, world, kwargs",
+    [
+        ("inline", 4, {"seq_len": 203, "cp_kv_cache_interleave_size": 4}),
+        ("inline", 3, {"seq_len": 2, "cp_kv_cache_interleave_size": 1}),  # one rank stores nothing
+        pytest.param(
+            "torchrun",
+            4,
+            {"seq_len": 203, "cp_kv_cache_interleave_size": 16},
+            marks=pytest.mark.torchrun,
+        ),
+    ],
+)
 def test_reconstruction_on_ranks(backend, world, kwargs):
-    res = run(reconstruct_kv, world, backend, report=False, **kwargs)
+    res = run(kvcache_rank, world, backend, kwargs, report=False)
     n = kwargs["seq_len"]
     assert all(r["each_once"] and r["max_abs_err"] == 0.0 for r in res)
     assert sum(r["tokens"] for r in res) == n
-    assert all(abs(r["tokens"] - n / world) <= 16 for r in res)  # 1/N of the tokens, within one block
+    assert all(
+        abs(r["tokens"] - n / world) <= 16 for r in res
+    )  # 1/N of the tokens, within one block
     assert res.traces[0].count("all_gather") == 6
+    assert all(r["comm"] == r["expected"] for r in res)

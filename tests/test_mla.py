@@ -1,5 +1,6 @@
 """mla: absorbed decode (moves Q) and chunked context prefill (moves latent KV) are exact;
 the traced bytes equal the formulas; the measured crossover matches the analytic one."""
+
 import random
 
 import pytest
@@ -8,8 +9,17 @@ import torch
 from cpbook.attention import dense_attention
 from cpbook.config import ConfigError
 from cpbook.launch import run
-from cpbook.mla import (TinyMLA, context_chunk_len, context_gather_bytes, crossover_context_len,
-                        kv_move_bytes, mla_context_rank, mla_decode_rank, q_move_bytes, reorg_kvcache)
+from cpbook.mla import (
+    TinyMLA,
+    context_chunk_len,
+    context_gather_bytes,
+    crossover_context_len,
+    kv_move_bytes,
+    mla_context_rank,
+    mla_decode_rank,
+    q_move_bytes,
+    reorg_kvcache,
+)
 
 
 def _check(res):
@@ -29,7 +39,7 @@ def test_absorbed_form_equals_mha_form():
     k, v = mla.expand_kv(lat, heads)
     mha, mha_lse = dense_attention(torch.cat([qn, qp], -1), k, v, scale=mla.scale)
     q_lat = mla.absorb_q(qn, qp, heads)  # [2, 4, C+R] against one latent "KV head"
-    o, lse = dense_attention(q_lat, lat[:, None], lat[:, None, :mla.kv_lora_rank], scale=mla.scale)
+    o, lse = dense_attention(q_lat, lat[:, None], lat[:, None, : mla.kv_lora_rank], scale=mla.scale)
     assert (mla.v_up_proj(o, heads) - mha).abs().max() <= 1e-13
     assert (lse - mha_lse).abs().max() <= 1e-13
 
@@ -37,10 +47,10 @@ def test_absorbed_form_equals_mha_form():
 def test_reorg_kvcache_hand_example():
     """dcp=2, interleave 1, context 5: rank 0 holds 0, 2, 4; rank 1 holds 1, 3 (+1 pad row).
     The workspace is rank-major: positions 0, 2, 4, 1, 3 — not re-interleaved."""
-    rows = torch.tensor([[0.], [2.], [4.], [1.], [3.], [-1.]])
+    rows = torch.tensor([[0.0], [2.0], [4.0], [1.0], [3.0], [-1.0]])
     ws, cu = reorg_kvcache(rows, counts=[[3], [2]], padded=[3])
     assert ws.flatten().tolist() == [0, 2, 4, 1, 3] and cu == [0, 5]
-    rows = torch.tensor([[0.], [2.], [10.], [1.], [-1.], [-1.]])  # two requests: lens 3 and 1
+    rows = torch.tensor([[0.0], [2.0], [10.0], [1.0], [-1.0], [-1.0]])  # two requests: lens 3 and 1
     ws, cu = reorg_kvcache(rows, counts=[[2, 1], [1, 0]], padded=[2, 1])
     assert ws.flatten().tolist() == [0, 2, 1, 10] and cu == [0, 3, 4]
     with pytest.raises(ValueError, match="reorg-rows"):
@@ -54,24 +64,50 @@ def _cases(n, seed=0):
         block = rng.choice([4, 8])
         interleave = rng.choice([1, 2, block])
         nreq = rng.randint(1, 3)
-        yield dict(tensor_parallel_size=tp, decode_context_parallel_size=dcp, num_heads=tp * rng.choice([1, 2]),
-                   block_size=block, cp_kv_cache_interleave_size=interleave, seed=rng.randint(0, 2**31),
-                   lens=[rng.choice([1, 2, rng.randint(1, 70)]) for _ in range(nreq)],
-                   query_lens=[rng.randint(1, 4) for _ in range(nreq)],
-                   workspace=rng.choice([dcp * interleave * 3, 64, 256]),
-                   backend=rng.choice(["ag_rs", "a2a"]))
+        yield dict(
+            tensor_parallel_size=tp,
+            decode_context_parallel_size=dcp,
+            num_heads=tp * rng.choice([1, 2]),
+            block_size=block,
+            cp_kv_cache_interleave_size=interleave,
+            seed=rng.randint(0, 2**31),
+            lens=[rng.choice([1, 2, rng.randint(1, 70)]) for _ in range(nreq)],
+            query_lens=[rng.randint(1, 4) for _ in range(nreq)],
+            workspace=rng.choice([dcp * interleave * 3, 64, 256]),
+            backend=rng.choice(["ag_rs", "a2a"]),
+        )
 
 
-@pytest.mark.parametrize("case", list(_cases(16)), ids=lambda c: "tp{tensor_parallel_size}-dcp"
-                         "{decode_context_parallel_size}-I{cp_kv_cache_interleave_size}-{lens}".format(**c))
+@pytest.mark.parametrize(
+    "case",
+    list(_cases(16)),
+    ids=lambda c: (
+        "tp{tensor_parallel_size}-dcp"
+        "{decode_context_parallel_size}-I{cp_kv_cache_interleave_size}-{lens}".format(**c)
+    ),
+)
 def test_decode_and_context_exact_and_bytes_match_formula(case):
     case = dict(case)
-    lens, qlens, ws, backend = case.pop("lens"), case.pop("query_lens"), case.pop("workspace"), case.pop("backend")
+    lens, qlens, ws, backend = (
+        case.pop("lens"),
+        case.pop("query_lens"),
+        case.pop("workspace"),
+        case.pop("backend"),
+    )
     world = case["tensor_parallel_size"]
-    _check(run(mla_decode_rank, world, report=False, seq_lens=tuple(lens), dcp_comm_backend=backend, **case))
-    ctx_lens = tuple(x - 1 if i % 2 else x for i, x in enumerate(lens))  # some requests without context
-    res = run(mla_context_rank, world, report=False, context_lens=ctx_lens, query_lens=tuple(qlens),
-              workspace_size=ws, **case)
+    _check(
+        run(
+            mla_decode_rank,
+            world,
+            fn_kwargs=dict(seq_lens=tuple(lens), dcp_comm_backend=backend, **case),
+            report=False,
+        )
+    )
+    ctx_lens = tuple(
+        x - 1 if i % 2 else x for i, x in enumerate(lens)
+    )  # some requests without context
+    kw = dict(context_lens=ctx_lens, query_lens=tuple(qlens), workspace_size=ws, **case)
+    res = run(mla_context_rank, world, fn_kwargs=kw, report=False)
     _check(res)
     assert all(rows <= ws for rows in res[0]["stats"]["rows_per_chunk"])
 
@@ -85,13 +121,21 @@ def test_workspace_too_small_is_rejected():
 def test_measured_crossover_matches_formula():
     """Per rank, one decode token: moving Q costs a fixed amount; moving the latent context KV
     grows with L.  The first context length where KV costs more is the analytic crossover."""
-    kw = dict(tensor_parallel_size=4, decode_context_parallel_size=4, num_heads=8, report=False)
-    q_bytes = sum(b for _, b in run(mla_decode_rank, 4, seq_lens=(64,), **kw)[0]["comm"])
+    kw = dict(tensor_parallel_size=4, decode_context_parallel_size=4, num_heads=8)
+    dec = run(mla_decode_rank, 4, fn_kwargs=dict(seq_lens=(64,), **kw), report=False)
+    q_bytes = sum(b for _, b in dec[0]["comm"])
     assert q_bytes == q_move_bytes(1, 2, 32, 8, 4, elem_bytes=8, lse_bytes=8)
     measured = None
     for ctx_len in range(1, 40):
-        kv = sum(b for _, b in run(mla_context_rank, 4, context_lens=(ctx_len,), query_lens=(1,),
-                                   workspace_size=256, **kw)[0]["comm"])
+        kv = sum(
+            b
+            for _, b in run(
+                mla_context_rank,
+                4,
+                fn_kwargs=dict(context_lens=(ctx_len,), query_lens=(1,), workspace_size=256, **kw),
+                report=False,
+            )[0]["comm"]
+        )
         assert kv == sum(context_gather_bytes((ctx_len,), 256, 4, 1, 40))
         if kv > q_bytes:
             measured = ctx_len
@@ -104,7 +148,29 @@ def test_measured_crossover_matches_formula():
     assert measured == 13
 
 
+@pytest.mark.torchrun
 def test_mla_under_torchrun():
-    _check(run(mla_decode_rank, 4, backend="torchrun", report=False, seq_lens=(40, 5, 2)))
-    _check(run(mla_context_rank, 2, backend="torchrun", report=False, tensor_parallel_size=2,
-               decode_context_parallel_size=2, context_lens=(40, 3), query_lens=(2, 1), workspace_size=16))
+    _check(
+        run(
+            mla_decode_rank,
+            4,
+            fn_kwargs=dict(seq_lens=(40, 5, 2)),
+            backend="torchrun",
+            report=False,
+        )
+    )
+    _check(
+        run(
+            mla_context_rank,
+            2,
+            fn_kwargs=dict(
+                tensor_parallel_size=2,
+                decode_context_parallel_size=2,
+                context_lens=(40, 3),
+                query_lens=(2, 1),
+                workspace_size=16,
+            ),
+            backend="torchrun",
+            report=False,
+        )
+    )

@@ -1,4 +1,5 @@
-"""pcp / zigzag: partition properties, exact causal work, exact PCP prefill inline and under torchrun."""
+"""pcp / zigzag: partitions, exact causal work, exact PCP prefill inline and under torchrun."""
+
 import math
 
 import pytest
@@ -6,13 +7,26 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cpbook.attention import dense_attention
+from cpbook.attention import dense_attention, rope
 from cpbook.groups import RankGrid
 from cpbook.launch import run
-from cpbook.pcp import (LAYOUTS, causal_pairs, causal_work, padded_len,
-                        pcp_local_attention, pcp_partition, pcp_prefill_demo, pcp_shard, prefill_timing,
-                        rope, zigzag_partition)
-from cpbook.zigzag import PCPPartition
+from cpbook.pcp import (
+    pcp_comm_bytes,
+    pcp_local_attention,
+    pcp_prefill_rank,
+    pcp_restore_bytes,
+    pcp_shard,
+)
+from cpbook.timing import pcp_prefill_timing
+from cpbook.zigzag import (
+    LAYOUTS,
+    PCPPartition,
+    causal_pairs,
+    causal_work,
+    padded_len,
+    pcp_partition,
+    zigzag_partition,
+)
 
 
 # ------------------------------------------------------------------ the article's examples
@@ -55,7 +69,9 @@ def test_partition_properties(lens, pcp, layout):
     # padding only at the end of each request, fewer than 2*pcp tokens of it
     for i, (n, pad) in enumerate(zip(part.seq_lens, part.pads)):
         assert 0 <= pad < 2 * pcp and (n + pad) % (2 * pcp) == 0
-        pad_toks = sorted(t - offs[i] for t in held if offs[i] <= t < offs[i + 1] and t - offs[i] >= n)
+        pad_toks = sorted(
+            t - offs[i] for t in held if offs[i] <= t < offs[i + 1] and t - offs[i] >= n
+        )
         assert pad_toks == list(range(n, n + pad))
     # restore_index puts the rank-major gather back in (unpadded) sequence order
     gathered = torch.tensor(held)
@@ -67,13 +83,17 @@ def test_partition_properties(lens, pcp, layout):
         assert m.num_tokens == part.tokens_per_rank == len(m.positions)
         assert int((~m.is_padding).sum()) == sum(m.query_lens)
         assert all(k == c + q for k, c, q in zip(m.key_lens, m.num_computed_tokens, m.query_lens))
-        assert torch.equal(gathered[r * m.num_tokens + torch.nonzero(~m.is_padding)[:, 0]],
-                           real[m.token_index[~m.is_padding]])
+        assert torch.equal(
+            gathered[r * m.num_tokens + torch.nonzero(~m.is_padding)[:, 0]],
+            real[m.token_index[~m.is_padding]],
+        )
     # causal work: totals are the full triangle; zigzag balanced up to the padding rows
     work = part.work()
     assert sum(work) == sum(n * (n + 1) // 2 for n in lens)
     if layout == "zigzag":
-        pad_rows = sum(causal_pairs(n, n + pad, n + pad) for n, pad in zip(part.seq_lens, part.pads))
+        pad_rows = sum(
+            causal_pairs(n, n + pad, n + pad) for n, pad in zip(part.seq_lens, part.pads)
+        )
         assert max(work) - min(work) <= pad_rows
         if all(p == 0 for p in part.pads):
             assert max(work) == min(work)
@@ -83,7 +103,10 @@ def test_partition_properties(lens, pcp, layout):
 @given(chunk=st.integers(1, 300), pcp=st.integers(1, 16))
 def test_zigzag_work_closed_form(chunk, pcp):
     # rank r: chunk r and chunk 2P-1-r, each c rows: c²(2P-1) + c(c+1) pairs, for every r
-    assert causal_work(2 * pcp * chunk, pcp, "zigzag") == [chunk ** 2 * (2 * pcp - 1) + chunk * (chunk + 1)] * pcp
+    assert (
+        causal_work(2 * pcp * chunk, pcp, "zigzag")
+        == [chunk**2 * (2 * pcp - 1) + chunk * (chunk + 1)] * pcp
+    )
 
 
 @settings(max_examples=100, deadline=None)
@@ -117,11 +140,22 @@ def test_bad_inputs():
 # ------------------------------------------------------------------ RoPE and local attention
 def test_rope_depends_on_relative_position_only():
     g = torch.Generator().manual_seed(1)
-    q, k = torch.randn(1, 2, 8, generator=g, dtype=torch.float64), torch.randn(1, 2, 8, generator=g, dtype=torch.float64)
-    dot = [(rope(q, torch.tensor([3 + s])) * rope(k, torch.tensor([s]))).sum().item() for s in (0, 5, 1000)]
+    q, k = (
+        torch.randn(1, 2, 8, generator=g, dtype=torch.float64),
+        torch.randn(1, 2, 8, generator=g, dtype=torch.float64),
+    )
+    dot = [
+        (rope(q, torch.tensor([3 + s])) * rope(k, torch.tensor([s]))).sum().item()
+        for s in (0, 5, 1000)
+    ]
     assert max(dot) - min(dot) < 1e-9  # query at s+3, key at s: the same score for every shift s
-    assert abs((rope(q, torch.tensor([3])) * rope(k, torch.tensor([0]))).sum().item()
-               - (rope(q, torch.tensor([4])) * rope(k, torch.tensor([0]))).sum().item()) > 1e-6
+    assert (
+        abs(
+            (rope(q, torch.tensor([3])) * rope(k, torch.tensor([0]))).sum().item()
+            - (rope(q, torch.tensor([4])) * rope(k, torch.tensor([0]))).sum().item()
+        )
+        > 1e-6
+    )
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -134,7 +168,9 @@ def test_local_attention_matches_dense(layout, lens, pcp):
     k, v = (torch.randn(n, 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
     part = pcp_partition(lens, pcp, layout)
     cu = part.metadata(0).cu_seq_lens
-    ref = torch.cat([dense_attention(q[a:b], k[a:b], v[a:b], causal=True)[0] for a, b in zip(cu, cu[1:])])
+    ref = torch.cat(
+        [dense_attention(q[a:b], k[a:b], v[a:b], causal=True)[0] for a, b in zip(cu, cu[1:])]
+    )
     for r in range(pcp):
         m = part.metadata(r)
         ql = pcp_shard(q, m)
@@ -145,52 +181,75 @@ def test_local_attention_matches_dense(layout, lens, pcp):
 
 
 # ------------------------------------------------------------------ PCP prefill on ranks
-def _check(res, layouts=("zigzag",)):
+def _check(res):
     for r in res:
-        for layout in layouts:
-            assert r[layout]["max_abs_err"] <= 1e-10 and r[layout]["restored"]
+        assert r["max_abs_err"] <= 1e-10 and r["restored"]
+        assert r["comm"] == r["expected"] and r["restore_comm"] == r["restore_expected"]
 
 
-@pytest.mark.parametrize("world,tp,lens", [(2, 1, (37, 64)), (3, 1, (50, 7, 1)), (4, 1, (1, 23)),
-                                           (4, 2, (45, 16)), (8, 2, (31, 5))])
-def test_pcp_prefill_inline(world, tp, lens):
-    res = run(pcp_prefill_demo, world, report=False, seq_lens=lens, tensor_parallel_size=tp,
-              layouts=LAYOUTS)
-    _check(res, LAYOUTS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize(
+    "world,tp,lens",
+    [(2, 1, (37, 64)), (3, 1, (50, 7, 1)), (4, 1, (1, 23)), (4, 2, (45, 16)), (8, 2, (31, 5))],
+)
+def test_pcp_prefill_inline(world, tp, lens, layout):
+    kw = dict(seq_lens=lens, tensor_parallel_size=tp, layout=layout)
+    res = run(pcp_prefill_rank, world, fn_kwargs=kw, report=False)
+    _check(res)
     pcp = world // tp
-    assert [r["zigzag"]["work"] for r in res] == [w for w in causal_work(lens, pcp) for _ in range(tp)]
-    # every collective is an all-gather in a PCP group: K/V once, the output once (restore)
+    assert [r["work"] for r in res] == [
+        w for w in causal_work(lens, pcp, layout) for _ in range(tp)
+    ]
+    # every collective is an all-gather in a PCP group: K and V per layer, the output once (restore)
     assert {(op, g) for op, g in res.traces[0].summary()} == {("all_gather", "pcp")}
+    assert [op for op, _ in res[0]["comm"]] == ["all_gather"] * 2 and len(
+        res[0]["restore_comm"]
+    ) == 1
 
 
 @settings(max_examples=15, deadline=None)
-@given(lens=st.lists(st.integers(1, 40), min_size=1, max_size=3), pcp=st.integers(2, 4),
-       kv=st.sampled_from([1, 2, 4]), seed=st.integers(0, 100))
+@given(
+    lens=st.lists(st.integers(1, 40), min_size=1, max_size=3),
+    pcp=st.integers(2, 4),
+    kv=st.sampled_from([1, 2, 4]),
+    seed=st.integers(0, 100),
+)
 def test_pcp_prefill_random_shapes(lens, pcp, kv, seed):
-    res = run(pcp_prefill_demo, pcp, report=False, seq_lens=tuple(lens), num_q_heads=4,
-              num_kv_heads=kv, head_dim=8, hidden_size=16, seed=seed)
-    _check(res)
+    kw = dict(
+        seq_lens=tuple(lens), num_q_heads=4, num_kv_heads=kv, head_dim=8, hidden_size=16, seed=seed
+    )
+    _check(run(pcp_prefill_rank, pcp, fn_kwargs=kw, report=False))
 
 
 def test_all_gather_bytes():
-    res = run(pcp_prefill_demo, 2, report=False, seq_lens=(10,), num_q_heads=4, num_kv_heads=2,
-              head_dim=8, hidden_size=16)
+    kw = dict(seq_lens=(10,), num_q_heads=4, num_kv_heads=2, head_dim=8, hidden_size=16)
+    res = run(pcp_prefill_rank, 2, fn_kwargs=kw, report=False)
     rows = padded_len(10, 2) // 2
-    kv_bytes = rows * 2 * (8 + 8) * 8  # rows x kv heads x (k dim + v dim) x float64
-    out_bytes = rows * 4 * 8 * 8  # rows x q heads x v dim
+    kv_bytes = rows * 2 * (8 + 8) * 8  # rows x kv heads x (k dim + v dim) x float64, per layer
+    out_bytes = rows * 4 * 8 * 8  # rows x q heads x v dim, once per forward (restore)
+    assert (
+        sum(b for _, b in res[0]["comm"])
+        == kv_bytes
+        == sum(b for _, b in pcp_comm_bytes(rows, 2, 8, 2))
+    )
+    assert (
+        pcp_restore_bytes(rows, 4 * 8 * 8, 2)
+        == res[0]["restore_comm"]
+        == [("all_gather", out_bytes)]
+    )
     assert res.traces[0].bytes_sent("all_gather", "pcp") == kv_bytes + out_bytes
 
 
+@pytest.mark.torchrun
 def test_pcp_prefill_torchrun():
-    res = run(pcp_prefill_demo, 4, backend="torchrun", report=False, seq_lens=(45, 16, 1),
-              tensor_parallel_size=2, layouts=("zigzag", "contiguous"))
-    _check(res, ("zigzag", "contiguous"))
-    res = run(pcp_prefill_demo, 3, backend="torchrun", report=False, seq_lens=(50, 7))
-    _check(res)
+    kw = dict(seq_lens=(45, 16, 1), tensor_parallel_size=2, layout="contiguous")
+    _check(run(pcp_prefill_rank, 4, "torchrun", kw, report=False))
+    _check(run(pcp_prefill_rank, 3, "torchrun", dict(seq_lens=(50, 7)), report=False))
 
 
-def test_prefill_timing_runs_inline():
-    res = run(prefill_timing, 2, report=False, seq_len=96, num_heads=2, head_dim=8, repeats=1)
+def test_pcp_prefill_timing_runs_inline():
+    kw = dict(seq_len=96, num_heads=2, head_dim=8, repeats=1)
+    res = run(pcp_prefill_timing, 2, fn_kwargs=kw, report=False)
     for r in res:
         assert r["zigzag_err"] < 1e-5 and r["contiguous_err"] < 1e-5
         assert {"single", "zigzag", "contiguous", "zigzag_cpu"} <= set(r)

@@ -4,10 +4,10 @@ Every figure is matplotlib, white background, labelled axes, the Okabe–Ito col
 palette, rendered to PNG in notebooks.  Functions return the ``Figure``; chapters call
 ``plt.show()`` (never a trailing ``;``, which nbval mishandles).
 """
+
 from __future__ import annotations
 
 import matplotlib
-
 import matplotlib.pyplot as plt
 
 __all__ = ["PALETTE", "rank_color", "style", "figure"]
@@ -23,14 +23,26 @@ def rank_color(rank: int) -> str:
 
 def style() -> None:
     """Apply the book's matplotlib style (idempotent)."""
-    matplotlib.rcParams.update({
-        "figure.facecolor": "white", "axes.facecolor": "white", "savefig.facecolor": "white",
-        "figure.dpi": 110, "savefig.dpi": 110, "font.size": 10, "axes.titlesize": 11,
-        "axes.spines.top": False, "axes.spines.right": False, "axes.grid": True,
-        "grid.alpha": 0.3, "axes.prop_cycle": matplotlib.cycler(color=PALETTE),
-        "legend.frameon": False, "figure.constrained_layout.use": True,
-        "svg.hashsalt": "cpbook", "image.cmap": "viridis",
-    })
+    matplotlib.rcParams.update(
+        {
+            "figure.facecolor": "white",
+            "axes.facecolor": "white",
+            "savefig.facecolor": "white",
+            "figure.dpi": 110,
+            "savefig.dpi": 110,
+            "font.size": 10,
+            "axes.titlesize": 11,
+            "axes.spines.top": False,
+            "axes.spines.right": False,
+            "axes.grid": True,
+            "grid.alpha": 0.3,
+            "axes.prop_cycle": matplotlib.cycler(color=PALETTE),
+            "legend.frameon": False,
+            "figure.constrained_layout.use": True,
+            "svg.hashsalt": "cpbook",
+            "image.cmap": "viridis",
+        }
+    )
 
 
 def figure(*args, **kwargs):

@@ -1,4 +1,5 @@
-"""Chapter 2 figures: token ownership, per-rank physical slots, P/D transfer waste, memory per GPU."""
+"""Chapter 2 figures: token ownership, per-rank slots, P/D transfer waste, memory per GPU."""
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -6,8 +7,8 @@ from typing import Sequence
 import torch
 from matplotlib.patches import Rectangle
 
-from . import figure, rank_color
 from ..kvcache import PagedKVCache, local_positions, num_virtual_blocks, owner_rank, transfer_plan
+from . import figure, rank_color
 
 __all__ = ["ownership_figure", "transfer_figure", "waste_figure", "memory_figure"]
 
@@ -20,13 +21,23 @@ def _width(n: int, cap: int = 16) -> int:
 def _cell(ax, x: float, y: float, color: str, text: str, fs: float, edge: str = "white") -> None:
     ax.add_patch(Rectangle((x, y), 1, 1, facecolor=color, edgecolor=edge, linewidth=1.0))
     if text:
-        ax.text(x + 0.5, y + 0.5, text, ha="center", va="center", fontsize=fs,
-                color="black" if color == "white" else "white")
+        ax.text(
+            x + 0.5,
+            y + 0.5,
+            text,
+            ha="center",
+            va="center",
+            fontsize=fs,
+            color="black" if color == "white" else "white",
+        )
 
 
 def _mark(ax, x: float, y: float) -> None:
-    ax.add_patch(Rectangle((x + 0.04, y + 0.04), 0.92, 0.92, fill=False, edgecolor="black",
-                           linewidth=2.2, zorder=5))
+    ax.add_patch(
+        Rectangle(
+            (x + 0.04, y + 0.04), 0.92, 0.92, fill=False, edgecolor="black", linewidth=2.2, zorder=5
+        )
+    )
 
 
 def _frame(ax, width: float, height: float, title: str) -> None:
@@ -42,8 +53,14 @@ def _frame(ax, width: float, height: float, title: str) -> None:
         ax.spines[s].set_visible(False)
 
 
-def ownership_figure(seq_len: int = 64, dcp_size: int = 4, interleave: int = 4, block_size: int = 16,
-                     block_table: Sequence[int] | None = None, highlight: Sequence[int] = (20, 27)):
+def ownership_figure(
+    seq_len: int = 64,
+    dcp_size: int = 4,
+    interleave: int = 4,
+    block_size: int = 16,
+    block_table: Sequence[int] | None = None,
+    highlight: Sequence[int] = (20, 27),
+):
     """Top: tokens ``0..seq_len-1`` coloured by owner rank, in rows of at most 16 (thick lines
     between virtual blocks).  Bottom: each rank's physical slots of the request, labelled with the
     token stored there (empty slots white) and the slot number.  ``highlight``: outlined tokens."""
@@ -51,50 +68,96 @@ def ownership_figure(seq_len: int = 64, dcp_size: int = 4, interleave: int = 4, 
     nb = num_virtual_blocks(seq_len, block_size, dcp_size)
     table = list(block_table) if block_table is not None else list(range(nb))
     w = _width(vb)
-    sw = block_size * min(nb, max(16 // block_size, 1)) if block_size <= 16 else 16  # whole blocks per row
+    sw = (
+        block_size * min(nb, max(16 // block_size, 1)) if block_size <= 16 else 16
+    )  # whole blocks per row
     rows, srows = -(-seq_len // w), -(-nb * block_size // sw)
-    gap, rgap = 1.75, 0.5  # drawn height of one row of slots (cells + slot numbers); space between ranks
+    gap, rgap = (
+        1.75,
+        0.5,
+    )  # drawn height of one row of slots (cells + slot numbers); space between ranks
     rank_h = srows * gap + rgap
     owners = owner_rank(torch.arange(seq_len), dcp_size, interleave).tolist()
     labels, fs, cell = seq_len <= 512, 9.5, 0.35  # cell: inches per drawn cell
     width = max(w, sw + 0.3 * max(sw // block_size - 1, 0))  # a small gap between physical blocks
-    fig, (top, bot) = figure(2, 1, figsize=(cell * width + 1.6, cell * (rows + dcp_size * rank_h) + 1.3),
-                             height_ratios=[rows + 0.6, dcp_size * rank_h])
+    fig, (top, bot) = figure(
+        2,
+        1,
+        figsize=(cell * width + 1.6, cell * (rows + dcp_size * rank_h) + 1.3),
+        height_ratios=[rows + 0.6, dcp_size * rank_h],
+    )
     for p, r in enumerate(owners):
         _cell(top, p % w, p // w, rank_color(r), str(p) if labels else "", fs)
         if p in highlight:
             _mark(top, p % w, p // w)
     for b in range(1, nb):
         top.hlines(b * vb / w, 0, w, color="black", linewidth=2.5, zorder=6)
-    top.set_yticks([b * vb / w + min(vb / w, rows) / 2 for b in range(nb)],
-                   [f"vblock {b}\nid {table[b]}" for b in range(nb)], fontsize=9.5)
-    _frame(top, width, rows, f"Owner of token p: (p // {interleave}) % {dcp_size}; "
-                             f"one block id = {block_size} x {dcp_size} = {vb} tokens")
+    top.set_yticks(
+        [b * vb / w + min(vb / w, rows) / 2 for b in range(nb)],
+        [f"vblock {b}\nid {table[b]}" for b in range(nb)],
+        fontsize=9.5,
+    )
+    _frame(
+        top,
+        width,
+        rows,
+        f"Owner of token p: (p // {interleave}) % {dcp_size}; "
+        f"one block id = {block_size} x {dcp_size} = {vb} tokens",
+    )
     for r in range(dcp_size):
         held = local_positions(seq_len, dcp_size, r, interleave).tolist()
-        slots = PagedKVCache(max(table) + 1, block_size, 1, 1, dcp_size=dcp_size, dcp_rank=r,
-                             interleave=interleave).local_slots(table, nb * vb).tolist()
+        slots = (
+            PagedKVCache(
+                max(table) + 1,
+                block_size,
+                1,
+                1,
+                dcp_size=dcp_size,
+                dcp_rank=r,
+                interleave=interleave,
+            )
+            .local_slots(table, nb * vb)
+            .tolist()
+        )
         for j, s in enumerate(slots):
             x, y = j % sw + 0.3 * (j % sw // block_size), r * rank_h + (j // sw) * gap
             p = held[j] if j < len(held) else None
-            _cell(bot, x, y, "white" if p is None else rank_color(r), "" if p is None or not labels else str(p),
-                  fs, "#aaaaaa" if p is None else "white")
+            _cell(
+                bot,
+                x,
+                y,
+                "white" if p is None else rank_color(r),
+                "" if p is None or not labels else str(p),
+                fs,
+                "#aaaaaa" if p is None else "white",
+            )
             if p in highlight:
                 _mark(bot, x, y)
             if labels:
-                bot.text(x + 0.5, y + 1.35, str(s), ha="center", va="center", fontsize=9, color="#555555")
-    bot.set_yticks([r * rank_h + (srows * gap - 0.75) / 2 for r in range(dcp_size)],
-                   [f"rank {r}" for r in range(dcp_size)])
-    _frame(bot, width, dcp_size * rank_h - rgap - 0.45,
-           f"Physical slots per rank (block_size {block_size}): token stored, slot number below")
+                bot.text(
+                    x + 0.5, y + 1.35, str(s), ha="center", va="center", fontsize=9, color="#555555"
+                )
+    bot.set_yticks(
+        [r * rank_h + (srows * gap - 0.75) / 2 for r in range(dcp_size)],
+        [f"rank {r}" for r in range(dcp_size)],
+    )
+    _frame(
+        bot,
+        width,
+        dcp_size * rank_h - rgap - 0.45,
+        f"Physical slots per rank (block_size {block_size}): token stored, slot number below",
+    )
     return fig
 
 
-def transfer_figure(seq_len: int = 16, block_size: int = 16, dcp_size: int = 4,
-                    interleaves: Sequence[int] = (1, 16)):
+def transfer_figure(
+    seq_len: int = 16, block_size: int = 16, dcp_size: int = 4, interleaves: Sequence[int] = (1, 16)
+):
     """One panel per interleave: each rank's blocks as bars of ``block_size`` slots, filled part
     coloured, empty part hatched (shipped whole in P/D transfer), unsent blocks omitted."""
-    fig, axes = figure(1, len(interleaves), figsize=(3.6 * len(interleaves), 0.55 * dcp_size + 1.3), sharey=True)
+    fig, axes = figure(
+        1, len(interleaves), figsize=(3.6 * len(interleaves), 0.55 * dcp_size + 1.3), sharey=True
+    )
     plans = [transfer_plan(seq_len, block_size, dcp_size, inter) for inter in interleaves]
     most = max(len(b) for plan in plans for b in plan.blocks_sent)
     for ax, inter, plan in zip(axes, interleaves, plans):
@@ -105,36 +168,74 @@ def transfer_figure(seq_len: int = 16, block_size: int = 16, dcp_size: int = 4,
                 filled = int(plan.fill[r, b])
                 x0 = i * (block_size + 2)
                 ax.barh(r, filled, left=x0, color=rank_color(r), height=0.6)
-                ax.barh(r, block_size - filled, left=x0 + filled, color="white", edgecolor="#999999",
-                        hatch="///", height=0.6)
-                ax.text(x0 + block_size / 2, r, f"{filled}/{block_size}", ha="center", va="center", fontsize=9.5,
-                        bbox={"boxstyle": "round,pad=0.2", "facecolor": "white", "edgecolor": "none"})
+                ax.barh(
+                    r,
+                    block_size - filled,
+                    left=x0 + filled,
+                    color="white",
+                    edgecolor="#999999",
+                    hatch="///",
+                    height=0.6,
+                )
+                ax.text(
+                    x0 + block_size / 2,
+                    r,
+                    f"{filled}/{block_size}",
+                    ha="center",
+                    va="center",
+                    fontsize=9.5,
+                    bbox={"boxstyle": "round,pad=0.2", "facecolor": "white", "edgecolor": "none"},
+                )
         ax.set_yticks(range(dcp_size), [f"rank {r}" for r in range(dcp_size)])
         ax.set_xlim(0, most * (block_size + 2) - 2)
         ax.set_xticks([])
         ax.set_xlabel(f"blocks sent, whole (tokens / {block_size} slots)")
-        ax.set_title(f"interleave {inter}: {sum(map(len, plan.blocks_sent))} block(s), "
-                     f"waste {plan.waste:.0%}", loc="left")
+        ax.set_title(
+            f"interleave {inter}: {sum(map(len, plan.blocks_sent))} block(s), "
+            f"waste {plan.waste:.0%}",
+            loc="left",
+        )
         ax.grid(False)
     axes[0].invert_yaxis()  # shared y: rank 0 on top
     return fig
 
 
-def waste_figure(max_len: int = 4096, block_size: int = 16, dcp_size: int = 4,
-                 interleaves: Sequence[int] = (1, 4, 16)):
+def waste_figure(
+    max_len: int = 4096,
+    block_size: int = 16,
+    dcp_size: int = 4,
+    interleaves: Sequence[int] = (1, 4, 16),
+):
     """Wasted fraction of P/D transfer bytes vs sequence length, per interleave, and without DCP."""
     lens = list(range(1, max_len + 1))
     fig, ax = figure(figsize=(7, 3.6))
     for i, inter in enumerate(interleaves):
-        ax.plot(lens, [transfer_plan(n, block_size, dcp_size, inter).waste for n in lens],
-                label=f"DCP {dcp_size}, interleave {inter}", color=rank_color(i), linewidth=2.2)
-    ax.plot(lens, [1 - n / (-(-n // block_size) * block_size) for n in lens], color="black",
-            linestyle="--", linewidth=1, label="no DCP")
+        ax.plot(
+            lens,
+            [transfer_plan(n, block_size, dcp_size, inter).waste for n in lens],
+            label=f"DCP {dcp_size}, interleave {inter}",
+            color=rank_color(i),
+            linewidth=2.2,
+        )
+    ax.plot(
+        lens,
+        [1 - n / (-(-n // block_size) * block_size) for n in lens],
+        color="black",
+        linestyle="--",
+        linewidth=1,
+        label="no DCP",
+    )
     ax.set_xscale("log", base=2)
     article = transfer_plan(block_size, block_size, dcp_size, 1).waste
     ax.plot([block_size], [article], "o", color="black")
-    ax.annotate(f"{block_size} tokens, interleave 1: {article:.0%}", (block_size, article),
-                xytext=(10, -2), textcoords="offset points", fontsize=9.5, va="top")
+    ax.annotate(
+        f"{block_size} tokens, interleave 1: {article:.0%}",
+        (block_size, article),
+        xytext=(10, -2),
+        textcoords="offset points",
+        fontsize=9.5,
+        va="top",
+    )
     ax.set_xlabel("sequence length (tokens)")
     ax.set_ylabel("wasted fraction of bytes sent")
     ax.set_ylim(0, 1)
@@ -149,9 +250,16 @@ def memory_figure(usage: Sequence[dict], seq_len: int):
     n = len(usage)
     fig, ax = figure(figsize=(6, 3.2))
     xs = range(n)
-    ax.bar([x - 0.2 for x in xs], [seq_len] * n, width=0.4, color="#bbbbbb", label="TP only: full copy")
-    ax.bar([x + 0.2 for x in xs], [u["tokens"] for u in usage], width=0.4,
-           color=[rank_color(u["rank"]) for u in usage], label=f"DCP {n}: own tokens")
+    ax.bar(
+        [x - 0.2 for x in xs], [seq_len] * n, width=0.4, color="#bbbbbb", label="TP only: full copy"
+    )
+    ax.bar(
+        [x + 0.2 for x in xs],
+        [u["tokens"] for u in usage],
+        width=0.4,
+        color=[rank_color(u["rank"]) for u in usage],
+        label=f"DCP {n}: own tokens",
+    )
     for x, u in zip(xs, usage):
         ax.text(x + 0.2, u["tokens"], f"{u['tokens']:,}", ha="center", va="bottom", fontsize=9)
     ax.set_xticks(list(xs), [f"GPU {u['rank']}" for u in usage])
@@ -160,4 +268,3 @@ def memory_figure(usage: Sequence[dict], seq_len: int):
     ax.set_ylim(0, seq_len * 1.3)
     ax.legend(loc="upper center", ncol=2)
     return fig
-

@@ -1,4 +1,5 @@
 """Chapter 1's map of context parallelism: PCP splits the prompt, DCP splits the KV cache."""
+
 from __future__ import annotations
 
 from matplotlib.patches import Rectangle
@@ -11,7 +12,15 @@ __all__ = ["cp_map"]
 def _row(ax, y: float, owners: list[int], label: str, start: int = 0) -> None:
     for i, r in enumerate(owners):
         ax.add_patch(Rectangle((start + i, y), 0.92, 0.8, color=rank_color(r)))
-        ax.text(start + i + 0.46, y + 0.4, str(start + i), ha="center", va="center", fontsize=6, color="white")
+        ax.text(
+            start + i + 0.46,
+            y + 0.4,
+            str(start + i),
+            ha="center",
+            va="center",
+            fontsize=6,
+            color="white",
+        )
     ax.text(-0.6, y + 0.4, label, ha="right", va="center", fontsize=8)
 
 
@@ -25,16 +34,24 @@ def cp_map(prompt: int = 16, pcp: int = 2, context: int = 16, dcp: int = 4, inte
     for r in range(pcp):
         a.add_patch(Rectangle((r * 4.5, -0.8), 0.6, 0.5, color=rank_color(r)))
         a.text(r * 4.5 + 0.8, -0.55, f"PCP rank {r}", va="center", fontsize=8)
-    a.set_title(f"Prefill: PCP={pcp} splits the prompt's queries (zigzag)\nevery rank gathers all K/V", fontsize=9)
+    a.set_title(
+        f"Prefill: PCP={pcp} splits the prompt's queries (zigzag)\nevery rank gathers all K/V",
+        fontsize=9,
+    )
     owners = [(t // interleave) % dcp for t in range(context)]
     _row(b, 1.0, owners, "KV cache")
-    b.add_patch(Rectangle((context + 0.3, 1.0), 0.92, 0.8, facecolor="white", edgecolor="0.2", hatch="///"))
+    b.add_patch(
+        Rectangle((context + 0.3, 1.0), 0.92, 0.8, facecolor="white", edgecolor="0.2", hatch="///")
+    )
     b.text(context + 0.76, 2.0, "new\ntoken", ha="center", fontsize=7)
     for r in range(dcp):
         b.add_patch(Rectangle((r * 4.2, -0.8), 0.6, 0.5, color=rank_color(r)))
         b.text(r * 4.2 + 0.8, -0.55, f"DCP rank {r}", va="center", fontsize=8)
-    b.set_title(f"Decode: DCP={dcp} splits the KV cache by token (interleave {interleave})\n"
-                "every rank attends its shard, results merged by LSE", fontsize=9)
+    b.set_title(
+        f"Decode: DCP={dcp} splits the KV cache by token (interleave {interleave})\n"
+        "every rank attends its shard, results merged by LSE",
+        fontsize=9,
+    )
     for ax in (a, b):
         ax.set_xlim(-4.5, max(prompt, context) + 1.5)
         ax.set_ylim(-1.0, 2.6)

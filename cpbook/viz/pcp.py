@@ -1,4 +1,5 @@
 """Figures of chapter 4: who owns which causal work, the partition, the rank grid, the balance."""
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -7,12 +8,17 @@ import matplotlib.colors as mcolors
 import numpy as np
 from matplotlib.patches import Patch, Rectangle
 
-from . import PALETTE, figure, rank_color
 from ..groups import RankGrid
 from ..zigzag import PCPPartition, causal_work, pcp_partition
+from . import PALETTE, figure, rank_color
 
-__all__ = ["causal_ownership_figure", "work_figure", "partition_figure", "rank_grid_figure",
-           "balance_figure"]
+__all__ = [
+    "causal_ownership_figure",
+    "work_figure",
+    "partition_figure",
+    "rank_grid_figure",
+    "balance_figure",
+]
 
 # Every figure is at most _WIDTH inches wide (770 px at the book's 110 dpi), so that on a page
 # about 700 px wide it shrinks by at most ~10 % and its 10 pt text stays at ~9 pt or more.
@@ -37,8 +43,11 @@ def _owners(part: PCPPartition) -> np.ndarray:
     return own
 
 
-def causal_ownership_figure(seq_len: int = 16, pcp_size: int = 2,
-                            layouts: Sequence[str] = ("contiguous", "zigzag", "striped")):
+def causal_ownership_figure(
+    seq_len: int = 16,
+    pcp_size: int = 2,
+    layouts: Sequence[str] = ("contiguous", "zigzag", "striped"),
+):
     """The causal score matrix of one prompt, each computed cell coloured by the rank that owns
     its query; panel titles give each rank's exact work and the straggler factor max/mean."""
     fig, axes = figure(1, len(layouts), figsize=(_WIDTH, 0.75 * _WIDTH / len(layouts) + 1.8))
@@ -57,12 +66,17 @@ def causal_ownership_figure(seq_len: int = 16, pcp_size: int = 2,
         if ax is np.atleast_1d(axes)[0]:
             ax.set_ylabel("query position")
         work = part.work()
-        ax.set_title(f"{_LABELS[layout]}\npairs per rank {work}\nmax/mean = "
-                     f"{max(work) / (sum(work) / len(work)):.2f}", fontsize=10)
+        ax.set_title(
+            f"{_LABELS[layout]}\npairs per rank {work}\nmax/mean = "
+            f"{max(work) / (sum(work) / len(work)):.2f}",
+            fontsize=10,
+        )
     handles = [Patch(color=rank_color(r), label=f"rank {r}") for r in range(pcp_size)]
     fig.legend(handles=handles, loc="outside lower center", ncol=pcp_size)
-    fig.suptitle(f"{seq_len} tokens on {pcp_size} ranks: cell (q, k) is computed "
-                 "by the owner of query q", fontsize=11)
+    fig.suptitle(
+        f"{seq_len} tokens on {pcp_size} ranks: cell (q, k) is computed by the owner of query q",
+        fontsize=11,
+    )
     return fig
 
 
@@ -74,8 +88,13 @@ def work_figure(seq_len: int = 5040, pcp_size: int = 4, max_pcp: int = 10):
     width = 0.8 / len(layouts)
     for i, layout in enumerate(layouts):
         w = np.array(causal_work(seq_len, pcp_size, layout), dtype=float)
-        left.bar(np.arange(pcp_size) + (i - 1) * width, w / w.mean(), width,
-                 color=_LAYOUT_COLOR[layout], label=_LABELS[layout])
+        left.bar(
+            np.arange(pcp_size) + (i - 1) * width,
+            w / w.mean(),
+            width,
+            color=_LAYOUT_COLOR[layout],
+            label=_LABELS[layout],
+        )
     left.axhline(1.0, color="black", lw=0.8)
     left.set_xticks(range(pcp_size), [f"rank {r}" for r in range(pcp_size)])
     left.set_ylabel("causal pairs / mean")
@@ -112,8 +131,7 @@ def partition_figure(part: PCPPartition):
 
     def cell(x: float, y: float, color: str, text: str) -> None:
         ax.add_patch(Rectangle((x, y), 1, 0.8, facecolor=color, edgecolor="white", lw=1.5))
-        ax.text(x + 0.5, y + 0.4, text, ha="center", va="center", fontsize=fs,
-                color=_ink(color))
+        ax.text(x + 0.5, y + 0.4, text, ha="center", va="center", fontsize=fs, color=_ink(color))
 
     labels = []
     for i, (n, padded) in enumerate(zip(part.seq_lens, part.padded_lens)):
@@ -136,13 +154,21 @@ def partition_figure(part: PCPPartition):
     for side in ("left", "bottom"):
         ax.spines[side].set_visible(False)
     ax.axhline(p - 0.1, color="black", lw=0.8)
-    ax.set_title(f"{part.layout} partition over {p} ranks; grey = padding, cells = "
-                 + ("position" if n_req == 1 else "request:position"), fontsize=10, loc="left")
+    ax.set_title(
+        f"{part.layout} partition over {p} ranks; grey = padding, cells = "
+        + ("position" if n_req == 1 else "request:position"),
+        fontsize=10,
+        loc="left",
+    )
     return fig
 
 
-def rank_grid_figure(tensor_parallel_size: int = 4, prefill_context_parallel_size: int = 2,
-                     decode_context_parallel_size: int = 2, layouts: Sequence[str] = ("current", "v0.14")):
+def rank_grid_figure(
+    tensor_parallel_size: int = 4,
+    prefill_context_parallel_size: int = 2,
+    decode_context_parallel_size: int = 2,
+    layouts: Sequence[str] = ("current", "v0.14"),
+):
     """The world as PCP rows × TP columns; each cell is a global rank, filled by its DCP group.
     TP groups are the rows, PCP groups the columns; one panel per vLLM layout."""
     tp, pcp, dcp = tensor_parallel_size, prefill_context_parallel_size, decode_context_parallel_size
@@ -154,8 +180,16 @@ def rank_grid_figure(tensor_parallel_size: int = 4, prefill_context_parallel_siz
             p, t = divmod(rank, tp)
             g = next(i for i, grp in enumerate(groups) if rank in grp)
             ax.add_patch(Rectangle((t, pcp - 1 - p), 0.92, 0.85, facecolor=rank_color(g)))
-            ax.text(t + 0.46, pcp - 1 - p + 0.42, str(rank), ha="center", va="center",
-                    fontsize=12, color=_ink(rank_color(g)), weight="bold")
+            ax.text(
+                t + 0.46,
+                pcp - 1 - p + 0.42,
+                str(rank),
+                ha="center",
+                va="center",
+                fontsize=12,
+                color=_ink(rank_color(g)),
+                weight="bold",
+            )
         ax.set_xlim(-0.1, tp)
         ax.set_ylim(-0.15, pcp)
         ax.set_xticks([t + 0.46 for t in range(tp)], [f"tp {t}" for t in range(tp)])
@@ -165,14 +199,19 @@ def rank_grid_figure(tensor_parallel_size: int = 4, prefill_context_parallel_siz
         for side in ("left", "bottom"):
             ax.spines[side].set_visible(False)
         same = grid.dcp_groups() == grid.pcp_groups()
-        ax.set_title(f"layout {layout!r}\nDCP groups {'=' if same else '≠'} PCP groups (columns)",
-                     fontsize=10)
-    fig.suptitle(f"TP = {tp} × PCP = {pcp}, DCP = {dcp}: colour = DCP group, "
-                 "rows = TP groups", fontsize=11)
+        ax.set_title(
+            f"layout {layout!r}\nDCP groups {'=' if same else '≠'} PCP groups (columns)",
+            fontsize=10,
+        )
+    fig.suptitle(
+        f"TP = {tp} × PCP = {pcp}, DCP = {dcp}: colour = DCP group, rows = TP groups", fontsize=11
+    )
     return fig
 
 
-def balance_figure(measured: dict[int, dict[str, list[float]]], exact: dict[int, dict[str, list[int]]]):
+def balance_figure(
+    measured: dict[int, dict[str, list[float]]], exact: dict[int, dict[str, list[int]]]
+):
     """Per rank, measured attention time (bars) and exact causal work (markers), each relative
     to its mean over ranks; one panel per PCP size, zigzag beside contiguous."""
     sizes = sorted(measured)
@@ -193,8 +232,8 @@ def balance_figure(measured: dict[int, dict[str, list[float]]], exact: dict[int,
     first.set_ylabel("relative to the mean over ranks")
     handles, labels = first.get_legend_handles_labels()
     order = sorted(range(len(labels)), key=lambda i: "measured" not in labels[i])  # bars first
-    fig.legend([handles[i] for i in order], [labels[i] for i in order],
-               loc="outside lower center", ncol=2)
-    fig.suptitle("Attention time per rank (thread CPU time) against exact causal work",
-                 fontsize=11)
+    fig.legend(
+        [handles[i] for i in order], [labels[i] for i in order], loc="outside lower center", ncol=2
+    )
+    fig.suptitle("Attention time per rank (thread CPU time) against exact causal work", fontsize=11)
     return fig

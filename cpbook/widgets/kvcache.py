@@ -1,4 +1,5 @@
 """Chapter 2 explorer: DCP size, interleave, block size and length -> ownership grid and slots."""
+
 from __future__ import annotations
 
 import io
@@ -35,11 +36,23 @@ def slot_summary(seq_len: int, dcp_size: int, interleave: int, block_size: int) 
         mine = slots[slots >= 0]
         blocks = torch.unique(torch.div(mine, block_size, rounding_mode="floor")).numel()
         assert mine.numel() == local_seq_len(seq_len, dcp_size, r, interleave)
-        assert torch.equal(mine, PagedKVCache(max(len(table), 1), block_size, 1, 1, dcp_size=dcp_size,
-                                              dcp_rank=r, interleave=interleave).local_slots(table, seq_len))
+        assert torch.equal(
+            mine,
+            PagedKVCache(
+                max(len(table), 1),
+                block_size,
+                1,
+                1,
+                dcp_size=dcp_size,
+                dcp_rank=r,
+                interleave=interleave,
+            ).local_slots(table, seq_len),
+        )
         held = torch.nonzero(slots >= 0).flatten().tolist()
-        lines.append(f"rank {r}: {mine.numel():3d} tokens in {blocks} block(s); positions {_runs(held)}"
-                     f" -> slots {_runs(mine.tolist())}")
+        lines.append(
+            f"rank {r}: {mine.numel():3d} tokens in {blocks} block(s); positions {_runs(held)}"
+            f" -> slots {_runs(mine.tolist())}"
+        )
     return "\n".join(lines)
 
 
@@ -50,14 +63,18 @@ def _png(fig) -> bytes:
     return buf.getvalue()
 
 
-def layout_explorer(dcp_size: int = 4, interleave: int = 4, block_size: int = 16, seq_len: int = 64) -> widgets.VBox:
+def layout_explorer(
+    dcp_size: int = 4, interleave: int = 4, block_size: int = 16, seq_len: int = 64
+) -> widgets.VBox:
     """Sliders for the four knobs; redraws the ownership figure and the per-rank slot summary.
 
     The figure is an ``Image`` widget and the summary an ``HTML`` widget, so the first view is
     kept in the saved widget state and shows in the static book.
     """
     dcp = widgets.IntSlider(dcp_size, min=1, max=8, description="dcp_size")
-    inter = widgets.Dropdown(options=[1, 2, 4, 8, 16, 32], value=interleave, description="interleave")
+    inter = widgets.Dropdown(
+        options=[1, 2, 4, 8, 16, 32], value=interleave, description="interleave"
+    )
     block = widgets.Dropdown(options=[4, 8, 16, 32], value=block_size, description="block_size")
     length = widgets.IntSlider(seq_len, min=1, max=160, description="seq_len")
     image = widgets.Image(format="png", layout=widgets.Layout(max_width="760px"))
@@ -65,7 +82,9 @@ def layout_explorer(dcp_size: int = 4, interleave: int = 4, block_size: int = 16
 
     def redraw(_=None) -> None:
         try:
-            text.value = "<pre>" + slot_summary(length.value, dcp.value, inter.value, block.value) + "</pre>"
+            text.value = (
+                "<pre>" + slot_summary(length.value, dcp.value, inter.value, block.value) + "</pre>"
+            )
             image.value = _png(ownership_figure(length.value, dcp.value, inter.value, block.value))
         except ConfigError as e:  # e.g. interleave > block_size: show vLLM's rule instead
             text.value = f"<pre>{e}</pre>"

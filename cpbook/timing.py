@@ -1,0 +1,147 @@
+"""The one place that measures time: helpers the benchmarks in ``bench/`` run on every rank.
+
+Algorithm modules never read a clock, and no test or notebook asserts on what these return: a
+busy machine must not fail a check.  Each helper times its methods from a common barrier, in
+turns (run after run, every method once per round), so drifts of a shared machine hit all of
+them alike, and reports medians after one warm-up round.
+"""
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from .comm import RankContext
+from .pcp import pcp_prefill_attention, pcp_shard
+from .zigzag import pcp_partition
+
+__all__ = ["timed_rounds", "pcp_prefill_timing", "chunked_prefill_timing", "collective_timing"]
+
+
+def timed_rounds(ctx: RankContext, methods: Mapping[str, Callable[[], Any]], repeats: int,
+                 clocks: Mapping[str, Callable[[], float]] | None = None) -> tuple[dict[str, float], dict[str, Any]]:
+    """Run every method ``repeats + 1`` times in turns, each run from a world barrier.
+
+    Returns ``({method + clock_suffix: median seconds over the last repeats}, {method: last
+    return value})``.  Default clocks: ``""`` wall (``perf_counter``), ``"_cpu"`` process CPU
+    time (every thread of the rank) and ``"_thread"`` CPU time of the calling thread.
+    """
+    clocks = clocks or {"": time.perf_counter, "_cpu": time.process_time, "_thread": time.thread_time}
+    runs: dict[str, list[float]] = {m + c: [] for m in methods for c in clocks}
+    last: dict[str, Any] = {}
+    for _ in range(repeats + 1):
+        for name, fn in methods.items():
+            ctx.world.barrier()
+            start = {c: clock() for c, clock in clocks.items()}
+            last[name] = fn()
+            for c, clock in clocks.items():
+                runs[name + c].append(clock() - start[c])
+    return {key: statistics.median(t[1:]) for key, t in runs.items()}, last
+
+
+def pcp_prefill_timing(ctx: RankContext, seq_len: int = 8192, num_heads: int = 8, head_dim: int = 64,
+                   repeats: int = 5, layouts: Sequence[str] = ("zigzag", "contiguous"),
+                   single: bool = True, seed: int = 0,
+                   baselines: Mapping[str, Callable[[], Any]] | None = None) -> dict[str, float]:
+    """Medians of one causal prefill attention (float32, MHA) on the world group as PCP group.
+
+    Methods: ``single`` (rank 0 runs the whole prompt with ``F.scaled_dot_product_attention``
+    while the others wait), one :func:`pcp_prefill_attention` per layout (K/V all-gather
+    included, restore excluded) and any ``baselines`` (name -> zero-argument callable run on
+    every rank, e.g. another library's ring attention).  Every run starts from a common
+    barrier; the methods take turns, run after run, so drifts of a shared machine hit all of
+    them alike.  One warm-up round, then ``repeats``.  Returns this rank's median wall seconds
+    per method, its median CPU seconds of the whole process (``<method>_cpu``: every thread,
+    communication included) and of the calling thread (``<method>_thread``: the kernels and
+    merges), and the max error of its rows against the single-process output
+    (``<layout>_err``).  Inputs are laid out head-major for every method (what the fused CPU
+    kernel reads fastest), prepared before the clock starts.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(seq_len, num_heads, head_dim, generator=gen) for _ in range(3))
+    q4, k4, v4 = (t.transpose(0, 1)[None].contiguous() for t in (q, k, v))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    ref = sdpa(q4, k4, v4, is_causal=True)[0].transpose(0, 1)
+    methods: dict[str, Callable[[], Any]] = {}
+    if single:
+        methods["single"] = lambda: sdpa(q4, k4, v4, is_causal=True) if ctx.rank == 0 else None
+    metas = {}
+    for layout in layouts:
+        meta = metas[layout] = pcp_partition(seq_len, ctx.world_size, layout).metadata(ctx.rank)
+        ql, kl, vl = (pcp_shard(t, meta).transpose(0, 1).contiguous().transpose(0, 1) for t in (q, k, v))
+        methods[layout] = functools.partial(pcp_prefill_attention, ql, kl, vl, meta, ctx.world)
+    methods.update(baselines or {})
+    out, last = timed_rounds(ctx, methods, repeats)
+    for layout, meta in metas.items():
+        real = ~meta.is_padding
+        out[f"{layout}_err"] = (last[layout][0][real] - ref[meta.token_index[real]]).abs().max().item()
+    return out
+
+
+def chunked_prefill_timing(ctx: RankContext, *, context_len: int, chunk_len: int,
+                           tensor_parallel_size: int = 1, prefill_context_parallel_size: int = 2,
+                           decode_context_parallel_size: int = 2, num_q_heads: int = 8,
+                           num_kv_heads: int = 1, head_dim: int = 64, workspace_size: int = 16384,
+                           block_size: int = 16, repeats: int = 3, seed: int = 0) -> dict[str, Any]:
+    """Medians of one chunked-prefill attention layer per strategy (float32), on this rank.
+
+    One request: ``context_len`` cached tokens in the DCP-sharded paged cache, a chunk of
+    ``chunk_len`` tokens split zigzag over PCP (:mod:`cpbook.chunked`).  Inputs are prepared
+    before the clock starts; the strategies take turns from common barriers
+    (:func:`timed_rounds`).  Returns, per strategy, the median wall seconds (``<strategy>``),
+    process CPU seconds (``<strategy>_cpu``), the bytes this rank sent in one run
+    (``<strategy>_bytes``, from the trace), and ``max_abs_diff`` between the strategies'
+    outputs on the real rows.
+    """
+    from .chunked import chunked_prefill_attention, chunked_prefill_problem, context_shard
+    from .chunked_plan import STRATEGIES
+    from .config import ParallelConfig, kv_heads_of_rank, q_heads_of_rank
+    from .groups import make_groups
+    from .zigzag import zigzag_partition
+
+    cfg = ParallelConfig(tensor_parallel_size=tensor_parallel_size, block_size=block_size,
+                         prefill_context_parallel_size=prefill_context_parallel_size,
+                         decode_context_parallel_size=decode_context_parallel_size,
+                         num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
+    groups = make_groups(ctx, cfg)
+    qh, kvh = q_heads_of_rank(cfg, groups.coords.tp_rank), kv_heads_of_rank(cfg, groups.coords.tp_rank)
+    (q,), (k,), (v,) = chunked_prefill_problem([context_len], [chunk_len], num_q_heads, num_kv_heads,
+                                               head_dim, seed=seed, dtype=torch.float32)
+    c = context_len
+    context = context_shard([k[:c, kvh]], [v[:c, kvh]], block_size, cfg.dcp, groups.coords.dcp_rank,
+                            1, device=ctx.device)
+    meta = zigzag_partition(chunk_len, cfg.pcp).metadata(groups.coords.pcp_rank)
+    ql, kl, vl = (pcp_shard(t, meta).contiguous() for t in (q[:, qh], k[c:, kvh], v[c:, kvh]))
+    sent: dict[str, int] = {}
+
+    def method(strategy: str) -> Callable[[], Any]:
+        def call() -> Any:
+            first = len(ctx.trace)
+            res = chunked_prefill_attention(ql, kl, vl, context, meta, groups, strategy=strategy,
+                                            workspace_size=workspace_size)
+            sent[strategy] = sum(r.bytes_sent for r in ctx.trace[first:])
+            return res
+        return call
+
+    out, last = timed_rounds(ctx, {st: method(st) for st in STRATEGIES}, repeats)
+    real = ~meta.is_padding
+    out["max_abs_diff"] = (last[STRATEGIES[0]][0][real] - last[STRATEGIES[1]][0][real]).abs().max().item()
+    out.update({f"{st}_bytes": sent[st] for st in STRATEGIES})
+    return out
+
+
+def collective_timing(ctx: RankContext, sizes: Sequence[int], repeats: int = 5) -> dict[str, float]:
+    """Median wall seconds of one ``all_gather`` and one ``all_to_all`` on the world group, per
+    message size in bytes sent by each rank (float32 payloads); keys ``"<op>_<bytes>"``.  The
+    link model ``α + β·bytes`` of :mod:`cpbook.chunked_plan` is fitted to these."""
+    n, methods = ctx.world_size, {}
+    for size in sizes:
+        gather = torch.zeros(max(1, size // 4 // max(1, n - 1)))  # sends b·(n−1) bytes
+        a2a = torch.zeros(n * max(1, size // 4 * n // max(1, n - 1) // n))
+        methods[f"all_gather_{size}"] = functools.partial(ctx.world.all_gather, gather)
+        methods[f"all_to_all_{size}"] = functools.partial(ctx.world.all_to_all, a2a)
+    out, _ = timed_rounds(ctx, methods, repeats, {"": time.perf_counter})
+    return out

@@ -1,0 +1,97 @@
+"""cpbook.kvmanager: the virtual-block allocator, prefix caching, running out of blocks."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cpbook.config import ParallelConfig
+from cpbook.kvcache import num_virtual_blocks
+from cpbook.kvmanager import AllocationError, KVCacheManager
+from tests.test_kvcache import layouts
+
+PROPERTY = settings(max_examples=500, deadline=None)
+
+
+# -- the allocator ----------------------------------------------------------------------------
+ops = st.lists(
+    st.tuples(
+        st.sampled_from(["alloc", "append", "free"]),
+        st.integers(0, 5),
+        st.integers(0, 90),
+        st.integers(0, 2),
+    ),
+    max_size=25,
+)
+
+
+@given(layouts(max_len=0), st.booleans(), ops)
+@PROPERTY
+def test_allocator_never_double_assigns(layout, caching, script):
+    dcp, inter, bs, _, _ = layout
+    m = KVCacheManager(24, bs, dcp, inter, enable_prefix_caching=caching)
+    vb = m.virtual_block_size
+    for op, rid, n, prefix in script:
+        name = f"r{rid}"
+        try:
+            if op == "alloc" and name not in m.requests:
+                m.allocate(name, n, [prefix] * n)  # three prompt families share prefixes
+            elif op == "append" and name in m.requests:
+                m.append(name, n % 7 + 1, [prefix] * (n % 7 + 1))
+            elif op == "free" and name in m.requests:
+                m.free(name)
+        except AllocationError as e:
+            assert e.rule == "enough-free-blocks"
+        owners: dict[int, list] = {}
+        for req in m.requests.values():
+            assert len(req.blocks) == num_virtual_blocks(req.num_tokens, bs, dcp)
+            for b, blk in enumerate(req.blocks):
+                owners.setdefault(blk, []).append(req.token_ids[b * vb : (b + 1) * vb])
+        for blk, contents in owners.items():
+            assert m.ref_cnt[blk] == len(contents) and blk not in m.free_queue
+            if len(contents) > 1:  # shared only through the prefix cache: full, identical blocks
+                assert caching and all(c == contents[0] and len(c) == vb for c in contents)
+        assert len(owners) + m.num_free_blocks == m.num_blocks
+
+
+def test_prefix_hits_come_in_whole_virtual_blocks():
+    m = KVCacheManager.from_config(
+        ParallelConfig(
+            tensor_parallel_size=4,
+            decode_context_parallel_size=4,
+            cp_kv_cache_interleave_size=4,
+            block_size=16,
+            use_mla=True,
+            num_q_heads=16,
+            num_kv_heads=1,
+        ),
+        num_blocks=32,
+        enable_prefix_caching=True,
+    )
+    system = list(range(1000, 1150))  # 150 shared tokens: two full 64-token virtual blocks + 22
+    assert m.allocate("a", 200, system + [1] * 50).num_tokens == 0
+    hit = m.allocate("b", 180, system + [2] * 30)
+    assert (hit.num_blocks, hit.num_tokens) == (2, 128)
+    assert m.block_table("b")[:2].tolist() == m.block_table("a")[:2].tolist()
+    assert m.allocate("c", 128, system[:128]).num_blocks == 1  # the last token is always recomputed
+    m.free("a")
+    assert m.allocate("d", 200, system + [1] * 50).num_blocks == 3  # a's blocks stayed cached
+    assert m.stats == {"requests": 4, "query_tokens": 708, "hit_tokens": 384, "hit_blocks": 6}
+
+
+def test_allocator_memory_per_rank():
+    m = KVCacheManager(256, 16, 4, 1)
+    m.allocate("long", 8192)
+    assert len(m.block_table("long")) == 128
+    assert [u["tokens"] for u in m.rank_usage()] == [2048] * 4
+    assert all(u["blocks"] == 128 and u["fill"] == 1.0 for u in m.rank_usage())
+    assert m.append("long", 1) == [128] and m.rank_usage()[0]["tokens"] == 2049
+    with pytest.raises(AllocationError, match=r"\[enough-free-blocks\]"):
+        m.allocate("too-long", 128 * 64 + 1)
+    assert m.num_free_blocks == 127
+
+
+def test_unknown_request_names_the_rule():
+    with pytest.raises(ValueError, match=r"^\[known-request-id\] requires"):
+        KVCacheManager(4, 16, 2).free("nobody")
