@@ -50,6 +50,24 @@ finer set of rules; each rule below says which part of the article's line it ref
 ``comm-backend``
     ``dcp_comm_backend`` is ``"ag_rs"`` (AllGather + ReduceScatter, vLLM's default) or
     ``"a2a"`` (one All2All, vLLM's newer backend).
+
+TPA — attention heads sharded over ``tensor_parallel_size_attention`` ranks instead of TP
+(GQA; vLLM PR #36287, open as of Nov 2026, its rules in ``tests/distributed/test_dcp_a2a.py``),
+and MLA's query replication ``dcp_q_replicate`` (PRs #45964, #50382, merged):
+
+``tpa-divides-tp``
+    ``tensor_parallel_size % tensor_parallel_size_attention == 0``.
+``tpa-dcp-is-tp-over-tpa``
+    ``decode_context_parallel_size == tensor_parallel_size // tensor_parallel_size_attention``:
+    the ``tp / tpa`` ranks that share one attention-head shard are exactly one DCP group.  With
+    TPA the GQA caps above (``gqa-dcp-*``) no longer apply: a DCP group may hold several KV
+    heads, so TP=4, 2 KV heads, DCP=4 (rejected by ``gqa-dcp-within-replicas``) is valid.
+``tpa-heads-divisible``
+    ``num_q_heads % tpa == 0`` and KV heads split or replicate evenly over ``tpa`` ranks.
+``tpa-requires-pcp-1``
+    cpbook models TPA without PCP.
+``dcp-q-replicate-mla-only``
+    ``dcp_q_replicate`` (MLA's TPA) needs ``use_mla`` and DCP > 1.
 """
 
 from __future__ import annotations
@@ -119,6 +137,8 @@ class ParallelConfig:
     head_dim: int = 64
     use_mla: bool = False
     dcp_comm_backend: str = "ag_rs"
+    tensor_parallel_size_attention: int | None = None
+    dcp_q_replicate: bool = False
 
     # -- convenient short names (read-only) --------------------------------------------
     @property
@@ -162,6 +182,12 @@ class ParallelConfig:
             return self.tensor_parallel_size
         return max(1, self.tensor_parallel_size // self.num_kv_heads)
 
+    @property
+    def attention_tp(self) -> int:
+        """Ranks the attention heads are split over: ``tensor_parallel_size_attention`` (TPA)
+        or ``tensor_parallel_size``."""
+        return self.tensor_parallel_size_attention or self.tensor_parallel_size
+
     # -- validation ---------------------------------------------------------------------
     def __post_init__(self) -> None:
         check_positive(
@@ -195,6 +221,9 @@ class ParallelConfig:
                 num_q_heads=q,
                 tensor_parallel_size=tp,
             )
+        if self.tensor_parallel_size_attention is not None:
+            self._check_tpa()
+            return
         if not self.use_mla and (kv % tp if kv >= tp else tp % kv):
             raise ConfigError(
                 "heads-divisible-by-tp",
@@ -203,6 +232,13 @@ class ParallelConfig:
                 tensor_parallel_size=tp,
             )
         check_interleave(self.block_size, self.interleave)
+        if self.dcp_q_replicate and (not self.use_mla or dcp == 1):
+            raise ConfigError(
+                "dcp-q-replicate-mla-only",
+                "use_mla and decode_context_parallel_size > 1 for dcp_q_replicate",
+                use_mla=self.use_mla,
+                decode_context_parallel_size=dcp,
+            )
         if pcp > 1:
             if dcp not in (1, pcp, tp * pcp):
                 raise ConfigError(
@@ -256,6 +292,44 @@ class ParallelConfig:
                     num_kv_heads=kv,
                     decode_context_parallel_size=dcp_in_tp,
                 )
+
+    def _check_tpa(self) -> None:
+        """The TPA rules (module docstring); they replace the GQA DCP caps."""
+        tp, dcp, tpa = self.tp, self.dcp, self.tensor_parallel_size_attention
+        q, kv = self.num_q_heads, self.num_kv_heads
+        check_positive(tensor_parallel_size_attention=tpa)
+        check_interleave(self.block_size, self.interleave)
+        if self.pcp > 1:
+            raise ConfigError(
+                "tpa-requires-pcp-1",
+                "prefill_context_parallel_size == 1 with tensor_parallel_size_attention",
+                prefill_context_parallel_size=self.pcp,
+            )
+        if tp % tpa:
+            raise ConfigError(
+                "tpa-divides-tp",
+                "tensor_parallel_size % tensor_parallel_size_attention == 0",
+                tensor_parallel_size=tp,
+                tensor_parallel_size_attention=tpa,
+            )
+        if dcp != tp // tpa:
+            raise ConfigError(
+                "tpa-dcp-is-tp-over-tpa",
+                "decode_context_parallel_size == tensor_parallel_size // "
+                "tensor_parallel_size_attention",
+                decode_context_parallel_size=dcp,
+                tensor_parallel_size=tp,
+                tensor_parallel_size_attention=tpa,
+            )
+        if q % tpa or (not self.use_mla and (kv % tpa if kv >= tpa else tpa % kv)):
+            raise ConfigError(
+                "tpa-heads-divisible",
+                "num_q_heads % tpa == 0 and num_kv_heads % tpa == 0 (kv >= tpa) or "
+                "tpa % num_kv_heads == 0 (kv < tpa)",
+                num_q_heads=q,
+                num_kv_heads=kv,
+                tensor_parallel_size_attention=tpa,
+            )
 
 
 def q_heads_of_rank(config: ParallelConfig, tp_rank: int) -> slice:
