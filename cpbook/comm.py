@@ -195,7 +195,7 @@ class Group(ABC):
         if self.size > 1:
             self._barrier()
 
-    # -- point to point (deadlock-free pairwise exchange; no batch_isend_irecv) --------------
+    # -- point to point (every rank posts its send and its receive before waiting on either) --
     def send(self, t: torch.Tensor, dst: int) -> None:
         self._record("send", t, t.numel() * t.element_size(), 0)
         self._sendrecv(t.contiguous(), dst, None, None)
@@ -210,6 +210,17 @@ class Group(ABC):
         buf = torch.empty_like(t if like is None else like)
         self._record("sendrecv", t, t.numel() * t.element_size(), buf.numel() * buf.element_size())
         return self._sendrecv(t.contiguous(), dst, buf, src)
+
+    def sendrecv_async(self, t: torch.Tensor, dst: int, src: int,
+                       like: torch.Tensor | None = None) -> "Pending":
+        """Start :meth:`sendrecv`; ``.wait()`` returns the received tensor.  Traced exactly like
+        :meth:`sendrecv`.  Work done before the wait overlaps the transfer (torch backend);
+        simulated ranks complete it at the call.  Several exchanges may be in flight at once if
+        every rank starts them in the same order: messages between two ranks arrive in the
+        order they were sent."""
+        buf = torch.empty_like(t if like is None else like)
+        self._record("sendrecv", t, t.numel() * t.element_size(), buf.numel() * buf.element_size())
+        return self._sendrecv_start(t.contiguous(), dst, buf, src)
 
     # -- backend primitives -------------------------------------------------------------------
     @abstractmethod
@@ -226,6 +237,11 @@ class Group(ABC):
     @abstractmethod
     def _sendrecv(self, t: torch.Tensor | None, dst: int | None, buf: torch.Tensor | None,
                   src: int | None) -> torch.Tensor | None: ...
+    @abstractmethod
+    def _sendrecv_start(self, t: torch.Tensor | None, dst: int | None, buf: torch.Tensor | None,
+                        src: int | None) -> "Pending":
+        """Post the send of ``t`` and the receive into ``buf`` (either may be ``None``); the
+        pending result is ``buf``."""
 
 
 # ------------------------------------------------------------------------------------------
@@ -332,6 +348,9 @@ class SimGroup(Group):
                              f"got {tuple(got.shape)} {got.dtype}, expected {tuple(buf.shape)} {buf.dtype}")
         return buf.copy_(got)
 
+    def _sendrecv_start(self, t, dst, buf, src):
+        return Pending(self._sendrecv(t, dst, buf, src))
+
 
 # ------------------------------------------------------------------------------------------
 # torch.distributed: gloo (CPU) or NCCL (GPU)
@@ -392,16 +411,28 @@ class TorchGroup(Group):
         self._wait(dist.barrier(group=self.pg, async_op=True), "barrier")
 
     def _sendrecv(self, t, dst, buf, src):
+        return self._sendrecv_start(t, dst, buf, src).wait()
+
+    def _sendrecv_start(self, t, dst, buf, src):
         import torch.distributed as dist
-        works = []
-        # Lower group rank posts its send first; pairs of isend/irecv never deadlock on gloo.
-        if t is not None:
-            works.append(dist.isend(t, group=self.pg, group_dst=dst))
-        if buf is not None:
-            works.append(dist.irecv(buf, group=self.pg, group_src=src))
-        for w in works:
-            self._wait(w, "sendrecv")
-        return buf
+        # Every rank posts its send first, then its receive, and waits on neither until both
+        # are posted.  Posting never blocks: gloo hands both to its transport, which moves
+        # them in the background, so each receive is posted whatever the ranks' order around
+        # a ring, and no rank waits on a peer that is itself waiting.  NCCL needs the two
+        # posted as one group to be safe (a two-rank exchange otherwise serialises them).
+        if dist.get_backend(self.pg) == "gloo":
+            works = ([] if t is None else [dist.isend(t, group=self.pg, group_dst=dst)]) + (
+                [] if buf is None else [dist.irecv(buf, group=self.pg, group_src=src)])
+        else:
+            pairs = ((dist.isend, t, dst), (dist.irecv, buf, src))
+            ops = [dist.P2POp(op, x, group=self.pg, group_peer=peer)
+                   for op, x, peer in pairs if x is not None]
+            works = dist.batch_isend_irecv(ops)
+
+        def finish() -> None:
+            for w in works:
+                self._wait(w, "sendrecv")
+        return Pending(buf, finish)
 
 
 # ------------------------------------------------------------------------------------------

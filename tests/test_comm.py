@@ -81,3 +81,37 @@ def test_shape_rules_are_value_errors():
         return ctx.world.reduce_scatter(torch.ones(3), dim=0)
     with pytest.raises(RuntimeError, match=r"reduce_scatter-divisible"):
         run(bad, 2, report=False)
+
+
+def overlapped_exchanges(ctx) -> dict:
+    """Two ``sendrecv_async`` in flight at once (different peers and shapes), then a blocking
+    ``sendrecv`` with the same arguments as the first, for its trace."""
+    r, n, g = ctx.rank, ctx.world_size, ctx.world
+    t = torch.arange(6, dtype=torch.float64).reshape(2, 3) + 10 * r
+    back = torch.full((r + 1, 2), float(r))  # rank r receives rank r+1's (r+2, 2) tensor
+    fwd = g.sendrecv_async(t, (r + 1) % n, (r - 1) % n)
+    bwd = g.sendrecv_async(back, (r - 1) % n, (r + 1) % n, like=torch.empty((r + 1) % n + 1, 2))
+    out = {"bwd": bwd.wait(), "fwd": fwd.wait()}
+    first = len(ctx.trace)
+    g.sendrecv(t, (r + 1) % n, (r - 1) % n)
+    out["records"] = (ctx.trace[0], ctx.trace[first])
+    return out
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_sendrecv_async_overlaps_and_traces_like_sendrecv(n):
+    for r, out in enumerate(run(overlapped_exchanges, n, report=False)):
+        assert torch.equal(out["fwd"], torch.arange(6.0).reshape(2, 3) + 10 * ((r - 1) % n))
+        assert torch.equal(out["bwd"], torch.full(((r + 1) % n + 1, 2), float((r + 1) % n)))
+        a, b = out["records"]
+        assert a == b and (a.op, a.bytes_sent, a.bytes_recv) == ("sendrecv", 48, 48)
+
+
+@pytest.mark.torchrun
+@pytest.mark.slow
+def test_sendrecv_async_under_torchrun():
+    inline = run(overlapped_exchanges, 3, report=False)
+    real = run(overlapped_exchanges, 3, backend="torchrun", report=False)
+    for a, b in zip(inline, real):
+        assert torch.equal(a["fwd"], b["fwd"]) and torch.equal(a["bwd"], b["bwd"])
+    assert [list(t) for t in inline.traces] == [list(t) for t in real.traces]
