@@ -18,7 +18,8 @@ from .comm import RankContext
 from .pcp import pcp_prefill_attention, pcp_shard
 from .zigzag import pcp_partition
 
-__all__ = ["timed_rounds", "pcp_prefill_timing", "chunked_prefill_timing", "collective_timing"]
+__all__ = ["timed_rounds", "pcp_prefill_timing", "chunked_prefill_timing", "collective_timing",
+           "ring_prefill_timing"]
 
 
 def timed_rounds(ctx: RankContext, methods: Mapping[str, Callable[[], Any]], repeats: int,
@@ -144,4 +145,100 @@ def collective_timing(ctx: RankContext, sizes: Sequence[int], repeats: int = 5) 
         methods[f"all_gather_{size}"] = functools.partial(ctx.world.all_gather, gather)
         methods[f"all_to_all_{size}"] = functools.partial(ctx.world.all_to_all, a2a)
     out, _ = timed_rounds(ctx, methods, repeats, {"": time.perf_counter})
+    return out
+
+
+def ring_prefill_timing(ctx: RankContext, *, seq_len: int = 8192, num_heads: int = 8,
+                        head_dim: int = 64, repeats: int = 5, seed: int = 0) -> dict[str, float]:
+    """Medians of one causal prefill attention (float32, MHA) by cpbook's two rings and PyTorch's.
+
+    Methods, on DualChunkSwap (head-tail) shards of one ``seq_len`` prompt (a multiple of
+    ``2 * world_size``), the world group as PCP group: ``pass_kv`` and ``pass_q``
+    (:func:`cpbook.ring.ring_attention`) and PyTorch's private ``_templated_ring_attention``
+    (torch 2.13, CPU flash SDPA op) on the same shards, rotating K/V by all-gather
+    (``torch_ring_allgather``) and by all-to-all (``torch_ring_alltoall``); ``torch_ring`` is
+    the faster of the two on this rank.  PyTorch's ring needs ``torch.distributed`` (run under
+    torchrun); inline it is skipped.  Inputs are head-major ``[H, T, D]`` storage, prepared
+    before the clock.  Returns this rank's median wall seconds per method, ``<method>_cpu``
+    and ``<method>_thread`` CPU seconds (:func:`timed_rounds`), and ``<method>_err``, the max
+    error of its rows against one-process causal SDPA.
+    """
+    from .ring import RingLayout, ring_attention
+    from .zigzag import zigzag_partition
+
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(seq_len, num_heads, head_dim, generator=gen) for _ in range(3))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    ref = sdpa(*(t.transpose(0, 1) for t in (q, k, v)), is_causal=True).transpose(0, 1)
+    meta = zigzag_partition(seq_len, ctx.world_size).metadata(ctx.rank)
+    heads = [pcp_shard(t, meta).transpose(0, 1).contiguous() for t in (q, k, v)]  # [H, T, D]
+    layout = RingLayout((seq_len,), (0,), ctx.world_size)
+    rows = [t.transpose(0, 1) for t in heads]
+    methods: dict[str, Callable[[], Any]] = {
+        mode: functools.partial(ring_attention, *rows, layout, ctx.world, mode)
+        for mode in ("pass_kv", "pass_q")}
+    if ctx.backend != "inline":
+        import torch.distributed as dist
+        from torch.distributed.tensor.experimental._context_parallel._attention import (
+            _templated_ring_attention,
+            set_rotate_method,
+        )
+        op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+        def torch_ring(rotate: str) -> Callable[[], Any]:
+            def call() -> Any:
+                set_rotate_method(rotate)
+                out = _templated_ring_attention(dist.group.WORLD, 2, op,
+                                                *(t[None] for t in heads), is_causal=True)[0]
+                return out[0].transpose(0, 1), None
+            return call
+        methods.update({f"torch_ring_{rot}": torch_ring(rot) for rot in ("allgather", "alltoall")})
+    out, last = timed_rounds(ctx, methods, repeats)
+    if ctx.backend != "inline":
+        fast = min(("torch_ring_allgather", "torch_ring_alltoall"), key=out.get)
+        out.update({"torch_ring" + c: out[fast + c] for c in ("", "_cpu", "_thread")})
+        last["torch_ring"] = last[fast]
+    for name, (o, _) in last.items():
+        out[f"{name}_err"] = (o - ref[meta.token_index]).abs().max().item()
+    return out
+
+
+def decode_step_timing(ctx: RankContext, *, contexts: Sequence[int] = (1024, 4096),
+                       num_q_heads: int = 16, head_dim: int = 128, hidden_size: int = 1024,
+                       repeats: int = 5, seed: int = 0) -> dict[int, dict[str, float]]:
+    """Medians of one decode step of one request's attention block (float32, GQA with one KV
+    head, ``tp = world``) per context length, three ways in turns from a common barrier:
+    ``no_cp`` (TP only: every rank reads the whole KV), ``dcp`` (DCP = TP: 1/N of the KV, plus
+    the query all-gather and the combine) and ``dcp_tpa`` (the same without the all-gather).
+
+    Returns ``{context: {method: seconds, method + "_err": max error vs no_cp}}`` for this rank.
+    """
+    from .groups import make_groups
+    from .tpa import TPABlock, attention_block, attention_kv_heads, tpa_config
+
+    n, out = ctx.world_size, {}
+    kw = dict(tensor_parallel_size=n, num_q_heads=num_q_heads, num_kv_heads=1, head_dim=head_dim,
+              block_size=16)
+    cfgs = {"no_cp": tpa_config("standard", **kw),
+            "dcp": tpa_config("standard", **kw, decode_context_parallel_size=n),
+            "dcp_tpa": tpa_config("tpa", **kw, decode_context_parallel_size=n)}
+    groups = {m: make_groups(ctx, c) for m, c in cfgs.items()}
+    gen = torch.Generator().manual_seed(seed)
+    s = hidden_size**-0.5
+    block = TPABlock(torch.randn(hidden_size, num_q_heads * head_dim, generator=gen) * s,
+                     torch.randn(num_q_heads * head_dim, hidden_size, generator=gen) * s,
+                     num_q_heads)
+    x = torch.randn(1, hidden_size, generator=gen)
+    for c in contexts:
+        k, v = (torch.randn(c, 1, head_dim, generator=gen) for _ in range(2))
+        methods = {}
+        for m, cfg in cfgs.items():
+            kvh = attention_kv_heads(cfg, groups[m].coords.tp_rank)
+            rank = groups[m].coords.dcp_rank
+            mine = torch.arange(rank, c, cfg.dcp)  # interleave 1: this rank's tokens
+            kk, vv = k[mine][:, kvh].contiguous(), v[mine][:, kvh].contiguous()
+            methods[m] = functools.partial(attention_block, x, block, [kk], [vv], cfg, groups[m])
+        medians, last = timed_rounds(ctx, methods, repeats)
+        out[c] = {m: medians[m] for m in methods}
+        out[c].update({f"{m}_err": (last[m] - last["no_cp"]).abs().max().item() for m in methods})
     return out
