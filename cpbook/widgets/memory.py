@@ -41,7 +41,11 @@ def kv_capacity_text(
 def kv_explorer(
     model: str = "DeepSeek-V3", gpu: str = "H200", tokens: int = 131072, tp: int = 8, dcp: int = 1
 ) -> w.VBox:
-    """Dropdowns and a slider; the text below them updates (live only with a kernel)."""
+    """Dropdowns and a slider; the text below them updates.
+
+    Live only with a kernel (Jupyter): a static page cannot run ``update``, so the book hides
+    this widget's output and shows :func:`cpbook.viz.memory.max_context_bars` instead.
+    """
     ctrl = dict(
         model=w.Dropdown(options=list(MODELS), value=model, description="model"),
         gpu=w.Dropdown(options=list(GPUS), value=gpu, description="GPU"),
