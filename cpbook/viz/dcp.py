@@ -22,7 +22,7 @@ def _ink(color: str) -> str:
     return "black" if 0.299 * r + 0.587 * g + 0.114 * b > 0.55 else "white"
 
 
-def _cell(ax, x, y, w, h, color, hatch=None, alpha=1.0, text=None, fs=7):
+def _cell(ax, x, y, w, h, color, hatch=None, alpha=1.0, text=None, fs=10.5):
     ax.add_patch(
         Rectangle(
             (x, y), w, h, facecolor=color, edgecolor="#555555", lw=0.6, hatch=hatch, alpha=alpha
@@ -72,7 +72,7 @@ def gqa_dataflow(results: Sequence[Mapping[str, Any]], group: Sequence[int], seq
     }
     top = ys[0] + bh + 0.55
     fig, ax = figure(figsize=(7.6, 0.95 * (top + 0.55)))
-    mono = {"ha": "center", "va": "top", "fontsize": 9.5, "family": "monospace"}
+    mono = {"ha": "center", "va": "top", "fontsize": 10.5, "family": "monospace"}
     for c, r in enumerate(group):
         res, x0 = results[r], c * (w_col + gap)
         s = res["shapes"]
@@ -95,7 +95,7 @@ def gqa_dataflow(results: Sequence[Mapping[str, Any]], group: Sequence[int], seq
             f"rank {r} (dcp rank {c})",
             ha="center",
             va="center",
-            fontsize=10,
+            fontsize=11,
             weight="bold",
         )
         labels = [
@@ -108,7 +108,7 @@ def gqa_dataflow(results: Sequence[Mapping[str, Any]], group: Sequence[int], seq
         for y, lab in zip(ys, labels):
             ax.text(x0 + w_col / 2, y - 0.05, lab, **mono)
     for name, y in zip(names, ys):
-        ax.text(-0.15, y + bh / 2, name, ha="right", va="center", fontsize=10)
+        ax.text(-0.15, y + bh / 2, name, ha="right", va="center", fontsize=11)
     for i, step in steps.items():
         y = ys[i + 1] + bh + 0.14
         ax.text(
@@ -117,7 +117,7 @@ def gqa_dataflow(results: Sequence[Mapping[str, Any]], group: Sequence[int], seq
             step,
             ha="left",
             va="bottom",
-            fontsize=9.5,
+            fontsize=10.5,
             color="#333333" if i != 1 else "#777777",
             style="italic",
         )
@@ -128,7 +128,7 @@ def gqa_dataflow(results: Sequence[Mapping[str, Any]], group: Sequence[int], seq
         "One GQA decode step in a DCP group: query heads travel, KV stays\n"
         f"(shapes from the run, one request of {seq_len} tokens;\n"
         "the other DCP group does the same on its own KV head)",
-        fontsize=10.5,
+        fontsize=11.5,
     )
     return fig
 
@@ -165,11 +165,13 @@ def combine_traffic(
                 f"{label}\n{nbytes:,} B",
                 ha="center",
                 va="top" if narrow else "center",
-                fontsize=9.5,
+                fontsize=10.5,
                 color=_ink(colors[label]) if not narrow else "black",
             )
             left += nbytes
-        a.text(left + 0.02 * width, i, f"{left:,} B\n{len(calls)} calls", va="center", fontsize=9.5)
+        a.text(
+            left + 0.02 * width, i, f"{left:,} B\n{len(calls)} calls", va="center", fontsize=10.5
+        )
     a.set_yticks(range(len(step_bytes)), list(step_bytes))
     a.set_ylim(-0.45, len(step_bytes) - 0.5)
     a.invert_yaxis()
@@ -186,7 +188,7 @@ def combine_traffic(
             (contexts[-1], totals[-1]),
             textcoords="offset points",
             xytext=(8, 4 if j == 0 else -11),
-            fontsize=9.5,
+            fontsize=10.5,
             color=PALETTE[j],
         )
     b.plot(contexts, kv_bytes, marker="s", color=PALETTE[5], label="KV cache bytes this rank reads")
@@ -198,7 +200,7 @@ def combine_traffic(
     b.set_xlabel("context length (tokens per request)")
     b.set_ylabel("bytes per rank")
     b.set_title("Traffic does not grow with the context")
-    b.legend(fontsize=9.5, loc="upper left")
+    b.legend(fontsize=10.5, loc="upper left")
     return fig
 
 
@@ -218,11 +220,11 @@ def reorg_layout(
     width = max(len(gathered) + (dcp - 1) * 0.5, sum(map(len, owners)) + 1.5 * (len(owners) - 1))
     y = {"ctx": 6.4, "gath": 3.4, "ws": 0.0}
     fig, ax = figure(figsize=(7.6, 7.6 * 9.4 / (width + 0.4) + 0.6))
-    gray = {"ha": "center", "va": "top", "fontsize": 9.5, "color": "#444444"}
+    gray = {"ha": "center", "va": "top", "fontsize": 10.5, "color": "#444444"}
     x = 0.0
     for i, own in enumerate(owners):  # request i's context, position p coloured by its owner
         for p, r in enumerate(own):
-            _cell(ax, x + p, y["ctx"], 1, 1, rank_color(r), text=str(p), fs=9.5)
+            _cell(ax, x + p, y["ctx"], 1, 1, rank_color(r), text=str(p), fs=10.5)
         ax.text(x + len(own) / 2, y["ctx"] - 0.15, f"request {i}: {len(own)} tokens", **gray)
         x += len(own) + 1.5
     for j, p in enumerate(gathered):
@@ -236,7 +238,7 @@ def reorg_layout(
             _EMPTY if p < 0 else rank_color(r),
             hatch="xx" if p < 0 else None,
             text="" if p < 0 else str(p),
-            fs=9.5,
+            fs=10.5,
         )
     for r in range(dcp):
         x0 = r * (toks + 0.5)
@@ -244,13 +246,13 @@ def reorg_layout(
             start = x0 + sum(padded[:i])
             ax.text(start + pad / 2, y["gath"] - 0.15, f"req {i}", **gray)
         ax.text(
-            x0 + toks / 2, y["gath"] - 0.75, f"from rank {r}", ha="center", va="top", fontsize=9.5
+            x0 + toks / 2, y["gath"] - 0.75, f"from rank {r}", ha="center", va="top", fontsize=10.5
         )
     x = 0.0
     for i in range(len(cu) - 1):
         for j in range(cu[i], cu[i + 1]):
             p = workspace[j]
-            _cell(ax, x + j - cu[i], y["ws"], 1, 1, rank_color(owners[i][p]), text=str(p), fs=9.5)
+            _cell(ax, x + j - cu[i], y["ws"], 1, 1, rank_color(owners[i][p]), text=str(p), fs=10.5)
         ax.text(x + (cu[i + 1] - cu[i]) / 2, y["ws"] - 0.15, f"request {i}", **gray)
         x += cu[i + 1] - cu[i] + 1.5
     for name, yy in (
@@ -258,7 +260,7 @@ def reorg_layout(
         ("after the AllGather: rank-major, padded (xx) to rank 0's count", y["gath"]),
         ("workspace after reorg_kvcache: no padding, one run per request", y["ws"]),
     ):
-        ax.text(0, yy + 1.25, name, ha="left", va="bottom", fontsize=10)
+        ax.text(0, yy + 1.25, name, ha="left", va="bottom", fontsize=11)
     ax.set_xlim(-0.2, width + 0.2)
     ax.set_ylim(-0.8, y["ctx"] + 2.1)
     ax.set_aspect("equal")
@@ -266,7 +268,7 @@ def reorg_layout(
     ax.set_title(
         "reorg_kvcache: drop the padding, keep each request contiguous\n"
         "(rank-major order, not re-interleaved)",
-        fontsize=11,
+        fontsize=12,
     )
     return fig
 
@@ -311,12 +313,15 @@ def move_q_or_kv(
             label=f"move Q, {h} head{'s' if h > 1 else ''} per rank",
         )
         a.plot([crossover[h]], [qb], marker="*", ms=11, color=PALETTE[j], zorder=5)
+        # below the dashed line, right of the star: the staircase is above the line there
         a.annotate(
             f"L = {crossover[h]}",
             (crossover[h], qb),
             textcoords="offset points",
-            xytext=(-44, 6),
-            fontsize=9.5,
+            xytext=(7, -5),
+            ha="left",
+            va="top",
+            fontsize=10.5,
             color=PALETTE[j],
         )
     a.set_xscale("log")
@@ -324,21 +329,25 @@ def move_q_or_kv(
     _plain_log_axis(a.xaxis, contexts)
     a.set_xlabel("context length L (tokens)")
     a.set_ylabel("bytes one rank sends,\none decode token")
-    a.set_title("Tiny MLA, DCP = 4: measured (stars: first L where KV costs more)", fontsize=10.5)
-    a.legend(fontsize=9.5, loc="upper left")
+    a.set_title("Tiny MLA, DCP = 4: measured (stars: first L where KV costs more)", fontsize=11.5)
+    a.legend(fontsize=10.5, loc="upper left")
     first = next(iter(model_crossover.values()))
     for j, (name, xs) in enumerate(model_crossover.items()):
         b.plot(query_tokens, xs, color=PALETTE[j], marker="o", ms=3, label=name)
     for t, text in marks.items():
         x = first[list(query_tokens).index(t)]
         left = t > query_tokens[len(query_tokens) // 2]
+        # right half: text up-left of the point; left half: text well above it, with a
+        # leader line, clear of both curves (they rise to the right)
         b.annotate(
             text,
             (t, x),
             textcoords="offset points",
-            xytext=(-8, 6) if left else (8, -4),
-            fontsize=9.5,
+            xytext=(-8, 6) if left else (4, 34),
+            fontsize=10.5,
             ha="right" if left else "left",
+            va="bottom",
+            arrowprops=None if left else {"arrowstyle": "-", "color": "#555555", "lw": 0.8},
         )
         b.plot([t], [x], marker="o", ms=6, color=PALETTE[0])
     b.set_xscale("log")
@@ -352,7 +361,7 @@ def move_q_or_kv(
         0.62,
         "above a line: moving Q is cheaper",
         transform=b.transAxes,
-        fontsize=9.5,
+        fontsize=10.5,
         color="#333333",
     )
     b.text(
@@ -360,12 +369,12 @@ def move_q_or_kv(
         0.08,
         "below: moving the latent KV is cheaper",
         transform=b.transAxes,
-        fontsize=9.5,
+        fontsize=10.5,
         color="#333333",
         ha="right",
     )
     b.set_xlabel("query tokens per request (1 = decode)")
     b.set_ylabel("crossover context\nlength (tokens)")
-    b.set_title("Real shapes, TP = DCP = 8, bf16 (formula)", fontsize=10.5)
-    b.legend(fontsize=9.5, loc="upper left")
+    b.set_title("Real shapes, TP = DCP = 8, bf16 (formula)", fontsize=11.5)
+    b.legend(fontsize=10.5, loc="upper left")
     return fig
