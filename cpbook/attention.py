@@ -274,30 +274,33 @@ def merge_rank(
     seed: int = 0,
     dtype: str = "float64",
 ) -> dict[str, Any]:
-    """Chapter 1: split one attention's keys over the ranks, merge the parts by the LSE.
+    """Chapter 1: split one attention's keys over the ranks, merge by the LSE.
 
-    Every rank draws the same ``q, k, v`` (:func:`merge_problem`) and keeps a contiguous slice
-    of the keys (``torch.tensor_split``: uneven, empty when ``num_keys < world_size``).  It
-    computes ``(out, lse)`` on its slice, all-gathers both and merges them.  Returns this rank's
-    key range, the merged result's max error against dense float64 attention on all keys
-    (``<= 1e-10`` in float64), the traced ``comm`` and the formula's ``expected``.
+    Every rank draws the same ``q, k, v`` (:func:`merge_problem`) and keeps a
+    contiguous slice of the keys (``torch.tensor_split``: uneven, empty when
+    ``num_keys < world_size``).  It computes ``(out, lse)`` on its slice,
+    all-gathers both and merges them.  Returns this rank's key range, the merged
+    result's max error against dense float64 attention on all keys (``<= 1e-10``
+    in float64), the traced ``comm`` and the formula's ``expected``.
     """
     dev, dt = ctx.device, getattr(torch, dtype)
-    q, k, v = merge_problem(num_keys, num_queries, num_heads, head_dim, seed)
+    qa, ka, va = merge_problem(num_keys, num_queries, num_heads, head_dim, seed)
     mine = torch.tensor_split(torch.arange(num_keys), ctx.world_size)[ctx.rank]
     lo, hi = (int(mine[0]), int(mine[-1]) + 1) if len(mine) else (0, 0)
-    out, lse = attention_with_lse(q.to(dev, dt), k[lo:hi].to(dev, dt), v[lo:hi].to(dev, dt))
+    q, k, v = qa.to(dev, dt), ka[lo:hi].to(dev, dt), va[lo:hi].to(dev, dt)
+    out, lse = attention_with_lse(q, k, v)
     first = len(ctx.trace)
     outs = ctx.world.all_gather(out[None], dim=0)  # [world, Tq, H, D]
     lses = ctx.world.all_gather(lse[None].double(), dim=0)  # [world, Tq, H]
     comm = [(r.op, r.bytes_sent) for r in ctx.trace[first:]]
     merged, merged_lse = merge_attn_states(list(outs), list(lses))
-    ref, ref_lse = dense_attention(q, k, v)
+    ref, ref_lse = dense_attention(qa, ka, va)
     err = max(
         (merged.cpu().double() - ref).abs().max().item(),
         (merged_lse.cpu() - ref_lse).abs().max().item(),
     )
-    print(f"keys [{lo}, {hi}): {hi - lo} of {num_keys}; merged == dense: {err <= 1e-10}")
+    exact = err <= 1e-10
+    print(f"keys [{lo}, {hi}): {hi - lo} of {num_keys}; merged == dense: {exact}")
     return {
         "keys": (lo, hi),
         "max_abs_err": err,
