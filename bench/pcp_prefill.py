@@ -4,9 +4,8 @@
 
 Identical float32 inputs (``seq_len`` tokens, MHA), laid out head-major for every method before
 the clock starts.  Methods take turns run after run (:func:`cpbook.timing.pcp_prefill_timing`),
-each run
-from a common barrier; one warm-up round, then ``--repeats``; a method's time is the slowest
-rank's median:
+each run from a common barrier; one warm-up round, then ``--repeats``; a method's time is the
+slowest rank's median:
 
 * ``single`` — one process, ``F.scaled_dot_product_attention(is_causal=True)``, 1 thread;
 * ``cpbook_zigzag`` / ``cpbook_contiguous`` — :func:`cpbook.pcp.pcp_prefill_attention`
@@ -16,16 +15,22 @@ rank's median:
   SDPA op on ``_HeadTailLoadBalancer`` shards (torch 2.13), K/V rotated by all-gather and by
   all-to-all; the faster of the two is reported.
 
-Prints one JSON line (``--json``) or a short table.  Wall times depend on the machine's load;
-``cpu_ms`` gives each method's slowest-rank median process CPU time (all threads of the rank,
-communication included), which a loaded machine disturbs much less.
+Prints one JSON line (``--json``) or a short table, with each rank's attention-thread time
+per layout (``per_rank_thread_ms``) and when and where it ran (``date_utc``, ``machine``,
+``load_avg_1m``).  ``bench/results/pcp_prefill.json``, shown in chapter 4, is the list of
+two such records, from ``--world-size 2`` and ``--world-size 4``.
+Wall times depend on the machine's load; ``cpu_ms`` gives each method's slowest-rank median
+process CPU time (all threads of the rank, communication included), which a loaded machine
+disturbs much less.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -58,12 +63,12 @@ def _torch_ring(ctx, a: argparse.Namespace, rotate: str):
         _HeadTailLoadBalancer,
     )
 
-    from cpbook.pcp import zigzag_partition
+    from cpbook.zigzag import zigzag_partition
 
     idx = _HeadTailLoadBalancer(a.seq_len, ctx.world_size, "cpu")._generate_indices()[0].long()
     mine = idx.view(ctx.world_size, -1)[ctx.rank]
     assert mine.tolist() == zigzag_partition(a.seq_len, ctx.world_size).rank_tokens[ctx.rank]
-    gen = torch.Generator().manual_seed(0)  # the inputs of cpbook.pcp.pcp_prefill_timing
+    gen = torch.Generator().manual_seed(0)  # the inputs of cpbook.timing.pcp_prefill_timing
     q, k, v = (torch.randn(a.seq_len, a.num_heads, a.head_dim, generator=gen) for _ in range(3))
     q4, k4, v4 = (t[mine].transpose(0, 1)[None].contiguous() for t in (q, k, v))
     op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -76,12 +81,29 @@ def _torch_ring(ctx, a: argparse.Namespace, rotate: str):
     return ring
 
 
+def _machine() -> dict[str, object]:
+    """When and where the numbers were taken: UTC date, CPU model and count, 1-minute load."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+        "machine": f"{os.cpu_count()} x {cpu}",
+        "load_avg_1m": round(os.getloadavg()[0], 2),
+    }
+
+
 def _worker(a: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
     from cpbook.launch import worker_context
-    from cpbook.pcp import pcp_partition, pcp_prefill_attention, pcp_prefill_timing, pcp_shard
+    from cpbook.pcp import pcp_prefill_attention, pcp_shard
+    from cpbook.timing import pcp_prefill_timing
+    from cpbook.zigzag import pcp_partition
 
     torch.set_num_threads(1)
     ctx = worker_context("gloo", 600.0)
@@ -131,11 +153,16 @@ def _worker(a: argparse.Namespace) -> None:
                     "torch_ring_max_abs_diff": float(
                         f"{max(slowest(f'{r}_diff') for r in rings):.2e}"
                     ),
+                    "per_rank_thread_ms": {
+                        m: [round(1e3 * r[f"{m}_thread"], 1) for r in every]
+                        for m in ("zigzag", "contiguous")
+                    },
                     "num_heads": a.num_heads,
                     "head_dim": a.head_dim,
                     "dtype": "float32",
                     "repeats": a.repeats,
                     "threads_per_rank": torch.get_num_threads(),
+                    **_machine(),
                 }
             ),
             flush=True,
