@@ -64,6 +64,32 @@ def test_exact_bytes_and_work(case, mode):
             assert r["work"] == mine
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_random_batches(seed):
+    g = torch.Generator().manual_seed(seed)
+
+    def draw(lo, hi):
+        return int(torch.randint(lo, hi + 1, (), generator=g))
+
+    pcp, reqs = draw(1, 4), draw(1, 3)
+    lens = tuple(draw(1, 40) for _ in range(reqs))
+    ctx = tuple(draw(0, 40) * draw(0, 1) for _ in range(reqs))
+    hq, hkv = [(4, 4), (4, 2), (8, 1), (6, 2)][draw(0, 3)]
+    for mode in ("pass_kv", "pass_q"):
+        kw = dict(
+            seq_lens=lens,
+            context_lens=ctx,
+            num_q_heads=hq,
+            num_kv_heads=hkv,
+            mode=mode,
+            cp_kv_cache_interleave_size=[1, 2, 4][draw(0, 2)],
+            seed=seed,
+        )
+        res = run(ring_prefill_rank, pcp, report=False, fn_kwargs=kw)
+        assert all(r["max_abs_err"] <= 1e-10 and r["comm"] == r["expected"] for r in res)
+        assert sum(r["work"] for r in res) == _pairs(lens, ctx)
+
+
 @pytest.mark.parametrize("pcp", [2, 3, 4])
 def test_zigzag_needs_one_call_per_step(pcp):
     """One request, no context: a rank's own block is one causal call, every other rank's block
