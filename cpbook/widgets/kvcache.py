@@ -68,8 +68,8 @@ def layout_explorer(
 ) -> widgets.VBox:
     """Sliders for the four knobs; redraws the ownership figure and the per-rank slot summary.
 
-    The figure is an ``Image`` widget and the summary an ``HTML`` widget, so the first view is
-    kept in the saved widget state and shows in the static book.
+    Needs a running kernel: in the static book the controls would do nothing, so chapter 2
+    hides this cell's output (tag ``remove-output``) and shows the first view as a figure.
     """
     dcp = widgets.IntSlider(dcp_size, min=1, max=8, description="dcp_size")
     inter = widgets.Dropdown(
