@@ -25,6 +25,8 @@ DEMOS: dict[str, tuple[int, str]] = {
     "dcp-mla": (3, "cpbook.mla:mla_decode_rank"),
     "dcp-mla-ctx": (3, "cpbook.mla:mla_context_rank"),
     "pcp": (4, "cpbook.pcp:pcp_prefill_rank"),
+    "chunked": (5, "cpbook.chunked:chunked_prefill_rank"),
+    "ring": (5, "cpbook.ring:ring_prefill_rank"),
     "tpa": (6, "cpbook.tpa:tpa_rank"),
 }
 
