@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import importlib
 import inspect
+import types
 import typing
 from collections.abc import Sequence
 from typing import Any, Callable
@@ -49,7 +50,18 @@ def demo_params(fn: Callable[..., Any]) -> dict[str, tuple[Any, Any]]:
     }
 
 
+def _optional(tp: Any) -> Any:
+    """``X`` for ``X | None`` (``Optional[X]``), else ``None``."""
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in args:
+        rest = [a for a in args if a is not type(None)]
+        return rest[0] if len(rest) == 1 else None
+    return None
+
+
 def _type_name(tp: Any) -> str:
+    if _optional(tp) is not None:
+        return f"{_type_name(_optional(tp))} | None"
     origin = typing.get_origin(tp)
     if origin is None:
         return getattr(tp, "__name__", str(tp))
@@ -63,6 +75,8 @@ def _convert(name: str, text: str, tp: Any) -> Any:
     def bad(why: str) -> ValueError:
         return ValueError(f"[param-{name}] requires {why}; got {name}={text!r}")
 
+    if _optional(tp) is not None:
+        return None if text == "None" else _convert(name, text, _optional(tp))
     if tp is str:
         return text
     try:
