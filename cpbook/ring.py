@@ -11,8 +11,8 @@ al., arXiv 2411.01783) runs two exact rings over ``N`` ranks, each step's transf
 * ``pass_q`` — queries rotate, K/V stay: rank ``r`` attends the visiting queries of rank
   ``r − s`` to its resident K/V and sends the partial output + LSE (one message, the LSE as an
   extra channel) straight back to that rank, which merges it one step later.  Meta returns
-  them with one All2All after the ring; sent step by step they move the same bytes and
-  overlap the compute.
+  them with one All2All after the ring; sent step by step they overlap the compute, and
+  rows that saw none of a rank's keys are not sent at all.
 
 Which rows each rank holds, the kernel calls of each block (masked blocks skipped) and the
 bytes of each message are planned in :mod:`cpbook.ring_plan`.  Exact: float64 runs match
