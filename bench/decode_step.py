@@ -1,0 +1,98 @@
+"""One decode step's attention block without CP, with DCP, and with DCP + TPA, over context.
+
+    python bench/decode_step.py --json       # gloo, 1 thread per rank, float32
+
+For world size 2 (and 4 when the machine has at least 4 cores) one torchrun launch times, per
+context length, one request's attention block (``q_proj`` → attention → ``o_proj`` with its
+all-reduce; 16 query heads, one KV head, head_dim 128, hidden 1024) three ways, interleaved
+run after run from a common barrier (:func:`cpbook.timing.decode_step_timing`): ``no_cp``
+(TP = N: every rank reads the whole KV), ``dcp`` (DCP = N: 1/N of the KV, query all-gather and
+LSE combine) and ``dcp_tpa`` (TPA: no query all-gather).  A method's time is the slowest rank's
+median.  Prints per context::
+
+    {"name": "decode_step", "ranks": N, "context": C, "no_cp_ms": ..., "dcp_ms": ...,
+     "dcp_tpa_ms": ...}
+
+then ``{"name": "decode_break_even", "ranks": N, "dcp_tokens": ..., "dcp_tpa_tokens": ...}``:
+the context length where DCP starts to beat no CP, interpolated on log(context) between the
+last grid point where it loses and the first where it wins from there on (the grid's first
+point if it wins everywhere).  Targets: ``dcp_tpa_ms <= dcp_ms`` at every context,
+``dcp_tpa_tokens <= dcp_tokens``, and at 256K ``dcp_ms <= 0.6 * no_cp_ms`` on 2 ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+
+from cpbook.launch import run
+from cpbook.timing import decode_step_timing
+
+CONTEXTS = (1024, 4096, 16384, 65536, 262144)
+
+
+def break_even(contexts, slow, fast) -> float | None:
+    """Context where ``fast`` starts to beat ``slow`` for good (log-linear interpolation of the
+    time difference); ``None`` if it never does on the grid."""
+    diff = [f - s for s, f in zip(slow, fast)]
+    if diff[-1] >= 0:
+        return None
+    i = max([j for j, d in enumerate(diff) if d >= 0], default=-1)
+    if i < 0:
+        return float(contexts[0])
+    x0, x1 = math.log(contexts[i]), math.log(contexts[i + 1])
+    t = diff[i] / (diff[i] - diff[i + 1])
+    return round(math.exp(x0 + t * (x1 - x0)))
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json", action="store_true", help="print JSON lines (the default output)")
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--contexts", type=int, nargs="+", default=list(CONTEXTS))
+    a = p.parse_args(argv)
+    worlds = (2, 4) if (os.cpu_count() or 1) >= 4 else (2,)
+    for n in worlds:
+        res = run(
+            decode_step_timing,
+            n,
+            "torchrun",
+            dict(contexts=tuple(a.contexts), repeats=a.repeats),
+            report=False,
+        )
+        ms = {
+            c: {m: 1e3 * max(r[c][m] for r in res) for m in ("no_cp", "dcp", "dcp_tpa")}
+            for c in a.contexts
+        }
+        for c in a.contexts:
+            err = max(r[c][f"{m}_err"] for r in res for m in ("dcp", "dcp_tpa"))
+            print(
+                json.dumps(
+                    {
+                        "name": "decode_step",
+                        "ranks": n,
+                        "context": c,
+                        **{f"{m}_ms": round(v, 3) for m, v in ms[c].items()},
+                        "max_abs_diff": float(f"{err:.1e}"),
+                    }
+                ),
+                flush=True,
+            )
+        col = {m: [ms[c][m] for c in a.contexts] for m in ("no_cp", "dcp", "dcp_tpa")}
+        print(
+            json.dumps(
+                {
+                    "name": "decode_break_even",
+                    "ranks": n,
+                    "dcp_tokens": break_even(a.contexts, col["no_cp"], col["dcp"]),
+                    "dcp_tpa_tokens": break_even(a.contexts, col["no_cp"], col["dcp_tpa"]),
+                }
+            ),
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
