@@ -72,34 +72,42 @@ class ModelSpec:
     num_params: float
     weight_bytes_per_param: int
     source: str
+    hidden_size: int = 0  #: width of the residual stream (input of GQA's ``q_proj``)
+    q_lora_rank: int = 0  #: MLA: input width of ``q_b_proj``, the sharded query projection
 
 
-def _gqa(name: str, layers: int, q: int, kv: int, params: float, source: str) -> ModelSpec:
+def _gqa(
+    name: str, layers: int, q: int, kv: int, params: float, source: str, hidden: int = 0
+) -> ModelSpec:
     """A GQA model with 128-dim heads and bf16 weights."""
-    return ModelSpec(name, layers, q, kv, 128, False, 0, 0, params, 2, source)
+    return ModelSpec(name, layers, q, kv, 128, False, 0, 0, params, 2, source, hidden)
 
 
 def _mla(name: str, layers: int, q: int, params: float, source: str) -> ModelSpec:
-    """A DeepSeek-V3-shaped MLA model with FP8 weights."""
+    """A DeepSeek-V3-shaped MLA model with FP8 weights (hidden 7168, ``q_lora_rank`` 1536)."""
     # qk_nope 128 + rope 64 = 192; latent 512 + rope 64 = 576 stored per token.
-    return ModelSpec(name, layers, q, 1, 192, True, 512, 64, params, 1, source)
+    return ModelSpec(name, layers, q, 1, 192, True, 512, 64, params, 1, source, 7168, 1536)
 
 
 MODELS: dict[str, ModelSpec] = {
     # Both MLA models ship FP8 weights (1 byte per parameter).
     "DeepSeek-V3": _mla("DeepSeek-V3", 61, 128, 671e9, "hf_deepseek_v3,deepseekai2024v3"),
     "Kimi-K2": _mla("Kimi-K2", 61, 64, 1.04e12, "hf_kimi_k2,kimiteam2025k2"),
-    "Llama-3.1-8B": _gqa("Llama-3.1-8B", 32, 32, 8, 8.03e9, "hf_llama31_8b,grattafiori2024llama3"),
+    "Llama-3.1-8B": _gqa(
+        "Llama-3.1-8B", 32, 32, 8, 8.03e9, "hf_llama31_8b,grattafiori2024llama3", 4096
+    ),
     "Llama-3.1-70B": _gqa(
-        "Llama-3.1-70B", 80, 64, 8, 70.6e9, "hf_llama31_70b,grattafiori2024llama3"
+        "Llama-3.1-70B", 80, 64, 8, 70.6e9, "hf_llama31_70b,grattafiori2024llama3", 8192
     ),
     "Llama-3.1-405B": _gqa(
-        "Llama-3.1-405B", 126, 128, 8, 405.9e9, "hf_llama31_405b,grattafiori2024llama3"
+        "Llama-3.1-405B", 126, 128, 8, 405.9e9, "hf_llama31_405b,grattafiori2024llama3", 16384
     ),
     "Qwen2.5-7B-1M": _gqa(
-        "Qwen2.5-7B-Instruct-1M", 28, 28, 4, 7.61e9, "hf_qwen25_7b_1m,yang2025qwen25_1m"
+        "Qwen2.5-7B-Instruct-1M", 28, 28, 4, 7.61e9, "hf_qwen25_7b_1m,yang2025qwen25_1m", 3584
     ),
-    "Qwen3-235B-A22B": _gqa("Qwen3-235B-A22B", 94, 64, 4, 235e9, "hf_qwen3_235b,yang2025qwen3"),
+    "Qwen3-235B-A22B": _gqa(
+        "Qwen3-235B-A22B", 94, 64, 4, 235e9, "hf_qwen3_235b,yang2025qwen3", 4096
+    ),
 }
 
 #: bytes per cached element for GQA (and for the MLA latent, except "fp8")
@@ -281,3 +289,190 @@ def decode_bytes_per_step(
     """
     kv = kv_bytes_per_token_per_gpu(model, tp, dcp, kv_dtype) * context_tokens
     return weight_bytes_per_gpu(model, tp), kv
+
+
+# ---------------------------------------------------------------------- collectives (α–β)
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """The scale-up link as one collective call sees it: ``t = alpha_s + bytes_sent / bw``.
+
+    ``alpha_s`` is the fixed cost of one call at small sizes (launch, synchronisation, protocol
+    steps), measured per call at the group sizes of interest; ``bw_bytes_per_s`` the per
+    direction bandwidth one GPU drives into the fabric.
+    """
+
+    name: str
+    alpha_s: float
+    bw_bytes_per_s: float
+    source: str
+
+
+LINKS: dict[str, LinkSpec] = {
+    # 900 GB/s bidirectional NVLink 4 per GPU = 450 GB/s per direction (datasheets).  α: vLLM
+    # PR #24111's isolated all-reduce benchmark on H100 (CUDA graphs, bf16, 0.5 MB): NCCL
+    # 17 µs on 4 GPUs and 23 µs on 6, vLLM's one-stage custom kernel 10 and 13 µs.  15 µs per
+    # NCCL call is the middle of that range once the ~2 µs of transfer is taken out.
+    "NVLink4": LinkSpec(
+        "NVLink 4 + NVSwitch (H100/H200 HGX), NCCL", 15e-6, 450e9, "nvidia_h200,vllm_pr24111"
+    ),
+}
+
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+
+
+def collective_time(op: str, bytes_per_rank: float, group_size: int, link: LinkSpec) -> float:
+    """Seconds of one collective: ``alpha + bytes_per_rank / bw``, 0 for a group of one.
+
+    ``bytes_per_rank`` is what one rank *sends* (the convention of the traces and of every
+    ``*_comm_bytes`` formula: ``(N-1)·chunk`` for a ring all-gather or reduce-scatter,
+    ``2·(N-1)/N·size`` for a ring all-reduce), so the ring's bandwidth term is exact and the
+    algorithm's step count is folded into ``alpha``.
+    """
+    if op not in COLLECTIVES:
+        raise ValueError(f"[collective-op] requires op in {COLLECTIVES}; got op={op!r}")
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"[positive-group] requires a positive int; got group_size={group_size!r}")
+    if bytes_per_rank < 0:
+        raise ValueError(f"[non-negative-bytes] requires >= 0; got {bytes_per_rank=}")
+    if group_size == 1:
+        return 0.0
+    return link.alpha_s + bytes_per_rank / link.bw_bytes_per_s
+
+
+# ---------------------------------------------------------------- one decode step, per layer
+
+DECODE_MODES = ("no_cp", "dcp", "dcp_tpa")
+#: Fraction of the datasheet HBM bandwidth a decode-attention kernel reaches; FlashMLA reports
+#: up to 3000 GB/s on an H800 SXM5 (3.35 TB/s HBM3), about 0.9 — 0.8 leaves room for short rows.
+DEFAULT_HBM_EFFICIENCY = 0.8
+
+
+@dataclass(frozen=True)
+class DecodeLayerTime:
+    """Modelled seconds of one layer's attention in one decode step, on one GPU.
+
+    ``kv_read_s``: streaming this GPU's KV share from HBM; ``comm_s``: the layer's collectives
+    (``calls``, ``[(op, group size, bytes sent)]``, α–β each); ``q_proj_extra_s``: reading the
+    extra ``q_proj`` weights TPA replicates.  Work that is the same in every mode (the rest of
+    ``q_proj``, ``o_proj``, the MLP) is left out: it shifts the step but not the break-even.
+    """
+
+    kv_read_s: float
+    comm_s: float
+    q_proj_extra_s: float
+    calls: tuple[tuple[str, int, int], ...]
+
+    @property
+    def total_s(self) -> float:
+        return self.kv_read_s + self.comm_s + self.q_proj_extra_s
+
+
+def _decode_config(model: ModelSpec, mode: str, tp: int, dcp: int) -> ParallelConfig:
+    from .tpa import tpa_config
+
+    if mode not in DECODE_MODES:
+        raise ValueError(f"[decode-mode] requires mode in {DECODE_MODES}; got mode={mode!r}")
+    if mode == "no_cp":
+        return parallel_config(model, tp, 1)
+    if mode == "dcp":
+        return parallel_config(model, tp, dcp)
+    return tpa_config(
+        "tpa",
+        tensor_parallel_size=tp,
+        decode_context_parallel_size=dcp,
+        num_q_heads=model.num_q_heads,
+        num_kv_heads=model.num_kv_heads,
+        head_dim=model.head_dim,
+        use_mla=model.use_mla,
+    )
+
+
+def decode_layer_time(
+    model: ModelSpec,
+    gpu: GPUSpec,
+    context_tokens: float,
+    mode: str,
+    *,
+    tp: int = 8,
+    dcp: int = 8,
+    num_reqs: int = 1,
+    kv_dtype: str = "bf16",
+    hbm_efficiency: float = DEFAULT_HBM_EFFICIENCY,
+    link: LinkSpec = LINKS["NVLink4"],
+    dcp_comm_backend: str = "ag_rs",
+    act_bytes: int = 2,
+) -> DecodeLayerTime:
+    """One layer's decode attention on one GPU of a TP group, ``num_reqs`` requests of
+    ``context_tokens`` cached tokens each, in ``mode``:
+
+    * ``no_cp``: TP only, every GPU streams its heads' whole KV (MLA: the whole latent);
+    * ``dcp``: DCP = ``dcp`` (vLLM's rules), ``1/dcp`` of the tokens, plus the query
+      all-gather and the combine;
+    * ``dcp_tpa``: the same without the query all-gather (``tensor_parallel_size_attention``
+      for GQA, ``dcp_q_replicate`` for MLA), plus reading ``dcp - 1`` more ``q_proj`` shards.
+
+    The collectives and their bytes are :func:`cpbook.tpa.tpa_comm_bytes` (activations of
+    ``act_bytes``), the extra weights :func:`cpbook.tpa.tpa_costs`; the KV heads a GPU holds
+    come from :func:`cpbook.tpa.attention_kv_heads`.  Every term is linear in
+    ``context_tokens``, so :func:`decode_break_even` solves for the crossing exactly.
+    """
+    from .tpa import attention_kv_heads, tpa_comm_bytes, tpa_costs
+
+    if not 0 < hbm_efficiency <= 1:
+        raise ValueError(
+            f"[hbm-efficiency] requires 0 < hbm_efficiency <= 1; got {hbm_efficiency=}"
+        )
+    if context_tokens < 0:
+        raise ValueError(f"[non-negative-tokens] requires >= 0; got {context_tokens=}")
+    cfg = _decode_config(model, mode, tp, dcp)
+    heads = attention_kv_heads(cfg, 0)
+    per_head = kv_bytes_per_token(model, kv_dtype) / model.num_layers / model.num_kv_heads
+    kv_bytes = per_head * (heads.stop - heads.start) / cfg.dcp * context_tokens * num_reqs
+    hbm = gpu.hbm_bw_bytes_per_s * hbm_efficiency
+    if model.use_mla:
+        q_dim, out_dim = model.kv_lora_rank + model.qk_rope_head_dim, model.kv_lora_rank
+    else:
+        q_dim = out_dim = model.head_dim
+    calls = tpa_comm_bytes(
+        "tpa" if mode == "dcp_tpa" else "standard",
+        num_reqs,
+        cfg.q_heads_per_rank,
+        q_dim,
+        out_dim,
+        cfg.dcp,
+        cfg.tp,
+        model.hidden_size,
+        dcp_comm_backend,
+        act_bytes,
+    )
+    sized = tuple((op, cfg.tp if op == "all_reduce" else cfg.dcp, b) for op, b in calls)
+    q_in = model.q_lora_rank or model.hidden_size
+    extra = tpa_costs(cfg, q_in, num_reqs, model.head_dim, model.weight_bytes_per_param)
+    return DecodeLayerTime(
+        kv_read_s=kv_bytes / hbm,
+        comm_s=sum(collective_time(op, b, n, link) for op, n, b in sized),
+        q_proj_extra_s=extra["extra_weight_bytes"] / hbm,
+        calls=sized,
+    )
+
+
+def decode_break_even(model: ModelSpec, gpu: GPUSpec, mode: str, **kwargs) -> float:
+    """Context length (tokens per request) above which ``mode`` beats ``no_cp`` per decode step.
+
+    Both times are linear in the context, ``a + s·L``; the crossing is ``(a_mode - a_no_cp) /
+    (s_no_cp - s_mode)``: ``0.0`` if ``mode`` never loses, ``inf`` if it never wins.  ``kwargs``
+    go to :func:`decode_layer_time` for both modes.
+    """
+    if mode == "no_cp":
+        raise ValueError("[decode-mode] requires mode in ('dcp', 'dcp_tpa'); got mode='no_cp'")
+    big = float(2**20)
+    a0, a1 = (decode_layer_time(model, gpu, 0, m, **kwargs).total_s for m in ("no_cp", mode))
+    b0, b1 = (decode_layer_time(model, gpu, big, m, **kwargs).total_s for m in ("no_cp", mode))
+    saved_per_token = ((b0 - a0) - (b1 - a1)) / big
+    if a1 <= a0:
+        return 0.0
+    if saved_per_token <= 0:
+        return math.inf
+    return (a1 - a0) / saved_per_token

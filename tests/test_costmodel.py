@@ -7,6 +7,7 @@ page and recomputes every number, so prose and code cannot drift apart.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from pathlib import Path
@@ -418,3 +419,139 @@ def test_prefill_flops_crossover_and_decode_bytes():
     assert kv2 == 8192 * 70272 / 8
     with pytest.raises(ValueError, match=r"\[non-negative-tokens\]"):
         cm.prefill_flops(m, -1)
+
+
+# ------------------------------------------------- collectives (α–β) and the decode step
+
+
+NVL = cm.LINKS["NVLink4"]
+H200 = cm.GPUS["H200"]
+
+
+def test_collective_time_is_alpha_plus_bytes_over_bandwidth():
+    assert cm.collective_time("all_gather", 10**6, 1, NVL) == 0.0
+    for op in cm.COLLECTIVES:
+        assert cm.collective_time(op, 0, 8, NVL) == NVL.alpha_s
+        t = cm.collective_time(op, 450e6, 8, NVL)
+        assert math.isclose(t, NVL.alpha_s + 450e6 / 450e9)
+    assert NVL.bw_bytes_per_s == H200.link_bw_bytes_per_s == cm.GPUS["H100"].link_bw_bytes_per_s
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: cm.collective_time("broadcast", 1, 2, NVL), r"\[collective-op\]"),
+        (lambda: cm.collective_time("all_gather", 1, 0, NVL), r"\[positive-group\]"),
+        (lambda: cm.collective_time("all_gather", 1, True, NVL), r"\[positive-group\]"),
+        (lambda: cm.collective_time("all_gather", -1, 2, NVL), r"\[non-negative-bytes\]"),
+        (lambda: cm.decode_layer_time(DSV3, H200, 8, "tpa"), r"\[decode-mode\]"),
+        (lambda: cm.decode_layer_time(DSV3, H200, -1, "dcp"), r"\[non-negative-tokens\]"),
+        (
+            lambda: cm.decode_layer_time(DSV3, H200, 8, "dcp", hbm_efficiency=1.5),
+            r"\[hbm-efficiency\]",
+        ),
+        (lambda: cm.decode_break_even(DSV3, H200, "no_cp"), r"\[decode-mode\]"),
+        (lambda: cm.decode_layer_time(L70B, H200, 8, "dcp", dcp=2), r"\[gqa-dcp-needs"),
+        (lambda: cm.decode_layer_time(L70B, H200, 8, "dcp_tpa", dcp=3), r"\[tpa-dcp-is-tp"),
+    ],
+)
+def test_decode_model_errors_name_the_rule(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_link_sources_are_in_the_bibliography():
+    keys = bib_keys()
+    for link in cm.LINKS.values():
+        assert set(link.source.split(",")) <= keys, link.name
+
+
+def test_every_model_has_its_projection_widths():
+    for model in cm.MODELS.values():
+        assert model.hidden_size > 0 and model.hidden_size % model.num_q_heads == 0
+        assert (model.q_lora_rank > 0) == model.use_mla
+    assert L70B.hidden_size == L70B.num_q_heads * L70B.head_dim == 8192
+
+
+def test_decode_collectives_are_the_tpa_formula():
+    from cpbook.tpa import tpa_comm_bytes
+
+    for mode, tpa_mode, n in (
+        ("no_cp", "standard", 1),
+        ("dcp", "standard", 8),
+        ("dcp_tpa", "tpa", 8),
+    ):
+        t = cm.decode_layer_time(DSV3, H200, 4096, mode, num_reqs=3)
+        expected = tpa_comm_bytes(tpa_mode, 3, 16, 576, 512, n, 8, 7168, "ag_rs", 2)
+        assert [(op, b) for op, _, b in t.calls] == expected
+        assert [g for op, g, _ in t.calls] == [8 if op == "all_reduce" else n for op, _ in expected]
+        assert math.isclose(t.comm_s, sum(cm.collective_time(o, b, g, NVL) for o, g, b in t.calls))
+    std = cm.decode_layer_time(DSV3, H200, 4096, "dcp")
+    tpa = cm.decode_layer_time(DSV3, H200, 4096, "dcp_tpa")
+    (_, _, q_bytes), *_ = std.calls
+    assert math.isclose(std.comm_s - tpa.comm_s, NVL.alpha_s + q_bytes / NVL.bw_bytes_per_s)
+    # TPA reads dcp - 1 more q_b_proj shards: 16 heads x 192 x 1536 fp8 bytes each
+    assert tpa.q_proj_extra_s * H200.hbm_bw_bytes_per_s * 0.8 == pytest.approx(7 * 16 * 192 * 1536)
+    assert std.q_proj_extra_s == 0 == cm.decode_layer_time(DSV3, H200, 1, "no_cp").q_proj_extra_s
+
+
+@pytest.mark.parametrize("key", sorted(cm.MODELS))
+def test_decode_kv_read_matches_the_capacity_model(key):
+    """Standard layouts: the per-GPU KV bytes of ``kv_bytes_per_token_per_gpu``; TPA (GQA):
+    never less than, and at best equal to, the largest DCP plain DCP admits at that TP."""
+    model, hbm = cm.MODELS[key], H200.hbm_bw_bytes_per_s * 0.8
+    for tp, dcp in valid_layouts(model, max_tp=16):
+        mode = "no_cp" if dcp == 1 else "dcp"
+        t = cm.decode_layer_time(model, H200, 1000, mode, tp=tp, dcp=dcp, num_reqs=2)
+        per_gpu = cm.kv_bytes_per_token_per_gpu(model, tp, dcp) / model.num_layers
+        assert t.kv_read_s * hbm == pytest.approx(per_gpu * 1000 * 2)
+    if not model.use_mla:
+        for tp in (8, 16):
+            plain = [
+                cm.kv_bytes_per_token_per_gpu(model, t, d)
+                for t, d in valid_layouts(model, 16)
+                if t == tp
+            ]
+            if not plain:  # 28 heads: neither TP = 8 nor 16
+                continue
+            best = min(plain)
+            reads = []
+            for dcp in (d for d in (2, 4, 8, 16) if tp % d == 0):
+                try:
+                    t = cm.decode_layer_time(model, H200, 1, "dcp_tpa", tp=tp, dcp=dcp)
+                except ValueError:
+                    continue
+                reads.append(t.kv_read_s * hbm * model.num_layers)
+            assert reads and min(reads) == pytest.approx(best)
+            assert all(r >= best * (1 - 1e-12) for r in reads)
+
+
+def test_break_even_is_where_the_times_cross():
+    for mode in ("dcp", "dcp_tpa"):
+        for kw in ({}, {"num_reqs": 16}, {"dcp_comm_backend": "a2a"}, {"kv_dtype": "fp8"}):
+            x = cm.decode_break_even(DSV3, H200, mode, **kw)
+            assert 0 < x < math.inf
+            t0 = cm.decode_layer_time(DSV3, H200, x, "no_cp", **kw).total_s
+            t1 = cm.decode_layer_time(DSV3, H200, x, mode, **kw).total_s
+            assert math.isclose(t0, t1, rel_tol=1e-9)
+            assert cm.decode_layer_time(DSV3, H200, 2 * x, mode, **kw).total_s < (
+                cm.decode_layer_time(DSV3, H200, 2 * x, "no_cp", **kw).total_s
+            )
+    # no saving without replicated KV: GQA with TPA at TP = 8 and 8 KV heads never wins
+    assert cm.decode_break_even(L70B, H200, "dcp_tpa", dcp=2) == math.inf
+    # a free link never loses
+    free = cm.LinkSpec("free", 0.0, math.inf, "none")
+    assert cm.decode_break_even(DSV3, H200, "dcp", link=free) == 0.0
+
+
+def test_break_even_sensitivities():
+    base = {m: cm.decode_break_even(DSV3, H200, m) for m in ("dcp", "dcp_tpa")}
+    assert base["dcp_tpa"] < base["dcp"]
+    doubled = dataclasses.replace(DSV3, num_layers=2 * DSV3.num_layers)
+    for mode, x in base.items():  # per-layer costs: the number of layers cancels
+        assert math.isclose(cm.decode_break_even(doubled, H200, mode), x, rel_tol=1e-12)
+        slow = cm.LinkSpec("slow", 2 * NVL.alpha_s, NVL.bw_bytes_per_s, "")
+        assert cm.decode_break_even(DSV3, H200, mode, link=slow) > x
+        assert cm.decode_break_even(DSV3, H200, mode, num_reqs=4) < x / 3
+        assert cm.decode_break_even(DSV3, H200, mode, hbm_efficiency=1.0) > x
+        assert cm.decode_break_even(DSV3, H200, mode, kv_dtype="fp8") > 1.5 * x
