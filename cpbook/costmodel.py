@@ -1,4 +1,5 @@
-"""Hardware and model specs (each one sourced) and KV-cache capacity arithmetic.
+"""Hardware and model specs (each one sourced), KV-cache capacity arithmetic, and the α–β
+model of one collective with the per-layer decode-step model built on it (chapter 6).
 
 Every number here carries a ``source``: one or more BibTeX keys of
 ``book/references.bib``, comma-separated so the string can be pasted into a
