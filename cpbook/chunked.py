@@ -239,7 +239,7 @@ def allgather_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | N
     def pack(kk: torch.Tensor, vv: torch.Tensor | None) -> torch.Tensor:
         return kk if latent else torch.cat([kk, vv], dim=-1)
 
-    def unpack(x: torch.Tensor) -> Attn:
+    def unpack(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # (k, v) views
         return x[..., :d], (x[..., : context.v_head_dim] if latent else x[..., d:])
 
     new = pack(k, v)

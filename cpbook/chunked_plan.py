@@ -27,9 +27,10 @@ the context and the KV heads.  With ``dcp = 1`` the context is already everywher
 AllGather-KV moves only the chunk's K/V, which never costs more than moving Q and outputs.
 
 The selector prices a call list as ``calls·α + bytes·β`` (a link's latency and inverse
-bandwidth) and takes the cheaper; ties go to AllGather-KV (no combine afterwards).  The
-defaults :data:`ALPHA_S` and :data:`BETA_S_PER_BYTE` were fitted to ``bench/chunked_prefill.py``
-on this book's machine (2 gloo ranks, one thread each); pass your link's values elsewhere.
+bandwidth) and takes the cheaper; ties go to AllGather-KV (no combine afterwards).  Both
+strategies do the same attention FLOPs, so the link decides.  The defaults :data:`ALPHA_S` and
+:data:`BETA_S_PER_BYTE` were fitted by ``bench/chunked_prefill.py --calibrate`` on this book's
+machine (2 gloo ranks, one thread each); pass your link's values elsewhere.
 """
 from __future__ import annotations
 
@@ -45,8 +46,11 @@ __all__ = ["STRATEGIES", "ALPHA_S", "BETA_S_PER_BYTE", "comm_plan", "chunked_com
            "StrategyChoice", "select_strategy", "choose_strategy"]
 
 STRATEGIES = ("allgather_q", "allgather_kv")
-ALPHA_S = 1.0e-4  # s per call: gloo, 2 ranks × 1 thread on the book's 2-core CPU
-BETA_S_PER_BYTE = 1.0e-9  # s per byte sent, same fit
+# gloo, 2 ranks × 1 thread on the book's 2-core CPU, ``bench/chunked_prefill.py --calibrate``
+# (30 Nov 2026, quiet machine: all_gather 0.59 ms + 1.8 ns/B, all_to_all 0.55 ms + 2.2 ns/B;
+# under other jobs' load the fits rose to 0.7–2 ms and 2–8 ns/B)
+ALPHA_S = 6.0e-4  # s per call
+BETA_S_PER_BYTE = 2.0e-9  # s per byte sent by a rank
 
 
 def _strategy(strategy: str) -> None:

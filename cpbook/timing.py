@@ -92,10 +92,12 @@ def chunked_prefill_timing(ctx: RankContext, *, context_len: int, chunk_len: int
     One request: ``context_len`` cached tokens in the DCP-sharded paged cache, a chunk of
     ``chunk_len`` tokens split zigzag over PCP (:mod:`cpbook.chunked`).  Inputs are prepared
     before the clock starts; the strategies take turns from common barriers
-    (:func:`timed_rounds`).  Returns, per strategy, the median wall seconds (``<strategy>``),
-    process CPU seconds (``<strategy>_cpu``), the bytes this rank sent in one run
-    (``<strategy>_bytes``, from the trace), and ``max_abs_diff`` between the strategies'
-    outputs on the real rows.
+    (:func:`timed_rounds`), and each run ends at a barrier too, so a run lasts until the last
+    rank has its output (AllGather-Q ends in a collective, AllGather-KV does not; without the
+    barrier a loaded machine's delays would count for one and not the other).  Returns, per
+    strategy, the median wall seconds (``<strategy>``), process CPU seconds
+    (``<strategy>_cpu``), the bytes this rank sent in one run (``<strategy>_bytes``, from the
+    trace), and ``max_abs_diff`` between the strategies' outputs on the real rows.
     """
     from .chunked import chunked_prefill_attention, chunked_prefill_problem, context_shard
     from .chunked_plan import STRATEGIES
@@ -108,9 +110,11 @@ def chunked_prefill_timing(ctx: RankContext, *, context_len: int, chunk_len: int
                          decode_context_parallel_size=decode_context_parallel_size,
                          num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
     groups = make_groups(ctx, cfg)
-    qh, kvh = q_heads_of_rank(cfg, groups.coords.tp_rank), kv_heads_of_rank(cfg, groups.coords.tp_rank)
-    (q,), (k,), (v,) = chunked_prefill_problem([context_len], [chunk_len], num_q_heads, num_kv_heads,
-                                               head_dim, seed=seed, dtype=torch.float32)
+    tp_rank = groups.coords.tp_rank
+    qh, kvh = q_heads_of_rank(cfg, tp_rank), kv_heads_of_rank(cfg, tp_rank)
+    (q,), (k,), (v,) = chunked_prefill_problem([context_len], [chunk_len], num_q_heads,
+                                               num_kv_heads, head_dim, seed=seed,
+                                               dtype=torch.float32)
     c = context_len
     context = context_shard([k[:c, kvh]], [v[:c, kvh]], block_size, cfg.dcp, groups.coords.dcp_rank,
                             1, device=ctx.device)
@@ -119,17 +123,19 @@ def chunked_prefill_timing(ctx: RankContext, *, context_len: int, chunk_len: int
     sent: dict[str, int] = {}
 
     def method(strategy: str) -> Callable[[], Any]:
-        def call() -> Any:
+        def call() -> Any:  # ends at a barrier: the layer is done when every rank is
             first = len(ctx.trace)
             res = chunked_prefill_attention(ql, kl, vl, context, meta, groups, strategy=strategy,
                                             workspace_size=workspace_size)
             sent[strategy] = sum(r.bytes_sent for r in ctx.trace[first:])
+            ctx.world.barrier()
             return res
         return call
 
     out, last = timed_rounds(ctx, {st: method(st) for st in STRATEGIES}, repeats)
     real = ~meta.is_padding
-    out["max_abs_diff"] = (last[STRATEGIES[0]][0][real] - last[STRATEGIES[1]][0][real]).abs().max().item()
+    diff = last[STRATEGIES[0]][0][real] - last[STRATEGIES[1]][0][real]
+    out["max_abs_diff"] = diff.abs().max().item()
     out.update({f"{st}_bytes": sent[st] for st in STRATEGIES})
     return out
 
