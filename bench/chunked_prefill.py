@@ -199,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
         _worker(a)
         return 0
     launches = ["calibrate"] if a.calibrate else ["grid"] + ([] if a.no_ring else ["ring"])
+    from cpbook.timing import machine_record
+
+    print(json.dumps({"name": "chunked_prefill_run", **machine_record()}), flush=True)
     for worker in launches:
         for line in _launch(a, worker, argv):
             print(line if a.json else "  ".join(f"{k}={v}" for k, v in json.loads(line).items()),

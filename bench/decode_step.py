@@ -13,6 +13,7 @@ median.  Prints per context::
     {"name": "decode_step", "ranks": N, "context": C, "no_cp_ms": ..., "dcp_ms": ...,
      "dcp_tpa_ms": ...}
 
+after a ``{"name": "decode_step_run", "date_utc": ..., "machine": ...}`` line (when and where),
 then ``{"name": "decode_break_even", "ranks": N, "dcp_tokens": ..., "dcp_tpa_tokens": ...}``:
 the context length where DCP starts to beat no CP, interpolated on log(context) between the
 last grid point where it loses and the first where it wins from there on (the grid's first
@@ -28,7 +29,7 @@ import math
 import os
 
 from cpbook.launch import run
-from cpbook.timing import decode_step_timing
+from cpbook.timing import decode_step_timing, machine_record
 
 CONTEXTS = (1024, 4096, 16384, 65536, 262144)
 
@@ -50,10 +51,11 @@ def break_even(contexts, slow, fast) -> float | None:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", action="store_true", help="print JSON lines (the default output)")
-    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--repeats", type=int, default=21)
     p.add_argument("--contexts", type=int, nargs="+", default=list(CONTEXTS))
     a = p.parse_args(argv)
     worlds = (2, 4) if (os.cpu_count() or 1) >= 4 else (2,)
+    print(json.dumps({"name": "decode_step_run", **machine_record()}), flush=True)
     for n in worlds:
         res = run(
             decode_step_timing,

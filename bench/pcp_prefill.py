@@ -27,10 +27,8 @@ disturbs much less.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -81,28 +79,13 @@ def _torch_ring(ctx, a: argparse.Namespace, rotate: str):
     return ring
 
 
-def _machine() -> dict[str, object]:
-    """When and where the numbers were taken: UTC date, CPU model and count, 1-minute load."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {
-        "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
-        "machine": f"{os.cpu_count()} x {cpu}",
-        "load_avg_1m": round(os.getloadavg()[0], 2),
-    }
-
-
 def _worker(a: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
     from cpbook.launch import worker_context
     from cpbook.pcp import pcp_prefill_attention, pcp_shard
-    from cpbook.timing import pcp_prefill_timing
+    from cpbook.timing import machine_record, pcp_prefill_timing
     from cpbook.zigzag import pcp_partition
 
     torch.set_num_threads(1)
@@ -162,7 +145,7 @@ def _worker(a: argparse.Namespace) -> None:
                     "dtype": "float32",
                     "repeats": a.repeats,
                     "threads_per_rank": torch.get_num_threads(),
-                    **_machine(),
+                    **machine_record(),
                 }
             ),
             flush=True,

@@ -24,6 +24,7 @@ send / recv    ``b`` / 0                0 / ``b``
 Every blocking call times out (``timeout`` seconds, default 60) and raises
 :class:`CommTimeout`; nothing hangs.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -35,8 +36,19 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["CommRecord", "Trace", "CommTimeout", "CommAborted", "Group", "SimGroup", "SimWorld",
-           "TorchGroup", "RankContext", "Pending", "DEFAULT_TIMEOUT_S"]
+__all__ = [
+    "CommRecord",
+    "Trace",
+    "CommTimeout",
+    "CommAborted",
+    "Group",
+    "SimGroup",
+    "SimWorld",
+    "TorchGroup",
+    "RankContext",
+    "Pending",
+    "DEFAULT_TIMEOUT_S",
+]
 
 DEFAULT_TIMEOUT_S = 60.0
 
@@ -75,7 +87,9 @@ class Trace(list):
         return len(self._select(op, group))
 
     def _select(self, op: str | None, group: str | None) -> list[CommRecord]:
-        return [r for r in self if (op is None or r.op == op) and (group is None or r.group == group)]
+        return [
+            r for r in self if (op is None or r.op == op) and (group is None or r.group == group)
+        ]
 
     def summary(self) -> dict[tuple[str, str], tuple[int, int, int]]:
         """``(op, group) -> (calls, bytes_sent, bytes_recv)``, in first-call order."""
@@ -111,8 +125,9 @@ class Group(ABC):
     backend's ``_``-prefixed primitive.  All tensors go in and come out on this rank's device.
     """
 
-    def __init__(self, name: str, ranks: Sequence[int], global_rank: int, trace: Trace,
-                 timeout: float) -> None:
+    def __init__(
+        self, name: str, ranks: Sequence[int], global_rank: int, trace: Trace, timeout: float
+    ) -> None:
         self.name, self.ranks, self.trace, self.timeout = name, tuple(ranks), trace, timeout
         self.rank, self.size = self.ranks.index(global_rank), len(self.ranks)
 
@@ -120,13 +135,24 @@ class Group(ABC):
         return f"{type(self).__name__}({self.name!r}, ranks={list(self.ranks)}, rank={self.rank})"
 
     def _record(self, op: str, t: torch.Tensor, sent: int, recv: int) -> None:
-        self.trace.append(CommRecord(op, self.name, self.size, int(sent), int(recv),
-                                     tuple(t.shape), str(t.dtype).replace("torch.", "")))
+        self.trace.append(
+            CommRecord(
+                op,
+                self.name,
+                self.size,
+                int(sent),
+                int(recv),
+                tuple(t.shape),
+                str(t.dtype).replace("torch.", ""),
+            )
+        )
 
     def _divisible(self, op: str, t: torch.Tensor, dim: int) -> None:
         if t.shape[dim] % self.size:
-            raise ValueError(f"[{op}-divisible] requires tensor.shape[{dim}] % group size == 0; "
-                             f"got shape={tuple(t.shape)}, group={self.name!r} size={self.size}")
+            raise ValueError(
+                f"[{op}-divisible] requires tensor.shape[{dim}] % group size == 0; "
+                f"got shape={tuple(t.shape)}, group={self.name!r} size={self.size}"
+            )
 
     # -- collectives ------------------------------------------------------------------------
     def all_gather(self, t: torch.Tensor, dim: int = 0) -> torch.Tensor:
@@ -159,7 +185,9 @@ class Group(ABC):
             shape = list(t.shape)
             shape[dim] = pad
             t = torch.cat([t, t.new_zeros(shape)], dim=dim)
-        parts = self.all_gather(t, dim).split(max(sizes), dim=dim) if max(sizes) else [t] * self.size
+        parts = (
+            self.all_gather(t, dim).split(max(sizes), dim=dim) if max(sizes) else [t] * self.size
+        )
         return torch.cat([p.narrow(dim, 0, s) for p, s in zip(parts, sizes)], dim=dim), sizes
 
     def reduce_scatter(self, t: torch.Tensor, dim: int = 0) -> torch.Tensor:
@@ -178,7 +206,9 @@ class Group(ABC):
         self._record("all_reduce", t, moved, moved)
         return self._all_reduce(t.contiguous()) if self.size > 1 else t.clone()
 
-    def all_to_all(self, t: torch.Tensor, scatter_dim: int = 0, gather_dim: int = 0) -> torch.Tensor:
+    def all_to_all(
+        self, t: torch.Tensor, scatter_dim: int = 0, gather_dim: int = 0
+    ) -> torch.Tensor:
         """Split ``t`` into ``size`` chunks along ``scatter_dim``, send chunk ``j`` to rank ``j``,
         and concatenate the chunks received (rank order) along ``gather_dim``."""
         self._divisible("all_to_all", t, scatter_dim)
@@ -205,14 +235,18 @@ class Group(ABC):
         self._record("recv", like, 0, like.numel() * like.element_size())
         return self._sendrecv(None, None, torch.empty_like(like), src)
 
-    def sendrecv(self, t: torch.Tensor, dst: int, src: int, like: torch.Tensor | None = None) -> torch.Tensor:
-        """Send ``t`` to ``dst`` while receiving one tensor (shaped like ``like`` or ``t``) from ``src``."""
+    def sendrecv(
+        self, t: torch.Tensor, dst: int, src: int, like: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Send ``t`` to ``dst`` while receiving one tensor (shaped like ``like`` or ``t``) from
+        ``src``."""
         buf = torch.empty_like(t if like is None else like)
         self._record("sendrecv", t, t.numel() * t.element_size(), buf.numel() * buf.element_size())
         return self._sendrecv(t.contiguous(), dst, buf, src)
 
-    def sendrecv_async(self, t: torch.Tensor, dst: int, src: int,
-                       like: torch.Tensor | None = None) -> "Pending":
+    def sendrecv_async(
+        self, t: torch.Tensor, dst: int, src: int, like: torch.Tensor | None = None
+    ) -> "Pending":
         """Start :meth:`sendrecv`; ``.wait()`` returns the received tensor.  Traced exactly like
         :meth:`sendrecv`.  Work done before the wait overlaps the transfer (torch backend);
         simulated ranks complete it at the call.  Several exchanges may be in flight at once if
@@ -226,6 +260,7 @@ class Group(ABC):
     @abstractmethod
     def _all_gather_start(self, t: torch.Tensor) -> "Pending":
         """Gather ``t`` from every rank: a list in group-rank order, this rank's entry ``t``."""
+
     @abstractmethod
     def _reduce_scatter(self, t: torch.Tensor) -> torch.Tensor: ...
     @abstractmethod
@@ -235,11 +270,13 @@ class Group(ABC):
     @abstractmethod
     def _barrier(self) -> None: ...
     @abstractmethod
-    def _sendrecv(self, t: torch.Tensor | None, dst: int | None, buf: torch.Tensor | None,
-                  src: int | None) -> torch.Tensor | None: ...
+    def _sendrecv(
+        self, t: torch.Tensor | None, dst: int | None, buf: torch.Tensor | None, src: int | None
+    ) -> torch.Tensor | None: ...
     @abstractmethod
-    def _sendrecv_start(self, t: torch.Tensor | None, dst: int | None, buf: torch.Tensor | None,
-                        src: int | None) -> "Pending":
+    def _sendrecv_start(
+        self, t: torch.Tensor | None, dst: int | None, buf: torch.Tensor | None, src: int | None
+    ) -> "Pending":
         """Post the send of ``t`` and the receive into ``buf`` (either may be ``None``); the
         pending result is ``buf``."""
 
@@ -283,8 +320,9 @@ class SimWorld:
 class SimGroup(Group):
     """A group of simulated ranks; data is exchanged by reference through the shared world."""
 
-    def __init__(self, world: SimWorld, name: str, ranks: Sequence[int], global_rank: int,
-                 trace: Trace) -> None:
+    def __init__(
+        self, world: SimWorld, name: str, ranks: Sequence[int], global_rank: int, trace: Trace
+    ) -> None:
         super().__init__(name, ranks, global_rank, trace, world.timeout)
         self.world = world
         self._key = (name, self.ranks)
@@ -295,11 +333,15 @@ class SimGroup(Group):
             self._rdv.barrier.wait(self.timeout)
         except threading.BrokenBarrierError:
             if self.world.aborted.is_set():
-                raise CommAborted(f"{what} on group {self.name!r} {list(self.ranks)} abandoned: "
-                                  "another rank failed") from None
+                raise CommAborted(
+                    f"{what} on group {self.name!r} {list(self.ranks)} abandoned: "
+                    "another rank failed"
+                ) from None
             self.world.abort()
-            raise CommTimeout(f"{what} on group {self.name!r} {list(self.ranks)} timed out after "
-                              f"{self.timeout:g} s at group rank {self.rank}: a peer never called it") from None
+            raise CommTimeout(
+                f"{what} on group {self.name!r} {list(self.ranks)} timed out after "
+                f"{self.timeout:g} s at group rank {self.rank}: a peer never called it"
+            ) from None
 
     def _exchange(self, what: str, value: object) -> list:
         self._rdv.slots[self.rank] = value
@@ -320,7 +362,9 @@ class SimGroup(Group):
         return torch.stack(self._exchange("all_reduce", t)).sum(dim=0)
 
     def _all_to_all(self, t):
-        return torch.cat([x.chunk(self.size, dim=0)[self.rank] for x in self._exchange("all_to_all", t)])
+        return torch.cat(
+            [x.chunk(self.size, dim=0)[self.rank] for x in self._exchange("all_to_all", t)]
+        )
 
     def _barrier(self):
         self._exchange("barrier", None)
@@ -339,13 +383,19 @@ class SimGroup(Group):
             except queue.Empty:
                 waited += 0.05
                 if self.world.aborted.is_set():
-                    raise CommAborted(f"recv on group {self.name!r} abandoned: another rank failed") from None
+                    raise CommAborted(
+                        f"recv on group {self.name!r} abandoned: another rank failed"
+                    ) from None
                 if waited >= self.timeout:
-                    raise CommTimeout(f"recv from group rank {src} on group {self.name!r} timed out "
-                                      f"after {self.timeout:g} s") from None
+                    raise CommTimeout(
+                        f"recv from group rank {src} on group {self.name!r} timed out "
+                        f"after {self.timeout:g} s"
+                    ) from None
         if got.shape != buf.shape or got.dtype != buf.dtype:
-            raise ValueError(f"[recv-shape] requires the sent tensor to match the receive buffer; "
-                             f"got {tuple(got.shape)} {got.dtype}, expected {tuple(buf.shape)} {buf.dtype}")
+            raise ValueError(
+                f"[recv-shape] requires the sent tensor to match the receive buffer; "
+                f"got {tuple(got.shape)} {got.dtype}, expected {tuple(buf.shape)} {buf.dtype}"
+            )
         return buf.copy_(got)
 
     def _sendrecv_start(self, t, dst, buf, src):
@@ -358,8 +408,9 @@ class SimGroup(Group):
 class TorchGroup(Group):
     """A ``torch.distributed`` process group; every call is async and waited with a timeout."""
 
-    def __init__(self, pg, name: str, ranks: Sequence[int], global_rank: int, trace: Trace,
-                 timeout: float) -> None:
+    def __init__(
+        self, pg, name: str, ranks: Sequence[int], global_rank: int, trace: Trace, timeout: float
+    ) -> None:
         super().__init__(name, ranks, global_rank, trace, timeout)
         self.pg = pg
 
@@ -367,11 +418,14 @@ class TorchGroup(Group):
         try:
             work.wait(timeout=datetime.timedelta(seconds=self.timeout))
         except RuntimeError as e:
-            raise CommTimeout(f"{what} on group {self.name!r} {list(self.ranks)} failed or timed out "
-                              f"(timeout {self.timeout:g} s): {e}") from e
+            raise CommTimeout(
+                f"{what} on group {self.name!r} {list(self.ranks)} failed or timed out "
+                f"(timeout {self.timeout:g} s): {e}"
+            ) from e
 
     def _all_gather_start(self, t):
         import torch.distributed as dist
+
         if dist.get_backend(self.pg) != "gloo":
             out = t.new_empty((self.size * t.shape[0], *t.shape[1:]))
             work = dist.all_gather_single(out, t, group=self.pg, async_op=True)
@@ -379,35 +433,48 @@ class TorchGroup(Group):
         # gloo's allgather moves the same bytes about 3x slower than pairwise isend/irecv on one
         # host (measured: 36 vs 12 ms for 16.8 MB between 2 ranks), so exchange point to point.
         parts = [t if peer == self.rank else torch.empty_like(t) for peer in range(self.size)]
-        works = [w for peer in range(self.size) if peer != self.rank
-                 for w in (dist.isend(t, group=self.pg, group_dst=peer),
-                           dist.irecv(parts[peer], group=self.pg, group_src=peer))]
+        works = [
+            w
+            for peer in range(self.size)
+            if peer != self.rank
+            for w in (
+                dist.isend(t, group=self.pg, group_dst=peer),
+                dist.irecv(parts[peer], group=self.pg, group_src=peer),
+            )
+        ]
 
         def finish() -> None:
             for w in works:
                 self._wait(w, "all_gather")
+
         return Pending(parts, finish)
 
     def _reduce_scatter(self, t):
         import torch.distributed as dist
+
         out = torch.empty_like(t.chunk(self.size, dim=0)[0])
-        self._wait(dist.reduce_scatter_single(out, t, group=self.pg, async_op=True), "reduce_scatter")
+        self._wait(
+            dist.reduce_scatter_single(out, t, group=self.pg, async_op=True), "reduce_scatter"
+        )
         return out
 
     def _all_reduce(self, t):
         import torch.distributed as dist
+
         t = t.clone()
         self._wait(dist.all_reduce(t, group=self.pg, async_op=True), "all_reduce")
         return t
 
     def _all_to_all(self, t):
         import torch.distributed as dist
+
         out = torch.empty_like(t)
         self._wait(dist.all_to_all_single(out, t, group=self.pg, async_op=True), "all_to_all")
         return out
 
     def _barrier(self):
         import torch.distributed as dist
+
         self._wait(dist.barrier(group=self.pg, async_op=True), "barrier")
 
     def _sendrecv(self, t, dst, buf, src):
@@ -415,6 +482,7 @@ class TorchGroup(Group):
 
     def _sendrecv_start(self, t, dst, buf, src):
         import torch.distributed as dist
+
         # Every rank posts its send first, then its receive, and waits on neither until both
         # are posted.  Posting never blocks: gloo hands both to its transport, which moves
         # them in the background, so each receive is posted whatever the ranks' order around
@@ -422,16 +490,21 @@ class TorchGroup(Group):
         # posted as one group to be safe (a two-rank exchange otherwise serialises them).
         if dist.get_backend(self.pg) == "gloo":
             works = ([] if t is None else [dist.isend(t, group=self.pg, group_dst=dst)]) + (
-                [] if buf is None else [dist.irecv(buf, group=self.pg, group_src=src)])
+                [] if buf is None else [dist.irecv(buf, group=self.pg, group_src=src)]
+            )
         else:
             pairs = ((dist.isend, t, dst), (dist.irecv, buf, src))
-            ops = [dist.P2POp(op, x, group=self.pg, group_peer=peer)
-                   for op, x, peer in pairs if x is not None]
+            ops = [
+                dist.P2POp(op, x, group=self.pg, group_peer=peer)
+                for op, x, peer in pairs
+                if x is not None
+            ]
             works = dist.batch_isend_irecv(ops)
 
         def finish() -> None:
             for w in works:
                 self._wait(w, "sendrecv")
+
         return Pending(buf, finish)
 
 
@@ -463,8 +536,10 @@ class RankContext:
         lists = [tuple(int(r) for r in g) for g in group_ranks]
         flat = sorted(r for g in lists for r in g)
         if flat != list(range(self.world_size)):
-            raise ValueError(f"[group-partition] requires the groups of {name!r} to partition ranks "
-                             f"0..{self.world_size - 1} exactly once; got {[list(g) for g in lists]}")
+            raise ValueError(
+                f"[group-partition] requires the groups of {name!r} to partition ranks "
+                f"0..{self.world_size - 1} exactly once; got {[list(g) for g in lists]}"
+            )
         key = (name, tuple(lists))
         if key not in self._cache:
             mine = next(g for g in lists if self.rank in g)
@@ -472,11 +547,15 @@ class RankContext:
                 self._cache[key] = SimGroup(self.sim, name, mine, self.rank, self.trace)
             else:
                 import torch.distributed as dist
+
                 td = datetime.timedelta(seconds=self.timeout)
                 made = None
                 for g in lists:  # every rank creates every group, in the same order
-                    pg = (dist.group.WORLD if list(g) == list(range(self.world_size))
-                          else dist.new_group(list(g), timeout=td, sort_ranks=False))
+                    pg = (
+                        dist.group.WORLD
+                        if list(g) == list(range(self.world_size))
+                        else dist.new_group(list(g), timeout=td, sort_ranks=False)
+                    )
                     if g == mine:
                         made = pg
                 self._cache[key] = TorchGroup(made, name, mine, self.rank, self.trace, self.timeout)

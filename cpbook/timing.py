@@ -5,9 +5,13 @@ busy machine must not fail a check.  Each helper times its methods from a common
 turns (run after run, every method once per round), so drifts of a shared machine hit all of
 them alike, and reports medians after one warm-up round.
 """
+
 from __future__ import annotations
 
+import datetime
 import functools
+import os
+import platform
 import statistics
 import time
 from typing import Any, Callable, Mapping, Sequence
@@ -18,19 +22,51 @@ from .comm import RankContext
 from .pcp import pcp_prefill_attention, pcp_shard
 from .zigzag import pcp_partition
 
-__all__ = ["timed_rounds", "pcp_prefill_timing", "chunked_prefill_timing", "collective_timing",
-           "ring_prefill_timing"]
+__all__ = [
+    "machine_record",
+    "decode_step_timing",
+    "timed_rounds",
+    "pcp_prefill_timing",
+    "chunked_prefill_timing",
+    "collective_timing",
+    "ring_prefill_timing",
+]
 
 
-def timed_rounds(ctx: RankContext, methods: Mapping[str, Callable[[], Any]], repeats: int,
-                 clocks: Mapping[str, Callable[[], float]] | None = None) -> tuple[dict[str, float], dict[str, Any]]:
+def machine_record() -> dict[str, object]:
+    """When and where numbers were taken: UTC date and minute, CPU model and count, 1-minute
+    load average.  Every ``bench/`` script prints it first, so stored results carry it."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
+        "machine": f"{os.cpu_count()} x {cpu}",
+        "cores": os.cpu_count(),
+        "load_avg_1m": round(os.getloadavg()[0], 2),
+    }
+
+
+def timed_rounds(
+    ctx: RankContext,
+    methods: Mapping[str, Callable[[], Any]],
+    repeats: int,
+    clocks: Mapping[str, Callable[[], float]] | None = None,
+) -> tuple[dict[str, float], dict[str, Any]]:
     """Run every method ``repeats + 1`` times in turns, each run from a world barrier.
 
     Returns ``({method + clock_suffix: median seconds over the last repeats}, {method: last
     return value})``.  Default clocks: ``""`` wall (``perf_counter``), ``"_cpu"`` process CPU
     time (every thread of the rank) and ``"_thread"`` CPU time of the calling thread.
     """
-    clocks = clocks or {"": time.perf_counter, "_cpu": time.process_time, "_thread": time.thread_time}
+    clocks = clocks or {
+        "": time.perf_counter,
+        "_cpu": time.process_time,
+        "_thread": time.thread_time,
+    }
     runs: dict[str, list[float]] = {m + c: [] for m in methods for c in clocks}
     last: dict[str, Any] = {}
     for _ in range(repeats + 1):
@@ -43,10 +79,17 @@ def timed_rounds(ctx: RankContext, methods: Mapping[str, Callable[[], Any]], rep
     return {key: statistics.median(t[1:]) for key, t in runs.items()}, last
 
 
-def pcp_prefill_timing(ctx: RankContext, seq_len: int = 8192, num_heads: int = 8, head_dim: int = 64,
-                   repeats: int = 5, layouts: Sequence[str] = ("zigzag", "contiguous"),
-                   single: bool = True, seed: int = 0,
-                   baselines: Mapping[str, Callable[[], Any]] | None = None) -> dict[str, float]:
+def pcp_prefill_timing(
+    ctx: RankContext,
+    seq_len: int = 8192,
+    num_heads: int = 8,
+    head_dim: int = 64,
+    repeats: int = 5,
+    layouts: Sequence[str] = ("zigzag", "contiguous"),
+    single: bool = True,
+    seed: int = 0,
+    baselines: Mapping[str, Callable[[], Any]] | None = None,
+) -> dict[str, float]:
     """Medians of one causal prefill attention (float32, MHA) on the world group as PCP group.
 
     Methods: ``single`` (rank 0 runs the whole prompt with ``F.scaled_dot_product_attention``
@@ -72,21 +115,36 @@ def pcp_prefill_timing(ctx: RankContext, seq_len: int = 8192, num_heads: int = 8
     metas = {}
     for layout in layouts:
         meta = metas[layout] = pcp_partition(seq_len, ctx.world_size, layout).metadata(ctx.rank)
-        ql, kl, vl = (pcp_shard(t, meta).transpose(0, 1).contiguous().transpose(0, 1) for t in (q, k, v))
+        ql, kl, vl = (
+            pcp_shard(t, meta).transpose(0, 1).contiguous().transpose(0, 1) for t in (q, k, v)
+        )
         methods[layout] = functools.partial(pcp_prefill_attention, ql, kl, vl, meta, ctx.world)
     methods.update(baselines or {})
     out, last = timed_rounds(ctx, methods, repeats)
     for layout, meta in metas.items():
         real = ~meta.is_padding
-        out[f"{layout}_err"] = (last[layout][0][real] - ref[meta.token_index[real]]).abs().max().item()
+        out[f"{layout}_err"] = (
+            (last[layout][0][real] - ref[meta.token_index[real]]).abs().max().item()
+        )
     return out
 
 
-def chunked_prefill_timing(ctx: RankContext, *, context_len: int, chunk_len: int,
-                           tensor_parallel_size: int = 1, prefill_context_parallel_size: int = 2,
-                           decode_context_parallel_size: int = 2, num_q_heads: int = 8,
-                           num_kv_heads: int = 1, head_dim: int = 64, workspace_size: int = 16384,
-                           block_size: int = 16, repeats: int = 3, seed: int = 0) -> dict[str, Any]:
+def chunked_prefill_timing(
+    ctx: RankContext,
+    *,
+    context_len: int,
+    chunk_len: int,
+    tensor_parallel_size: int = 1,
+    prefill_context_parallel_size: int = 2,
+    decode_context_parallel_size: int = 2,
+    num_q_heads: int = 8,
+    num_kv_heads: int = 1,
+    head_dim: int = 64,
+    workspace_size: int = 16384,
+    block_size: int = 16,
+    repeats: int = 3,
+    seed: int = 0,
+) -> dict[str, Any]:
     """Medians of one chunked-prefill attention layer per strategy (float32), on this rank.
 
     One request: ``context_len`` cached tokens in the DCP-sharded paged cache, a chunk of
@@ -105,19 +163,37 @@ def chunked_prefill_timing(ctx: RankContext, *, context_len: int, chunk_len: int
     from .groups import make_groups
     from .zigzag import zigzag_partition
 
-    cfg = ParallelConfig(tensor_parallel_size=tensor_parallel_size, block_size=block_size,
-                         prefill_context_parallel_size=prefill_context_parallel_size,
-                         decode_context_parallel_size=decode_context_parallel_size,
-                         num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
+    cfg = ParallelConfig(
+        tensor_parallel_size=tensor_parallel_size,
+        block_size=block_size,
+        prefill_context_parallel_size=prefill_context_parallel_size,
+        decode_context_parallel_size=decode_context_parallel_size,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+    )
     groups = make_groups(ctx, cfg)
     tp_rank = groups.coords.tp_rank
     qh, kvh = q_heads_of_rank(cfg, tp_rank), kv_heads_of_rank(cfg, tp_rank)
-    (q,), (k,), (v,) = chunked_prefill_problem([context_len], [chunk_len], num_q_heads,
-                                               num_kv_heads, head_dim, seed=seed,
-                                               dtype=torch.float32)
+    (q,), (k,), (v,) = chunked_prefill_problem(
+        [context_len],
+        [chunk_len],
+        num_q_heads,
+        num_kv_heads,
+        head_dim,
+        seed=seed,
+        dtype=torch.float32,
+    )
     c = context_len
-    context = context_shard([k[:c, kvh]], [v[:c, kvh]], block_size, cfg.dcp, groups.coords.dcp_rank,
-                            1, device=ctx.device)
+    context = context_shard(
+        [k[:c, kvh]],
+        [v[:c, kvh]],
+        block_size,
+        cfg.dcp,
+        groups.coords.dcp_rank,
+        1,
+        device=ctx.device,
+    )
     meta = zigzag_partition(chunk_len, cfg.pcp).metadata(groups.coords.pcp_rank)
     ql, kl, vl = (pcp_shard(t, meta).contiguous() for t in (q[:, qh], k[c:, kvh], v[c:, kvh]))
     sent: dict[str, int] = {}
@@ -125,11 +201,13 @@ def chunked_prefill_timing(ctx: RankContext, *, context_len: int, chunk_len: int
     def method(strategy: str) -> Callable[[], Any]:
         def call() -> Any:  # ends at a barrier: the layer is done when every rank is
             first = len(ctx.trace)
-            res = chunked_prefill_attention(ql, kl, vl, context, meta, groups, strategy=strategy,
-                                            workspace_size=workspace_size)
+            res = chunked_prefill_attention(
+                ql, kl, vl, context, meta, groups, strategy=strategy, workspace_size=workspace_size
+            )
             sent[strategy] = sum(r.bytes_sent for r in ctx.trace[first:])
             ctx.world.barrier()
             return res
+
         return call
 
     out, last = timed_rounds(ctx, {st: method(st) for st in STRATEGIES}, repeats)
@@ -154,8 +232,15 @@ def collective_timing(ctx: RankContext, sizes: Sequence[int], repeats: int = 5) 
     return out
 
 
-def ring_prefill_timing(ctx: RankContext, *, seq_len: int = 8192, num_heads: int = 8,
-                        head_dim: int = 64, repeats: int = 5, seed: int = 0) -> dict[str, float]:
+def ring_prefill_timing(
+    ctx: RankContext,
+    *,
+    seq_len: int = 8192,
+    num_heads: int = 8,
+    head_dim: int = 64,
+    repeats: int = 5,
+    seed: int = 0,
+) -> dict[str, float]:
     """Medians of one causal prefill attention (float32, MHA) by cpbook's two rings and PyTorch's.
 
     Methods, on DualChunkSwap (head-tail) shards of one ``seq_len`` prompt (a multiple of
@@ -182,22 +267,27 @@ def ring_prefill_timing(ctx: RankContext, *, seq_len: int = 8192, num_heads: int
     rows = [t.transpose(0, 1) for t in heads]
     methods: dict[str, Callable[[], Any]] = {
         mode: functools.partial(ring_attention, *rows, layout, ctx.world, mode)
-        for mode in ("pass_kv", "pass_q")}
+        for mode in ("pass_kv", "pass_q")
+    }
     if ctx.backend != "inline":
         import torch.distributed as dist
         from torch.distributed.tensor.experimental._context_parallel._attention import (
             _templated_ring_attention,
             set_rotate_method,
         )
+
         op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
         def torch_ring(rotate: str) -> Callable[[], Any]:
             def call() -> Any:
                 set_rotate_method(rotate)
-                out = _templated_ring_attention(dist.group.WORLD, 2, op,
-                                                *(t[None] for t in heads), is_causal=True)[0]
+                out = _templated_ring_attention(
+                    dist.group.WORLD, 2, op, *(t[None] for t in heads), is_causal=True
+                )[0]
                 return out[0].transpose(0, 1), None
+
             return call
+
         methods.update({f"torch_ring_{rot}": torch_ring(rot) for rot in ("allgather", "alltoall")})
     out, last = timed_rounds(ctx, methods, repeats)
     if ctx.backend != "inline":
@@ -209,9 +299,16 @@ def ring_prefill_timing(ctx: RankContext, *, seq_len: int = 8192, num_heads: int
     return out
 
 
-def decode_step_timing(ctx: RankContext, *, contexts: Sequence[int] = (1024, 4096),
-                       num_q_heads: int = 16, head_dim: int = 128, hidden_size: int = 1024,
-                       repeats: int = 5, seed: int = 0) -> dict[int, dict[str, float]]:
+def decode_step_timing(
+    ctx: RankContext,
+    *,
+    contexts: Sequence[int] = (1024, 4096),
+    num_q_heads: int = 16,
+    head_dim: int = 128,
+    hidden_size: int = 1024,
+    repeats: int = 5,
+    seed: int = 0,
+) -> dict[int, dict[str, float]]:
     """Medians of one decode step of one request's attention block (float32, GQA with one KV
     head, ``tp = world``) per context length, three ways in turns from a common barrier:
     ``no_cp`` (TP only: every rank reads the whole KV), ``dcp`` (DCP = TP: 1/N of the KV, plus
@@ -223,17 +320,26 @@ def decode_step_timing(ctx: RankContext, *, contexts: Sequence[int] = (1024, 409
     from .tpa import TPABlock, attention_block, attention_kv_heads, tpa_config
 
     n, out = ctx.world_size, {}
-    kw = dict(tensor_parallel_size=n, num_q_heads=num_q_heads, num_kv_heads=1, head_dim=head_dim,
-              block_size=16)
-    cfgs = {"no_cp": tpa_config("standard", **kw),
-            "dcp": tpa_config("standard", **kw, decode_context_parallel_size=n),
-            "dcp_tpa": tpa_config("tpa", **kw, decode_context_parallel_size=n)}
+    kw = dict(
+        tensor_parallel_size=n,
+        num_q_heads=num_q_heads,
+        num_kv_heads=1,
+        head_dim=head_dim,
+        block_size=16,
+    )
+    cfgs = {
+        "no_cp": tpa_config("standard", **kw),
+        "dcp": tpa_config("standard", **kw, decode_context_parallel_size=n),
+        "dcp_tpa": tpa_config("tpa", **kw, decode_context_parallel_size=n),
+    }
     groups = {m: make_groups(ctx, c) for m, c in cfgs.items()}
     gen = torch.Generator().manual_seed(seed)
     s = hidden_size**-0.5
-    block = TPABlock(torch.randn(hidden_size, num_q_heads * head_dim, generator=gen) * s,
-                     torch.randn(num_q_heads * head_dim, hidden_size, generator=gen) * s,
-                     num_q_heads)
+    block = TPABlock(
+        torch.randn(hidden_size, num_q_heads * head_dim, generator=gen) * s,
+        torch.randn(num_q_heads * head_dim, hidden_size, generator=gen) * s,
+        num_q_heads,
+    )
     x = torch.randn(1, hidden_size, generator=gen)
     for c in contexts:
         k, v = (torch.randn(c, 1, head_dim, generator=gen) for _ in range(2))

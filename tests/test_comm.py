@@ -1,4 +1,5 @@
 """comm: both backends move the same data and record the same traces; nothing hangs."""
+
 import time
 
 import pytest
@@ -25,12 +26,16 @@ def test_inline_collectives_are_correct(n):
         t = lambda q: (torch.arange(6 * n, dtype=torch.float64) + 100 * q).reshape(2 * n, 3)  # noqa: E731
         assert torch.equal(out["all_gather0"], torch.cat([t(q) for q in range(n)]))
         assert torch.equal(out["all_gather1"], torch.cat([t(q) for q in range(n)], dim=1))
-        assert torch.equal(out["all_gather_v"], torch.cat([torch.full((q + 1, 2), float(q)) for q in range(n)]))
+        assert torch.equal(
+            out["all_gather_v"], torch.cat([torch.full((q + 1, 2), float(q)) for q in range(n)])
+        )
         total = sum(t(q) for q in range(n))
         assert torch.equal(out["reduce_scatter0"], total.chunk(n)[r])
         assert torch.equal(out["reduce_scatter1"], total.T.chunk(n, dim=1)[r])
         assert torch.equal(out["all_reduce"], total)
-        assert torch.equal(out["all_to_all"], torch.cat([t(q).chunk(n)[r] for q in range(n)], dim=1))
+        assert torch.equal(
+            out["all_to_all"], torch.cat([t(q).chunk(n)[r] for q in range(n)], dim=1)
+        )
         assert torch.equal(out["ring"], t((r - 1) % n) + 0.5)
         if r == n - 1:
             assert torch.equal(out["recv"], t(0)[:1])
@@ -64,7 +69,9 @@ def test_torchrun_matches_inline_data_and_traces():
 
 def test_inline_timeout_raises_instead_of_hanging():
     t0 = time.monotonic()
-    with pytest.raises(RuntimeError, match=r"(?s)rank 0 of 2 failed.*CommTimeout.*timed out after 1 s"):
+    with pytest.raises(
+        RuntimeError, match=r"(?s)rank 0 of 2 failed.*CommTimeout.*timed out after 1 s"
+    ):
         run(skip_collective, 2, timeout=1.0, report=False)
     assert time.monotonic() - t0 < 10
 
@@ -79,6 +86,7 @@ def test_torchrun_timeout_raises_instead_of_hanging():
 def test_shape_rules_are_value_errors():
     def bad(ctx):
         return ctx.world.reduce_scatter(torch.ones(3), dim=0)
+
     with pytest.raises(RuntimeError, match=r"reduce_scatter-divisible"):
         run(bad, 2, report=False)
 
