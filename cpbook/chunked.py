@@ -367,9 +367,6 @@ def chunked_prefill_rank(ctx: RankContext, *, context_lens: Sequence[int] = (40,
                          cp_kv_cache_interleave_size=cp_kv_cache_interleave_size,
                          block_size=block_size, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
                          head_dim=head_dim, use_mla=use_mla, dcp_comm_backend=dcp_comm_backend)
-    if cfg.world_size != ctx.world_size:
-        raise ConfigError("grid-matches-world", "tp * pcp == world_size",
-                          grid_world_size=cfg.world_size, world_size=ctx.world_size)
     groups = make_groups(ctx, cfg)
     c = groups.coords
     qh, kvh = q_heads_of_rank(cfg, c.tp_rank), kv_heads_of_rank(cfg, c.tp_rank)

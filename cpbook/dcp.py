@@ -325,13 +325,6 @@ def gqa_decode_rank(
         head_dim=head_dim,
         dcp_comm_backend=dcp_comm_backend,
     )
-    if cfg.world_size != ctx.world_size:
-        raise ConfigError(
-            "grid-matches-world",
-            "tp * pcp == world_size",
-            grid_world_size=cfg.world_size,
-            world_size=ctx.world_size,
-        )
     groups = make_groups(ctx, cfg)
     tp_rank, dcp_rank = groups.coords.tp_rank, groups.coords.dcp_rank
     q, ks, vs = gqa_decode_problem(

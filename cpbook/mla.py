@@ -398,13 +398,6 @@ def _mla_setup(
         use_mla=True,
         dcp_comm_backend=dcp_comm_backend,
     )
-    if cfg.world_size != ctx.world_size:
-        raise ConfigError(
-            "grid-matches-world",
-            "tp * pcp == world_size",
-            grid_world_size=cfg.world_size,
-            world_size=ctx.world_size,
-        )
     groups = make_groups(ctx, cfg)
     mla = TinyMLA.random(
         num_heads,

@@ -41,7 +41,7 @@ import torch
 
 from .attention import dense_attention
 from .comm import RankContext
-from .config import ConfigError, ParallelConfig, kv_heads_of_rank, q_heads_of_rank
+from .config import ParallelConfig, kv_heads_of_rank, q_heads_of_rank
 from .dcp import (
     dcp_combine,
     dcp_decode_attention,
@@ -318,13 +318,6 @@ def tpa_rank(
         cp_kv_cache_interleave_size=cp_kv_cache_interleave_size,
         dcp_comm_backend=dcp_comm_backend,
     )
-    if cfg.world_size != ctx.world_size:
-        raise ConfigError(
-            "grid-matches-world",
-            "tp * pcp == world_size",
-            grid_world_size=cfg.world_size,
-            world_size=ctx.world_size,
-        )
     groups = make_groups(ctx, cfg)
     block, x, ks, vs = tpa_problem(
         attention, num_q_heads, num_kv_heads, head_dim, hidden_size, seq_lens, seed
