@@ -29,6 +29,7 @@ __all__ = [
     "attention_with_lse",
     "merge_attn_states",
     "merge_attn_states_",
+    "empty_attention",
     "rope",
     "merge_problem",
     "merge_comm_bytes",
@@ -79,6 +80,17 @@ def dense_attention(
     p = torch.exp(s - lse.nan_to_num(neginf=0.0)[..., None])  # rows with no key: exp(-inf) = 0
     out = torch.einsum("hqk,khd->qhd", p, vv)
     return out.to(q.dtype), lse.T.contiguous()
+
+
+def empty_attention(
+    q: torch.Tensor, num_heads: int, v_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The result of attending ``q``'s rows to no key: output 0 ``[Tq, num_heads, v_dim]`` and
+    LSE ``-inf`` ``[Tq, num_heads]`` (float64 for float64 ``q``, else float32).  Also the
+    starting accumulator for :func:`merge_attn_states_`."""
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    lse = torch.full((q.shape[0], num_heads), float("-inf"), dtype=lse_dtype, device=q.device)
+    return q.new_zeros(q.shape[0], num_heads, v_dim), lse
 
 
 def _kernel(
@@ -153,8 +165,7 @@ def attention_with_lse(
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     tq, tk = q.shape[0], k.shape[0]
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    empty_out = q.new_zeros(tq, q.shape[1], v.shape[2])
-    empty_lse = torch.full((tq, q.shape[1]), float("-inf"), dtype=lse_dtype, device=q.device)
+    empty_out, empty_lse = empty_attention(q, q.shape[1], v.shape[2])
     d = q_offset - k_offset  # key j is visible to query i iff j <= i + d
     if tq == 0 or tk == 0 or (causal and d + tq - 1 < 0):
         return empty_out, empty_lse

@@ -51,7 +51,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .attention import attention_with_lse, dense_attention, merge_attn_states_
+from .attention import attention_with_lse, dense_attention, empty_attention, merge_attn_states_
 from .chunked_plan import STRATEGIES, chunked_comm_bytes, comm_plan, select_strategy
 from .comm import Group, RankContext
 from .config import ConfigError, ParallelConfig, kv_heads_of_rank, q_heads_of_rank
@@ -155,12 +155,6 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, context: Co
                           context_v=context.values is not None)
 
 
-def _empty(q: torch.Tensor, heads: int, dv: int) -> Attn:
-    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return (q.new_zeros(q.shape[0], heads, dv),
-            torch.full((q.shape[0], heads), float("-inf"), dtype=lse_dtype, device=q.device))
-
-
 def _attend(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
             v: torch.Tensor, scale: float | None, causal: bool = False, q_offset: int = 0,
             k_offset: int = 0) -> None:
@@ -192,7 +186,7 @@ def allgather_q_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | No
     vn = context.value(k, v)
     part = pcp_partition(lens, meta.pcp_size, meta.layout)
     pending = grp.all_gather_async(q, dim=1, parts=True) if grp.size > 1 else None
-    out, lse = _empty(q, grp.size * h, vn.shape[-1])
+    out, lse = empty_attention(q, grp.size * h, vn.shape[-1])
     blocks = None
     for b in [grp.rank] + [b for b in range(grp.size) if b != grp.rank]:
         if b != grp.rank and blocks is None:
@@ -244,7 +238,7 @@ def allgather_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | N
 
     new = pack(k, v)
     pending = groups.pcp.all_gather_async(new, parts=True) if groups.pcp.size > 1 else None
-    out, lse = _empty(q, q.shape[1], unpack(new)[1].shape[-1])
+    out, lse = empty_attention(q, q.shape[1], unpack(new)[1].shape[-1])
     rows = _request_rows(meta.segments, meta.seq_lens)
     pieces, peak = max([-(-c // chunk) for c in lens] + [0]), 0
     for c in range(pieces):

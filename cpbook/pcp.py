@@ -22,7 +22,13 @@ from typing import Any, Sequence
 
 import torch
 
-from .attention import attention_with_lse, dense_attention, merge_attn_states_, rope
+from .attention import (
+    attention_with_lse,
+    dense_attention,
+    empty_attention,
+    merge_attn_states_,
+    rope,
+)
 from .comm import Group, RankContext
 from .config import ParallelConfig, kv_heads_of_rank, q_heads_of_rank
 from .groups import RankGrid, make_groups
@@ -58,14 +64,6 @@ def _check_group(meta: PCPMetadata, group: Group) -> None:
         )
 
 
-def _empty(q: torch.Tensor, dv: int) -> tuple[torch.Tensor, torch.Tensor]:
-    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return (
-        q.new_zeros(q.shape[0], q.shape[1], dv),
-        torch.full(q.shape[:2], float("-inf"), dtype=lse_dtype, device=q.device),
-    )
-
-
 def pcp_restore(t: torch.Tensor, meta: PCPMetadata, group: Group) -> torch.Tensor:
     """All-gather every rank's local rows in ``group`` and return them in sequence order:
     ``[sum(seq_lens), ...]``, requests concatenated, padding dropped (one ``all_gather``)."""
@@ -94,7 +92,7 @@ def pcp_local_attention(
             f"[pcp-local-rows] requires q with num_tokens rows; got q{tuple(q.shape)}, "
             f"num_tokens={meta.num_tokens}"
         )
-    out, lse = _empty(q, v_seq.shape[-1])
+    out, lse = empty_attention(q, q.shape[1], v_seq.shape[-1])
     cu = meta.cu_seq_lens
     for seg, qlen, klen in zip(meta.segments, meta.query_lens, meta.key_lens):
         if qlen:
