@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass
 from fractions import Fraction
 
-from .config import ParallelConfig
+from ..config import ParallelConfig
 
 GB = 10**9  #: decimal gigabyte, as on vendor datasheets
 GIB = 2**30  #: binary gibibyte, as in ``torch.cuda.mem_get_info`` style reports
@@ -371,7 +371,7 @@ class DecodeLayerTime:
 
 
 def _decode_config(model: ModelSpec, mode: str, tp: int, dcp: int) -> ParallelConfig:
-    from .tpa import tpa_config
+    from ..tpa import tpa_config
 
     if mode not in DECODE_MODES:
         raise ValueError(f"[decode-mode] requires mode in {DECODE_MODES}; got mode={mode!r}")
@@ -419,7 +419,7 @@ def decode_layer_time(
     come from :func:`cpbook.tpa.attention_kv_heads`.  Every term is linear in
     ``context_tokens``, so :func:`decode_break_even` solves for the crossing exactly.
     """
-    from .tpa import attention_kv_heads, tpa_comm_bytes, tpa_costs
+    from ..tpa import attention_kv_heads, tpa_comm_bytes, tpa_costs
 
     if not 0 < hbm_efficiency <= 1:
         raise ValueError(
