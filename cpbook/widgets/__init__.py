@@ -1,2 +1,6 @@
-"""ipywidgets explorers, one module per concept.  Each explorer has a static figure beside it
-in its chapter (the book is rendered without a kernel; only the saved widget state travels)."""
+"""Explorers for the chapters, one module per concept, all built on :mod:`.explorer`.
+
+An explorer precomputes its states, so it responds to its controls in the static book (no
+kernel, no network) and runs live with ipywidgets in Jupyter.  Each chapter keeps a captioned
+static figure beside its explorer.
+"""

@@ -1,0 +1,133 @@
+"""cpbook.widgets.explorer: precomputed states, static HTML, nbval sanitizing, live widget."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import pytest  # noqa: E402
+
+from cpbook.widgets.explorer import (  # noqa: E402
+    NBVAL_PNG_PATTERN,
+    NBVAL_PNG_REPLACE,
+    Control,
+    explorer,
+    pre,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def text_render(a: int, b: str) -> str:
+    return pre(f"a={a} b={b} -> {a if b == 'x' else 0}")
+
+
+def fig_render(n: int, colour: str = "C0"):
+    fig, ax = plt.subplots(figsize=(2, 1.5))
+    ax.bar(range(n), range(1, n + 1), color=colour)
+    return fig, pre(f"{n} bars")
+
+
+def visible_panel(html: str) -> str:
+    panels = re.findall(r'<div class="cpx-panel" aria-live="polite"( hidden)?>(.*?)</div>', html)
+    shown = [body for hidden, body in panels if not hidden]
+    assert len(shown) == 1
+    return shown[0]
+
+
+def test_grid_dedup_and_default():
+    ex = explorer(text_render, {"a": [1, 2, 3], "b": ["x", "y"]}, value={"a": 2})
+    assert len(ex.states) == 6
+    # b = "y" gives "-> 0" for every a, but a is printed too: 6 distinct panels
+    assert len(ex.panels) == 6
+    html = ex.to_html()
+    assert "a=2 b=x -&gt; 2" in visible_panel(html)
+    assert '<input type="range" min="0" max="2" step="1" value="1"' in html  # numbers: slider
+    assert '<option value="0" selected>x</option>' in html  # strings: drop-down
+    assert repr(ex) == "Explorer(a[3], b[2]: 6 states, 6 panels)"
+
+
+def test_equal_outputs_share_a_panel():
+    ex = explorer(lambda a, b: pre(str(a % 2)), {"a": [1, 2, 3, 4], "b": [0, 1]})
+    assert len(ex.states) == 8 and len(ex.panels) == 2
+    assert ex.states[(0, 0)] == ex.states[(2, 1)] != ex.states[(1, 0)]
+    assert '"2.1": 0' in ex.to_html()
+
+
+def test_figures_inline_with_alt_and_deterministic_html():
+    kw = dict(alt="{n} bars in {colour}", caption="Move n.")
+    controls = {"n": [1, 2, 3], "colour": Control(["C0", "C1"], names=["blue", "orange"])}
+    ex = explorer(fig_render, controls, **kw)
+    html = ex.to_html()
+    assert html.count('<img class="cpx-img" src="data:image/png;base64,') == 6
+    assert 'alt="3 bars in orange"' in html
+    assert "http" not in html  # nothing to fetch
+    assert plt.get_fignums() == []  # every figure closed
+    assert explorer(fig_render, controls, **kw).to_html() == html
+    assert ex.nbytes == len(html.encode()) < 60_000
+
+
+def test_figure_needs_alt_and_bad_controls_are_rejected():
+    with pytest.raises(ValueError, match="explorer-alt"):
+        explorer(fig_render, {"n": [1, 2]})
+    with pytest.raises(ValueError, match="explorer-control"):
+        Control([1, 2], names=["one"])
+    with pytest.raises(ValueError, match="explorer-value"):
+        explorer(text_render, {"a": [1], "b": ["x"]}, value={"c": 1})
+    with pytest.raises(ValueError, match="explorer-value"):
+        explorer(text_render, {"a": [1], "b": ["x"]}, value={"a": 5})
+    with pytest.raises(TypeError, match="not a Figure or str"):
+        explorer(lambda a: 3, {"a": [1]})
+
+
+def _sanitizers() -> list[tuple[str, str]]:
+    """The patterns nbval applies to notebook outputs: conftest's first, then the cfg file's."""
+    cfg = (ROOT / "tests" / "nbval_sanitize.cfg").read_text()
+    pairs = re.findall(r"^regex: (.*)$\n^replace: (.*)$", cfg, flags=re.M)
+    return [(NBVAL_PNG_PATTERN, NBVAL_PNG_REPLACE), *pairs]
+
+
+def _sanitize(s: str) -> str:
+    for regex, replace in _sanitizers():
+        s = re.sub(regex, replace, s)
+    return s
+
+
+def test_nbval_ignores_only_the_png_payload():
+    controls = {"n": [1, 2]}
+    blue = explorer(fig_render, controls, alt="{n} bars").to_html()
+    red = explorer(lambda n: fig_render(n, "C3"), controls, alt="{n} bars").to_html()
+    assert blue != red  # different image bytes ...
+    assert _sanitize(blue) == _sanitize(red)  # ... which nbval does not compare
+    # a changed readout, alt text, control or state is still a difference
+    changed = explorer(lambda n: fig_render(n + 1, "C3"), controls, alt="{n} bars").to_html()
+    assert _sanitize(changed) != _sanitize(blue)
+    other_alt = explorer(fig_render, controls, alt="{n} bar(s)").to_html()
+    assert _sanitize(other_alt) != _sanitize(blue)
+    # images elsewhere (not written by the explorer) are left alone
+    foreign = '<img src="data:image/png;base64,AAAA">'
+    assert _sanitize(foreign) == foreign
+
+
+def test_conftest_registers_the_pattern():
+    text = (ROOT / "conftest.py").read_text()
+    assert "collector.sanitize_patterns[NBVAL_PNG_PATTERN] = NBVAL_PNG_REPLACE" in text
+
+
+def test_live_widget_follows_its_controls():
+    pytest.importorskip("ipywidgets")
+    ex = explorer(text_render, {"a": [1, 2, 3], "b": ["x", "y"]})
+    view = ex.widget()
+    controls, out = view.children[0].children, view.children[1]
+    assert out.children[0].value == text_render(1, "x")
+    controls[0].value = 2  # the slider's options are (name, index) pairs
+    assert out.children[0].value == text_render(3, "x")
+    controls[1].value = 1
+    assert out.children[0].value == text_render(3, "y")
+    bundle = ex._repr_mimebundle_()
+    assert {"text/plain", "text/html", "application/vnd.jupyter.widget-view+json"} <= set(bundle)
+    assert bundle["text/html"] == ex.to_html()
