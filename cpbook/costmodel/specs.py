@@ -1,5 +1,4 @@
-"""Hardware and model specs (each one sourced), KV-cache capacity arithmetic, and the α–β
-model of one collective with the per-layer decode-step model built on it (chapter 6).
+"""Hardware, link and model specs, each number sourced.
 
 Every number here carries a ``source``: one or more BibTeX keys of
 ``book/references.bib``, comma-separated so the string can be pasted into a
@@ -20,11 +19,7 @@ Conventions
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-from fractions import Fraction
-
-from ..config import ParallelConfig
+from dataclasses import dataclass, replace
 
 GB = 10**9  #: decimal gigabyte, as on vendor datasheets
 GIB = 2**30  #: binary gibibyte, as in ``torch.cuda.mem_get_info`` style reports
@@ -71,10 +66,17 @@ class ModelSpec:
     kv_lora_rank: int  #: 0 for GQA models
     qk_rope_head_dim: int  #: 0 for GQA models
     num_params: float
-    weight_bytes_per_param: int
+    weight_bytes_per_param: float
     source: str
     hidden_size: int = 0  #: width of the residual stream (input of GQA's ``q_proj``)
     q_lora_rank: int = 0  #: MLA: input width of ``q_b_proj``, the sharded query projection
+    active_params: float = 0.0  #: MoE: parameters used per token (0: dense, all of them)
+    expert_params: float = 0.0  #: MoE: parameters in routed experts (shardable by EP)
+
+    @property
+    def params_per_token(self) -> float:
+        """Parameters one token multiplies through (``num_params`` for a dense model)."""
+        return self.active_params or self.num_params
 
 
 def _gqa(
@@ -84,16 +86,44 @@ def _gqa(
     return ModelSpec(name, layers, q, kv, 128, False, 0, 0, params, 2, source, hidden)
 
 
-def _mla(name: str, layers: int, q: int, params: float, source: str) -> ModelSpec:
+def _mla(
+    name: str, layers: int, q: int, params: float, source: str, active: float, experts: float
+) -> ModelSpec:
     """A DeepSeek-V3-shaped MLA model with FP8 weights (hidden 7168, ``q_lora_rank`` 1536)."""
     # qk_nope 128 + rope 64 = 192; latent 512 + rope 64 = 576 stored per token.
-    return ModelSpec(name, layers, q, 1, 192, True, 512, 64, params, 1, source, 7168, 1536)
+    return ModelSpec(
+        name, layers, q, 1, 192, True, 512, 64, params, 1, source, 7168, 1536, active, experts
+    )
+
+
+def _routed(moe_layers: int, experts: int, hidden: int, moe_intermediate: int) -> float:
+    """Parameters of the routed experts: gate, up and down projections of every expert."""
+    return float(moe_layers * experts * 3 * hidden * moe_intermediate)
 
 
 MODELS: dict[str, ModelSpec] = {
     # Both MLA models ship FP8 weights (1 byte per parameter).
-    "DeepSeek-V3": _mla("DeepSeek-V3", 61, 128, 671e9, "hf_deepseek_v3,deepseekai2024v3"),
-    "Kimi-K2": _mla("Kimi-K2", 61, 64, 1.04e12, "hf_kimi_k2,kimiteam2025k2"),
+    # Active parameters per token: 37B (DeepSeek-V3), 32B (Kimi-K2), 22B (Qwen3-235B-A22B),
+    # from the papers; routed experts from each config.json (layers after
+    # ``first_k_dense_replace`` x ``n_routed_experts`` x 3 x hidden x ``moe_intermediate_size``).
+    "DeepSeek-V3": _mla(
+        "DeepSeek-V3",
+        61,
+        128,
+        671e9,
+        "hf_deepseek_v3,deepseekai2024v3",
+        37e9,
+        _routed(58, 256, 7168, 2048),
+    ),
+    "Kimi-K2": _mla(
+        "Kimi-K2",
+        61,
+        64,
+        1.04e12,
+        "hf_kimi_k2,kimiteam2025k2",
+        32e9,
+        _routed(60, 384, 7168, 2048),
+    ),
     "Llama-3.1-8B": _gqa(
         "Llama-3.1-8B", 32, 32, 8, 8.03e9, "hf_llama31_8b,grattafiori2024llama3", 4096
     ),
@@ -106,8 +136,10 @@ MODELS: dict[str, ModelSpec] = {
     "Qwen2.5-7B-1M": _gqa(
         "Qwen2.5-7B-Instruct-1M", 28, 28, 4, 7.61e9, "hf_qwen25_7b_1m,yang2025qwen25_1m", 3584
     ),
-    "Qwen3-235B-A22B": _gqa(
-        "Qwen3-235B-A22B", 94, 64, 4, 235e9, "hf_qwen3_235b,yang2025qwen3", 4096
+    "Qwen3-235B-A22B": replace(
+        _gqa("Qwen3-235B-A22B", 94, 64, 4, 235e9, "hf_qwen3_235b,yang2025qwen3", 4096),
+        active_params=22e9,
+        expert_params=_routed(94, 128, 4096, 1536),
     ),
 }
 
@@ -118,181 +150,6 @@ FP8_DS_MLA_BYTES_PER_TOKEN_PER_LAYER = 512 + 16 + 64 * 2
 #: placeholder for activations, CUDA graphs and comm buffers (vLLM profiles it)
 DEFAULT_ACTIVATION_RESERVE_BYTES = 4 * GIB
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
-
-
-def parallel_config(model: ModelSpec, tp: int = 1, dcp: int = 1) -> ParallelConfig:
-    """The model's attention under TP × DCP, validated by :class:`~cpbook.config.ParallelConfig`.
-
-    One source of truth for vLLM's rules: an invalid layout raises ``ConfigError`` (a
-    ``ValueError``) naming the violated rule and the values.
-    """
-    return ParallelConfig(
-        tensor_parallel_size=tp,
-        decode_context_parallel_size=dcp,
-        num_q_heads=model.num_q_heads,
-        num_kv_heads=model.num_kv_heads,
-        head_dim=model.head_dim,
-        use_mla=model.use_mla,
-    )
-
-
-def kv_bytes_per_token(model: ModelSpec, kv_dtype: str = "bf16") -> int:
-    """Bytes of KV cache one token occupies, summed over all layers (one copy).
-
-    GQA: ``2 * num_kv_heads * head_dim * num_layers * bytes``.
-    MLA: ``(kv_lora_rank + qk_rope_head_dim) * num_layers * bytes``; with
-    ``kv_dtype="fp8"`` vLLM's ``fp8_ds_mla`` layout, 656 B per token and layer.
-    """
-    if kv_dtype not in KV_DTYPE_BYTES:
-        raise ValueError(
-            f"[kv-dtype] requires kv_dtype in {sorted(KV_DTYPE_BYTES)}; got kv_dtype={kv_dtype!r}"
-        )
-    if model.use_mla:
-        if kv_dtype == "fp8":
-            return FP8_DS_MLA_BYTES_PER_TOKEN_PER_LAYER * model.num_layers
-        width = model.kv_lora_rank + model.qk_rope_head_dim
-        return width * model.num_layers * KV_DTYPE_BYTES[kv_dtype]
-    return 2 * model.num_kv_heads * model.head_dim * model.num_layers * KV_DTYPE_BYTES[kv_dtype]
-
-
-def kv_bytes_for_context(model: ModelSpec, tokens: int, kv_dtype: str = "bf16") -> int:
-    """Bytes of KV cache for ``tokens`` tokens of one request (one copy, all layers)."""
-    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
-        raise ValueError(
-            f"[non-negative-tokens] requires a non-negative int; got tokens={tokens!r}"
-        )
-    return tokens * kv_bytes_per_token(model, kv_dtype)
-
-
-def kv_replication(model: ModelSpec, tp: int) -> int:
-    """How many GPUs of one TP group hold a copy of each KV head.
-
-    GQA: ``tp // num_kv_heads`` when ``tp > num_kv_heads``, else 1 (heads are
-    split, nothing is copied). MLA: ``tp`` (every rank keeps the full latent).
-    """
-    parallel_config(model, tp)
-    if model.use_mla:
-        return tp
-    return tp // model.num_kv_heads if tp > model.num_kv_heads else 1
-
-
-def kv_bytes_per_token_per_gpu(
-    model: ModelSpec, tp: int = 1, dcp: int = 1, kv_dtype: str = "bf16"
-) -> float:
-    """KV bytes one GPU stores per token of a request, under TP and DCP.
-
-    A GPU holds ``num_kv_heads / tp`` KV heads but never less than one (MLA:
-    the whole latent); DCP then shards the *tokens* over ``dcp`` ranks without
-    changing the heads, so the result is exactly the ``dcp=1`` value / ``dcp``.
-    Raises ValueError for configurations vLLM rejects.
-    """
-    parallel_config(model, tp, dcp)
-    total = kv_bytes_per_token(model, kv_dtype)
-    if model.use_mla:
-        heads_share = Fraction(1)
-    else:
-        heads_share = Fraction(max(model.num_kv_heads // tp, 1), model.num_kv_heads)
-    return float(total * heads_share / dcp)
-
-
-def weight_bytes_per_gpu(model: ModelSpec, tp: int) -> float:
-    """Weight bytes per GPU: ``num_params * weight_bytes_per_param / tp``.
-
-    Ignores tensors replicated across TP ranks (norms, and embeddings in some
-    setups) and expert parallelism: a lower bound good to a few percent.
-    """
-    parallel_config(model, tp)
-    return model.num_params * model.weight_bytes_per_param / tp
-
-
-def kv_budget_bytes_per_gpu(
-    model: ModelSpec,
-    gpu: GPUSpec,
-    tp: int,
-    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
-    activation_reserve_bytes: float = DEFAULT_ACTIVATION_RESERVE_BYTES,
-) -> float:
-    """Bytes left for the KV cache on one GPU, vLLM style.
-
-    ``hbm * gpu_memory_utilization - weights / tp - activation_reserve_bytes``.
-    Raises ValueError when the result is not positive (the model does not fit).
-    """
-    if not 0 < gpu_memory_utilization <= 1:
-        raise ValueError(
-            f"[gpu-memory-utilization] requires 0 < gpu_memory_utilization <= 1; "
-            f"got gpu_memory_utilization={gpu_memory_utilization}"
-        )
-    if activation_reserve_bytes < 0:
-        raise ValueError(
-            f"[activation-reserve] requires activation_reserve_bytes >= 0; "
-            f"got activation_reserve_bytes={activation_reserve_bytes}"
-        )
-    weights = weight_bytes_per_gpu(model, tp)
-    budget = gpu.hbm_bytes * gpu_memory_utilization - weights - activation_reserve_bytes
-    if budget <= 0:
-        raise ValueError(
-            f"[model-fits] requires weights + reserve < usable HBM; {model.name} does not fit on "
-            f"{gpu.name} at tp={tp}: "
-            f"{gpu.hbm_bytes / GB:.0f} GB x {gpu_memory_utilization} - "
-            f"weights {weights / GB:.1f} GB - reserve "
-            f"{activation_reserve_bytes / GB:.1f} GB = {budget / GB:.1f} GB"
-        )
-    return budget
-
-
-def max_context_tokens(
-    model: ModelSpec,
-    gpu: GPUSpec,
-    tp: int = 1,
-    dcp: int = 1,
-    kv_dtype: str = "bf16",
-    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
-    activation_reserve_bytes: float = DEFAULT_ACTIVATION_RESERVE_BYTES,
-) -> int:
-    """Longest single request whose KV cache fits: floor(budget / per-GPU bytes).
-
-    Data parallelism does not change this number: each DP replica serves whole
-    requests, so a request's KV must fit in one replica. Block granularity and
-    the model's own position limit are ignored.
-    """
-    budget = kv_budget_bytes_per_gpu(
-        model, gpu, tp, gpu_memory_utilization, activation_reserve_bytes
-    )
-    per_token = kv_bytes_per_token_per_gpu(model, tp, dcp, kv_dtype)
-    return math.floor(budget / per_token)
-
-
-def prefill_flops(model: ModelSpec, tokens: int) -> tuple[float, float]:
-    """FLOPs of one causal prefill of ``tokens`` tokens: ``(matmul, attention)``.
-
-    ``matmul = 2 * num_params * tokens`` (every weight used once per token; for an MoE model
-    this counts all experts, so only use it for dense models) and
-    ``attention = 2 * num_layers * num_q_heads * head_dim * tokens**2`` (QKᵀ and PV, each
-    ``2·T²·H·d`` for the full square, halved by the causal mask).  The crossover where attention
-    overtakes the matmuls is ``tokens = num_params / (num_layers * num_q_heads * head_dim)``.
-    """
-    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
-        raise ValueError(
-            f"[non-negative-tokens] requires a non-negative int; got tokens={tokens!r}"
-        )
-    attention = 2.0 * model.num_layers * model.num_q_heads * model.head_dim * tokens**2
-    return 2.0 * model.num_params * tokens, attention
-
-
-def decode_bytes_per_step(
-    model: ModelSpec, context_tokens: int, tp: int = 1, dcp: int = 1, kv_dtype: str = "bf16"
-) -> tuple[float, float]:
-    """HBM bytes one GPU reads for one decode step of one request: ``(weights, kv)``.
-
-    Decode is memory-bound: every step streams this GPU's weight shard and its share of the
-    request's KV cache (``context_tokens`` tokens).  ``(weights + kv) / hbm_bw`` bounds TPOT
-    from below.
-    """
-    kv = kv_bytes_per_token_per_gpu(model, tp, dcp, kv_dtype) * context_tokens
-    return weight_bytes_per_gpu(model, tp), kv
-
-
-# ---------------------------------------------------------------------- collectives (α–β)
 
 
 @dataclass(frozen=True)
@@ -318,162 +175,32 @@ LINKS: dict[str, LinkSpec] = {
     "NVLink4": LinkSpec(
         "NVLink 4 + NVSwitch (H100/H200 HGX), NCCL", 15e-6, 450e9, "nvidia_h200,vllm_pr24111"
     ),
+    # Meta's CP runs (arXiv 2411.01783): H100 hosts joined by RDMA at 400 Gb/s per GPU, i.e.
+    # 50 GB/s per direction.  α = 30 µs per call is an assumption (two NVLink α's: one hop
+    # through the NIC), not a measurement.
+    "RDMA400": LinkSpec("RDMA 400 Gb/s per GPU, between hosts", 30e-6, 50e9, "yang2024cp"),
 }
 
-COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+
+def link_of(gpu: GPUSpec) -> LinkSpec:
+    """The scale-up link of ``gpu``'s node: NVLink 4's α with the GPU's own bandwidth."""
+    nv = LINKS["NVLink4"]
+    return LinkSpec(f"scale-up link of {gpu.name}", nv.alpha_s, gpu.link_bw_bytes_per_s, gpu.source)
 
 
-def collective_time(op: str, bytes_per_rank: float, group_size: int, link: LinkSpec) -> float:
-    """Seconds of one collective: ``alpha + bytes_per_rank / bw``, 0 for a group of one.
-
-    ``bytes_per_rank`` is what one rank *sends* (the convention of the traces and of every
-    ``*_comm_bytes`` formula: ``(N-1)·chunk`` for a ring all-gather or reduce-scatter,
-    ``2·(N-1)/N·size`` for a ring all-reduce), so the ring's bandwidth term is exact and the
-    algorithm's step count is folded into ``alpha``.
-    """
-    if op not in COLLECTIVES:
-        raise ValueError(f"[collective-op] requires op in {COLLECTIVES}; got op={op!r}")
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
-        raise ValueError(f"[positive-group] requires a positive int; got group_size={group_size!r}")
-    if bytes_per_rank < 0:
-        raise ValueError(f"[non-negative-bytes] requires >= 0; got {bytes_per_rank=}")
-    if group_size == 1:
-        return 0.0
-    return link.alpha_s + bytes_per_rank / link.bw_bytes_per_s
+def get_model(name: str | ModelSpec) -> ModelSpec:
+    """``MODELS[name]`` (a ``ModelSpec`` passes through); ValueError naming the known keys."""
+    if isinstance(name, ModelSpec):
+        return name
+    if name not in MODELS:
+        raise ValueError(f"[known-model] requires a key of MODELS {sorted(MODELS)}; got {name!r}")
+    return MODELS[name]
 
 
-# ---------------------------------------------------------------- one decode step, per layer
-
-DECODE_MODES = ("no_cp", "dcp", "dcp_tpa")
-#: Fraction of the datasheet HBM bandwidth a decode-attention kernel reaches; FlashMLA reports
-#: up to 3000 GB/s on an H800 SXM5 (3.35 TB/s HBM3), about 0.9 — 0.8 leaves room for short rows.
-DEFAULT_HBM_EFFICIENCY = 0.8
-
-
-@dataclass(frozen=True)
-class DecodeLayerTime:
-    """Modelled seconds of one layer's attention in one decode step, on one GPU.
-
-    ``kv_read_s``: streaming this GPU's KV share from HBM; ``comm_s``: the layer's collectives
-    (``calls``, ``[(op, group size, bytes sent)]``, α–β each); ``q_proj_extra_s``: reading the
-    extra ``q_proj`` weights TPA replicates.  Work that is the same in every mode (the rest of
-    ``q_proj``, ``o_proj``, the MLP) is left out: it shifts the step but not the break-even.
-    """
-
-    kv_read_s: float
-    comm_s: float
-    q_proj_extra_s: float
-    calls: tuple[tuple[str, int, int], ...]
-
-    @property
-    def total_s(self) -> float:
-        return self.kv_read_s + self.comm_s + self.q_proj_extra_s
-
-
-def _decode_config(model: ModelSpec, mode: str, tp: int, dcp: int) -> ParallelConfig:
-    from ..tpa import tpa_config
-
-    if mode not in DECODE_MODES:
-        raise ValueError(f"[decode-mode] requires mode in {DECODE_MODES}; got mode={mode!r}")
-    if mode == "no_cp":
-        return parallel_config(model, tp, 1)
-    if mode == "dcp":
-        return parallel_config(model, tp, dcp)
-    return tpa_config(
-        "tpa",
-        tensor_parallel_size=tp,
-        decode_context_parallel_size=dcp,
-        num_q_heads=model.num_q_heads,
-        num_kv_heads=model.num_kv_heads,
-        head_dim=model.head_dim,
-        use_mla=model.use_mla,
-    )
-
-
-def decode_layer_time(
-    model: ModelSpec,
-    gpu: GPUSpec,
-    context_tokens: float,
-    mode: str,
-    *,
-    tp: int = 8,
-    dcp: int = 8,
-    num_reqs: int = 1,
-    kv_dtype: str = "bf16",
-    hbm_efficiency: float = DEFAULT_HBM_EFFICIENCY,
-    link: LinkSpec = LINKS["NVLink4"],
-    dcp_comm_backend: str = "ag_rs",
-    act_bytes: int = 2,
-) -> DecodeLayerTime:
-    """One layer's decode attention on one GPU of a TP group, ``num_reqs`` requests of
-    ``context_tokens`` cached tokens each, in ``mode``:
-
-    * ``no_cp``: TP only, every GPU streams its heads' whole KV (MLA: the whole latent);
-    * ``dcp``: DCP = ``dcp`` (vLLM's rules), ``1/dcp`` of the tokens, plus the query
-      all-gather and the combine;
-    * ``dcp_tpa``: the same without the query all-gather (``tensor_parallel_size_attention``
-      for GQA, ``dcp_q_replicate`` for MLA), plus reading ``dcp - 1`` more ``q_proj`` shards.
-
-    The collectives and their bytes are :func:`cpbook.tpa.tpa_comm_bytes` (activations of
-    ``act_bytes``), the extra weights :func:`cpbook.tpa.tpa_costs`; the KV heads a GPU holds
-    come from :func:`cpbook.tpa.attention_kv_heads`.  Every term is linear in
-    ``context_tokens``, so :func:`decode_break_even` solves for the crossing exactly.
-    """
-    from ..tpa import attention_kv_heads, tpa_comm_bytes, tpa_costs
-
-    if not 0 < hbm_efficiency <= 1:
-        raise ValueError(
-            f"[hbm-efficiency] requires 0 < hbm_efficiency <= 1; got {hbm_efficiency=}"
-        )
-    if context_tokens < 0:
-        raise ValueError(f"[non-negative-tokens] requires >= 0; got {context_tokens=}")
-    cfg = _decode_config(model, mode, tp, dcp)
-    heads = attention_kv_heads(cfg, 0)
-    per_head = kv_bytes_per_token(model, kv_dtype) / model.num_layers / model.num_kv_heads
-    kv_bytes = per_head * (heads.stop - heads.start) / cfg.dcp * context_tokens * num_reqs
-    hbm = gpu.hbm_bw_bytes_per_s * hbm_efficiency
-    if model.use_mla:
-        q_dim, out_dim = model.kv_lora_rank + model.qk_rope_head_dim, model.kv_lora_rank
-    else:
-        q_dim = out_dim = model.head_dim
-    calls = tpa_comm_bytes(
-        "tpa" if mode == "dcp_tpa" else "standard",
-        num_reqs,
-        cfg.q_heads_per_rank,
-        q_dim,
-        out_dim,
-        cfg.dcp,
-        cfg.tp,
-        model.hidden_size,
-        dcp_comm_backend,
-        act_bytes,
-    )
-    sized = tuple((op, cfg.tp if op == "all_reduce" else cfg.dcp, b) for op, b in calls)
-    q_in = model.q_lora_rank or model.hidden_size
-    extra = tpa_costs(cfg, q_in, num_reqs, model.head_dim, model.weight_bytes_per_param)
-    return DecodeLayerTime(
-        kv_read_s=kv_bytes / hbm,
-        comm_s=sum(collective_time(op, b, n, link) for op, n, b in sized),
-        q_proj_extra_s=extra["extra_weight_bytes"] / hbm,
-        calls=sized,
-    )
-
-
-def decode_break_even(model: ModelSpec, gpu: GPUSpec, mode: str, **kwargs) -> float:
-    """Context length (tokens per request) above which ``mode`` beats ``no_cp`` per decode step.
-
-    Both times are linear in the context, ``a + s·L``; the crossing is ``(a_mode - a_no_cp) /
-    (s_no_cp - s_mode)``: ``0.0`` if ``mode`` never loses, ``inf`` if it never wins.  ``kwargs``
-    go to :func:`decode_layer_time` for both modes.
-    """
-    if mode == "no_cp":
-        raise ValueError("[decode-mode] requires mode in ('dcp', 'dcp_tpa'); got mode='no_cp'")
-    big = float(2**20)
-    a0, a1 = (decode_layer_time(model, gpu, 0, m, **kwargs).total_s for m in ("no_cp", mode))
-    b0, b1 = (decode_layer_time(model, gpu, big, m, **kwargs).total_s for m in ("no_cp", mode))
-    saved_per_token = ((b0 - a0) - (b1 - a1)) / big
-    if a1 <= a0:
-        return 0.0
-    if saved_per_token <= 0:
-        return math.inf
-    return (a1 - a0) / saved_per_token
+def get_gpu(name: str | GPUSpec) -> GPUSpec:
+    """``GPUS[name]`` (a ``GPUSpec`` passes through); ValueError naming the known keys."""
+    if isinstance(name, GPUSpec):
+        return name
+    if name not in GPUS:
+        raise ValueError(f"[known-gpu] requires a key of GPUS {sorted(GPUS)}; got {name!r}")
+    return GPUS[name]

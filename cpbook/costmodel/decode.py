@@ -1,0 +1,168 @@
+"""Collectives by an α–β model, and one decode step's attention per layer (chapter 6)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..config import ParallelConfig
+from .memory import kv_bytes_per_token, parallel_config
+from .specs import LINKS, GPUSpec, LinkSpec, ModelSpec
+
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+
+
+def collective_time(op: str, bytes_per_rank: float, group_size: int, link: LinkSpec) -> float:
+    """Seconds of one collective: ``alpha + bytes_per_rank / bw``, 0 for a group of one.
+
+    ``bytes_per_rank`` is what one rank *sends* (the convention of the traces and of every
+    ``*_comm_bytes`` formula: ``(N-1)·chunk`` for a ring all-gather or reduce-scatter,
+    ``2·(N-1)/N·size`` for a ring all-reduce), so the ring's bandwidth term is exact and the
+    algorithm's step count is folded into ``alpha``.
+    """
+    if op not in COLLECTIVES:
+        raise ValueError(f"[collective-op] requires op in {COLLECTIVES}; got op={op!r}")
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"[positive-group] requires a positive int; got group_size={group_size!r}")
+    if bytes_per_rank < 0:
+        raise ValueError(f"[non-negative-bytes] requires >= 0; got {bytes_per_rank=}")
+    if group_size == 1:
+        return 0.0
+    return link.alpha_s + bytes_per_rank / link.bw_bytes_per_s
+
+
+# ---------------------------------------------------------------- one decode step, per layer
+
+DECODE_MODES = ("no_cp", "dcp", "dcp_tpa")
+#: Fraction of the datasheet HBM bandwidth a decode-attention kernel reaches; FlashMLA reports
+#: up to 3000 GB/s on an H800 SXM5 (3.35 TB/s HBM3), about 0.9 — 0.8 leaves room for short rows.
+DEFAULT_HBM_EFFICIENCY = 0.8
+
+
+@dataclass(frozen=True)
+class DecodeLayerTime:
+    """Modelled seconds of one layer's attention in one decode step, on one GPU.
+
+    ``kv_read_s``: streaming this GPU's KV share from HBM; ``comm_s``: the layer's collectives
+    (``calls``, ``[(op, group size, bytes sent)]``, α–β each); ``q_proj_extra_s``: reading the
+    extra ``q_proj`` weights TPA replicates.  Work that is the same in every mode (the rest of
+    ``q_proj``, ``o_proj``, the MLP) is left out: it shifts the step but not the break-even.
+    """
+
+    kv_read_s: float
+    comm_s: float
+    q_proj_extra_s: float
+    calls: tuple[tuple[str, int, int], ...]
+
+    @property
+    def total_s(self) -> float:
+        return self.kv_read_s + self.comm_s + self.q_proj_extra_s
+
+
+def _decode_config(model: ModelSpec, mode: str, tp: int, dcp: int) -> ParallelConfig:
+    from ..tpa import tpa_config
+
+    if mode not in DECODE_MODES:
+        raise ValueError(f"[decode-mode] requires mode in {DECODE_MODES}; got mode={mode!r}")
+    if mode == "no_cp":
+        return parallel_config(model, tp, 1)
+    if mode == "dcp":
+        return parallel_config(model, tp, dcp)
+    return tpa_config(
+        "tpa",
+        tensor_parallel_size=tp,
+        decode_context_parallel_size=dcp,
+        num_q_heads=model.num_q_heads,
+        num_kv_heads=model.num_kv_heads,
+        head_dim=model.head_dim,
+        use_mla=model.use_mla,
+    )
+
+
+def decode_layer_time(
+    model: ModelSpec,
+    gpu: GPUSpec,
+    context_tokens: float,
+    mode: str,
+    *,
+    tp: int = 8,
+    dcp: int = 8,
+    num_reqs: int = 1,
+    kv_dtype: str = "bf16",
+    hbm_efficiency: float = DEFAULT_HBM_EFFICIENCY,
+    link: LinkSpec = LINKS["NVLink4"],
+    dcp_comm_backend: str = "ag_rs",
+    act_bytes: int = 2,
+) -> DecodeLayerTime:
+    """One layer's decode attention on one GPU of a TP group, ``num_reqs`` requests of
+    ``context_tokens`` cached tokens each, in ``mode``:
+
+    * ``no_cp``: TP only, every GPU streams its heads' whole KV (MLA: the whole latent);
+    * ``dcp``: DCP = ``dcp`` (vLLM's rules), ``1/dcp`` of the tokens, plus the query
+      all-gather and the combine;
+    * ``dcp_tpa``: the same without the query all-gather (``tensor_parallel_size_attention``
+      for GQA, ``dcp_q_replicate`` for MLA), plus reading ``dcp - 1`` more ``q_proj`` shards.
+
+    The collectives and their bytes are :func:`cpbook.tpa.tpa_comm_bytes` (activations of
+    ``act_bytes``), the extra weights :func:`cpbook.tpa.tpa_costs`; the KV heads a GPU holds
+    come from :func:`cpbook.tpa.attention_kv_heads`.  Every term is linear in
+    ``context_tokens``, so :func:`decode_break_even` solves for the crossing exactly.
+    """
+    from ..tpa import attention_kv_heads, tpa_comm_bytes, tpa_costs
+
+    if not 0 < hbm_efficiency <= 1:
+        raise ValueError(
+            f"[hbm-efficiency] requires 0 < hbm_efficiency <= 1; got {hbm_efficiency=}"
+        )
+    if context_tokens < 0:
+        raise ValueError(f"[non-negative-tokens] requires >= 0; got {context_tokens=}")
+    cfg = _decode_config(model, mode, tp, dcp)
+    heads = attention_kv_heads(cfg, 0)
+    per_head = kv_bytes_per_token(model, kv_dtype) / model.num_layers / model.num_kv_heads
+    kv_bytes = per_head * (heads.stop - heads.start) / cfg.dcp * context_tokens * num_reqs
+    hbm = gpu.hbm_bw_bytes_per_s * hbm_efficiency
+    if model.use_mla:
+        q_dim, out_dim = model.kv_lora_rank + model.qk_rope_head_dim, model.kv_lora_rank
+    else:
+        q_dim = out_dim = model.head_dim
+    calls = tpa_comm_bytes(
+        "tpa" if mode == "dcp_tpa" else "standard",
+        num_reqs,
+        cfg.q_heads_per_rank,
+        q_dim,
+        out_dim,
+        cfg.dcp,
+        cfg.tp,
+        model.hidden_size,
+        dcp_comm_backend,
+        act_bytes,
+    )
+    sized = tuple((op, cfg.tp if op == "all_reduce" else cfg.dcp, b) for op, b in calls)
+    q_in = model.q_lora_rank or model.hidden_size
+    extra = tpa_costs(cfg, q_in, num_reqs, model.head_dim, model.weight_bytes_per_param)
+    return DecodeLayerTime(
+        kv_read_s=kv_bytes / hbm,
+        comm_s=sum(collective_time(op, b, n, link) for op, n, b in sized),
+        q_proj_extra_s=extra["extra_weight_bytes"] / hbm,
+        calls=sized,
+    )
+
+
+def decode_break_even(model: ModelSpec, gpu: GPUSpec, mode: str, **kwargs) -> float:
+    """Context length (tokens per request) above which ``mode`` beats ``no_cp`` per decode step.
+
+    Both times are linear in the context, ``a + s·L``; the crossing is ``(a_mode - a_no_cp) /
+    (s_no_cp - s_mode)``: ``0.0`` if ``mode`` never loses, ``inf`` if it never wins.  ``kwargs``
+    go to :func:`decode_layer_time` for both modes.
+    """
+    if mode == "no_cp":
+        raise ValueError("[decode-mode] requires mode in ('dcp', 'dcp_tpa'); got mode='no_cp'")
+    big = float(2**20)
+    a0, a1 = (decode_layer_time(model, gpu, 0, m, **kwargs).total_s for m in ("no_cp", mode))
+    b0, b1 = (decode_layer_time(model, gpu, big, m, **kwargs).total_s for m in ("no_cp", mode))
+    saved_per_token = ((b0 - a0) - (b1 - a1)) / big
+    if a1 <= a0:
+        return 0.0
+    if saved_per_token <= 0:
+        return math.inf
+    return (a1 - a0) / saved_per_token

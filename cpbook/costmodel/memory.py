@@ -1,0 +1,294 @@
+"""Memory: weights and KV cache per GPU, the longest request and the largest batch that fit.
+
+Every function raises ``ValueError`` for a configuration vLLM rejects (through
+:class:`cpbook.config.ParallelConfig`) or for a model that does not fit.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+
+from ..config import ParallelConfig
+from .specs import (
+    DEFAULT_ACTIVATION_RESERVE_BYTES,
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    FP8_DS_MLA_BYTES_PER_TOKEN_PER_LAYER,
+    GB,
+    KV_DTYPE_BYTES,
+    GPUSpec,
+    ModelSpec,
+)
+
+
+def parallel_config(model: ModelSpec, tp: int = 1, dcp: int = 1) -> ParallelConfig:
+    """The model's attention under TP × DCP, validated by :class:`~cpbook.config.ParallelConfig`.
+
+    One source of truth for vLLM's rules: an invalid layout raises ``ConfigError`` (a
+    ``ValueError``) naming the violated rule and the values.
+    """
+    return ParallelConfig(
+        tensor_parallel_size=tp,
+        decode_context_parallel_size=dcp,
+        num_q_heads=model.num_q_heads,
+        num_kv_heads=model.num_kv_heads,
+        head_dim=model.head_dim,
+        use_mla=model.use_mla,
+    )
+
+
+def kv_bytes_per_token(model: ModelSpec, kv_dtype: str = "bf16") -> int:
+    """Bytes of KV cache one token occupies, summed over all layers (one copy).
+
+    GQA: ``2 * num_kv_heads * head_dim * num_layers * bytes``.
+    MLA: ``(kv_lora_rank + qk_rope_head_dim) * num_layers * bytes``; with
+    ``kv_dtype="fp8"`` vLLM's ``fp8_ds_mla`` layout, 656 B per token and layer.
+    """
+    if kv_dtype not in KV_DTYPE_BYTES:
+        raise ValueError(
+            f"[kv-dtype] requires kv_dtype in {sorted(KV_DTYPE_BYTES)}; got kv_dtype={kv_dtype!r}"
+        )
+    if model.use_mla:
+        if kv_dtype == "fp8":
+            return FP8_DS_MLA_BYTES_PER_TOKEN_PER_LAYER * model.num_layers
+        width = model.kv_lora_rank + model.qk_rope_head_dim
+        return width * model.num_layers * KV_DTYPE_BYTES[kv_dtype]
+    return 2 * model.num_kv_heads * model.head_dim * model.num_layers * KV_DTYPE_BYTES[kv_dtype]
+
+
+def kv_bytes_for_context(model: ModelSpec, tokens: int, kv_dtype: str = "bf16") -> int:
+    """Bytes of KV cache for ``tokens`` tokens of one request (one copy, all layers)."""
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+        raise ValueError(
+            f"[non-negative-tokens] requires a non-negative int; got tokens={tokens!r}"
+        )
+    return tokens * kv_bytes_per_token(model, kv_dtype)
+
+
+def kv_replication(model: ModelSpec, tp: int) -> int:
+    """How many GPUs of one TP group hold a copy of each KV head.
+
+    GQA: ``tp // num_kv_heads`` when ``tp > num_kv_heads``, else 1 (heads are
+    split, nothing is copied). MLA: ``tp`` (every rank keeps the full latent).
+    """
+    parallel_config(model, tp)
+    if model.use_mla:
+        return tp
+    return tp // model.num_kv_heads if tp > model.num_kv_heads else 1
+
+
+def kv_bytes_per_token_per_gpu(
+    model: ModelSpec, tp: int = 1, dcp: int = 1, kv_dtype: str = "bf16"
+) -> float:
+    """KV bytes one GPU stores per token of a request, under TP and DCP.
+
+    A GPU holds ``num_kv_heads / tp`` KV heads but never less than one (MLA:
+    the whole latent); DCP then shards the *tokens* over ``dcp`` ranks without
+    changing the heads, so the result is exactly the ``dcp=1`` value / ``dcp``.
+    Raises ValueError for configurations vLLM rejects.
+    """
+    parallel_config(model, tp, dcp)
+    total = kv_bytes_per_token(model, kv_dtype)
+    if model.use_mla:
+        heads_share = Fraction(1)
+    else:
+        heads_share = Fraction(max(model.num_kv_heads // tp, 1), model.num_kv_heads)
+    return float(total * heads_share / dcp)
+
+
+def weight_bytes_per_gpu(model: ModelSpec, tp: int, ep_size: int | None = None) -> float:
+    """Weight bytes per GPU: ``num_params * weight_bytes_per_param / tp``.
+
+    With ``ep_size`` (expert parallelism), a MoE model's routed experts are spread over
+    ``ep_size`` GPUs instead of ``tp``.  Ignores tensors replicated across TP ranks (norms, and
+    embeddings in some setups): a lower bound good to a few percent.
+    """
+    parallel_config(model, tp)
+    experts = model.expert_params if ep_size else 0.0
+    dense = (model.num_params - experts) / tp + (experts / ep_size if ep_size else 0.0)
+    return dense * model.weight_bytes_per_param
+
+
+def kv_budget_bytes_per_gpu(
+    model: ModelSpec,
+    gpu: GPUSpec,
+    tp: int,
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
+    activation_reserve_bytes: float = DEFAULT_ACTIVATION_RESERVE_BYTES,
+) -> float:
+    """Bytes left for the KV cache on one GPU, vLLM style.
+
+    ``hbm * gpu_memory_utilization - weights / tp - activation_reserve_bytes``.
+    Raises ValueError when the result is not positive (the model does not fit).
+    """
+    if not 0 < gpu_memory_utilization <= 1:
+        raise ValueError(
+            f"[gpu-memory-utilization] requires 0 < gpu_memory_utilization <= 1; "
+            f"got gpu_memory_utilization={gpu_memory_utilization}"
+        )
+    if activation_reserve_bytes < 0:
+        raise ValueError(
+            f"[activation-reserve] requires activation_reserve_bytes >= 0; "
+            f"got activation_reserve_bytes={activation_reserve_bytes}"
+        )
+    weights = weight_bytes_per_gpu(model, tp)
+    budget = gpu.hbm_bytes * gpu_memory_utilization - weights - activation_reserve_bytes
+    if budget <= 0:
+        raise ValueError(
+            f"[model-fits] requires weights + reserve < usable HBM; {model.name} does not fit on "
+            f"{gpu.name} at tp={tp}: "
+            f"{gpu.hbm_bytes / GB:.0f} GB x {gpu_memory_utilization} - "
+            f"weights {weights / GB:.1f} GB - reserve "
+            f"{activation_reserve_bytes / GB:.1f} GB = {budget / GB:.1f} GB"
+        )
+    return budget
+
+
+def max_context_tokens(
+    model: ModelSpec,
+    gpu: GPUSpec,
+    tp: int = 1,
+    dcp: int = 1,
+    kv_dtype: str = "bf16",
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
+    activation_reserve_bytes: float = DEFAULT_ACTIVATION_RESERVE_BYTES,
+) -> int:
+    """Longest single request whose KV cache fits: floor(budget / per-GPU bytes).
+
+    Data parallelism does not change this number: each DP replica serves whole
+    requests, so a request's KV must fit in one replica. Block granularity and
+    the model's own position limit are ignored.
+    """
+    budget = kv_budget_bytes_per_gpu(
+        model, gpu, tp, gpu_memory_utilization, activation_reserve_bytes
+    )
+    per_token = kv_bytes_per_token_per_gpu(model, tp, dcp, kv_dtype)
+    return math.floor(budget / per_token)
+
+
+# ---------------------------------------------------------------- whole deployments (layouts)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How ``dp * tp * pcp`` GPUs serve one model, in vLLM's terms.
+
+    ``tp``, ``dcp``, ``pcp``: ``tensor_parallel_size``, ``decode_context_parallel_size`` and
+    ``prefill_context_parallel_size`` of one replica; ``dp`` replicas serve whole requests;
+    ``ep``: a MoE model's routed experts are spread over all GPUs (vLLM's expert parallelism
+    with DP attention) instead of over TP; ``tpa``: TPA for GQA, ``dcp_q_replicate`` for MLA.
+    """
+
+    tp: int = 1
+    dcp: int = 1
+    pcp: int = 1
+    dp: int = 1
+    ep: bool = False
+    tpa: bool = False
+
+    @property
+    def num_gpus(self) -> int:
+        return self.dp * self.tp * self.pcp
+
+    @property
+    def label(self) -> str:
+        """``"TP8+DCP8"`` style name (DP and PCP shown when > 1, ``+EP``, ``+TPA``)."""
+        parts = [f"DP{self.dp}"] if self.dp > 1 else []
+        parts.append(f"TP{self.tp}")
+        parts += [f"{k}{v}" for k, v in (("PCP", self.pcp), ("DCP", self.dcp)) if v > 1]
+        parts += [k for k, on in (("EP", self.ep), ("TPA", self.tpa)) if on]
+        return "+".join(parts)
+
+    def config(self, model: ModelSpec) -> ParallelConfig:
+        """One replica's attention layout, validated by vLLM's rules (ValueError if invalid)."""
+        from ..tpa import tpa_config
+
+        if self.dp < 1:
+            raise ValueError(f"[positive-sizes] requires dp >= 1; got dp={self.dp}")
+        return tpa_config(
+            "tpa" if self.tpa else "standard",
+            tensor_parallel_size=self.tp,
+            decode_context_parallel_size=self.dcp,
+            prefill_context_parallel_size=self.pcp,
+            num_q_heads=model.num_q_heads,
+            num_kv_heads=model.num_kv_heads,
+            head_dim=model.head_dim,
+            use_mla=model.use_mla,
+        )
+
+
+def layout_weight_bytes(model: ModelSpec, layout: Layout) -> float:
+    """Weight bytes on one GPU of ``layout``: TP shards, PCP and DP replicate, EP spreads the
+    routed experts over every GPU."""
+    layout.config(model)
+    return weight_bytes_per_gpu(model, layout.tp, layout.num_gpus if layout.ep else None)
+
+
+def layout_kv_bytes_per_token(model: ModelSpec, layout: Layout, kv_dtype: str = "bf16") -> float:
+    """KV bytes one GPU stores per token of a request under ``layout``.
+
+    The GPU's KV heads are :func:`cpbook.tpa.attention_kv_heads` of its replica's configuration
+    (TP heads, or TPA's attention shard); DCP divides the tokens by ``dcp``.  PCP alone does not
+    shard the cache: vLLM all-gathers K/V over the PCP group before writing it, so every PCP
+    rank keeps the request's full cache unless ``dcp`` spans the PCP ranks.
+    """
+    from ..tpa import attention_kv_heads
+
+    cfg = layout.config(model)
+    heads = attention_kv_heads(cfg, 0)
+    per_head = Fraction(kv_bytes_per_token(model, kv_dtype), model.num_kv_heads)
+    return float(per_head * (heads.stop - heads.start) / cfg.dcp)
+
+
+def layout_kv_budget(
+    model: ModelSpec,
+    gpu: GPUSpec,
+    layout: Layout,
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
+    activation_reserve_bytes: float = DEFAULT_ACTIVATION_RESERVE_BYTES,
+) -> float:
+    """Bytes left for KV on one GPU of ``layout``; ValueError when the weights do not fit."""
+    if not 0 < gpu_memory_utilization <= 1:
+        raise ValueError(
+            f"[gpu-memory-utilization] requires 0 < gpu_memory_utilization <= 1; "
+            f"got gpu_memory_utilization={gpu_memory_utilization}"
+        )
+    weights = layout_weight_bytes(model, layout)
+    budget = gpu.hbm_bytes * gpu_memory_utilization - weights - activation_reserve_bytes
+    if budget <= 0:
+        raise ValueError(
+            f"[model-fits] requires weights + reserve < usable HBM; {model.name} does not fit on "
+            f"{gpu.name} as {layout.label}: weights {weights / GB:.1f} GB per GPU"
+        )
+    return budget
+
+
+def layout_max_context(
+    model: ModelSpec, gpu: GPUSpec, layout: Layout, kv_dtype: str = "bf16", **memory
+) -> int:
+    """Longest single request whose KV fits one replica of ``layout`` (``memory``: the keyword
+    arguments of :func:`layout_kv_budget`)."""
+    budget = layout_kv_budget(model, gpu, layout, **memory)
+    return math.floor(budget / layout_kv_bytes_per_token(model, layout, kv_dtype))
+
+
+def max_concurrency(
+    model: ModelSpec,
+    gpu: GPUSpec,
+    layout: Layout,
+    context_tokens: int,
+    kv_dtype: str = "bf16",
+    **memory,
+) -> int:
+    """Requests of ``context_tokens`` tokens whose KV fits at once on all ``dp`` replicas."""
+    if (
+        isinstance(context_tokens, bool)
+        or not isinstance(context_tokens, int)
+        or (context_tokens < 1)
+    ):
+        raise ValueError(
+            f"[positive-tokens] requires a positive int; got context_tokens={context_tokens!r}"
+        )
+    per_request = layout_kv_bytes_per_token(model, layout, kv_dtype) * context_tokens
+    return layout.dp * math.floor(layout_kv_budget(model, gpu, layout, **memory) / per_request)
