@@ -1,0 +1,344 @@
+"""Live migration of a running request's paged KV from CP = N to CP = M (chapter 7).
+
+Dynamic CP starts a request on one data-parallel replica (CP = 1) and, when it grows long,
+moves it into a CP group of ``M`` replicas without recomputing anything: every cached token
+goes to the rank that owns it in the new DCP-interleaved layout (:mod:`cpbook.kvcache`), is
+written through that rank's slot mapping into blocks the new group's
+:class:`~cpbook.kvmanager.KVCacheManager` allocated, and decoding continues with the DCP
+decode step (:func:`cpbook.dcp.dcp_decode_attention`).
+
+A token at position ``p`` lives on old rank ``(p // I_old) % N`` and belongs on new rank
+``(p // I_new) % M``.  ``count[r, t]`` (:func:`migration_plan`) is the number of the first
+``L`` positions with old owner ``r`` and new owner ``t``; a token whose old and new owner are
+the same rank is rewritten locally and never sent.  Ranks ``0..max(N, M)-1`` take part; the
+old group is ranks ``0..N-1``, the new one ``0..M-1``.  Bytes on the wire, ``e`` bytes per
+element, ``Hkv`` KV heads of ``D`` (:func:`migration_bytes`)::
+
+    bytes_moved = sum_{r != t} count[r, t] * 2 * Hkv * D * e
+                = (L - local_seq_len(L, M, 0, I_new)) * 2 * Hkv * D * e      for N = 1
+
+Growing CP = N to CP = M (and shrinking) falls out of the same plan; CP = 1 -> M is ``N = 1``.
+Transfers are point-to-point sends of K then V for every ordered pair ``(r, t)`` with
+``count[r, t] > 0``, taken in one global order (source, then destination), so blocking sends
+and receives cannot deadlock.  Positions are never sent: both sides compute them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .attention import dense_attention
+from .comm import Group, RankContext
+from .config import ConfigError, check_positive
+from .dcp import dcp_decode_attention, decode_comm_bytes
+from .kvcache import PagedKVCache, check_layout, local_positions, local_seq_len
+from .kvmanager import KVCacheManager
+
+__all__ = [
+    "migration_plan",
+    "migration_bytes",
+    "migration_comm_bytes",
+    "migrate_kv",
+    "migration_problem",
+    "migration_rank",
+]
+
+
+def migration_plan(
+    seq_len: int, old_size: int, new_size: int, old_interleave: int = 1, new_interleave: int = 1
+) -> torch.Tensor:
+    """``count[r, t]``: tokens of the first ``seq_len`` that old rank ``r`` sends new rank ``t``.
+
+    int64 ``[old_size, new_size]``; the sum is ``seq_len``, the diagonal stays where it is.
+    """
+    check_layout(old_size, old_interleave)
+    check_layout(new_size, new_interleave)
+    p = torch.arange(seq_len)
+    src = torch.div(p, old_interleave, rounding_mode="floor") % old_size
+    dst = torch.div(p, new_interleave, rounding_mode="floor") % new_size
+    return torch.bincount(src * new_size + dst, minlength=old_size * new_size).view(
+        old_size, new_size
+    )
+
+
+def migration_bytes(
+    seq_len: int,
+    old_size: int,
+    new_size: int,
+    old_interleave: int,
+    new_interleave: int,
+    num_kv_heads: int,
+    head_dim: int,
+    elem_bytes: int = 8,
+) -> int:
+    """The module docstring's formula: bytes all ranks send together (K and V)."""
+    count = migration_plan(seq_len, old_size, new_size, old_interleave, new_interleave)
+    off_diagonal = int(count.sum()) - sum(int(count[r, r]) for r in range(min(old_size, new_size)))
+    return off_diagonal * 2 * num_kv_heads * head_dim * elem_bytes
+
+
+def _pairs(count: torch.Tensor) -> list[tuple[int, int, int]]:
+    """``(src, dst, tokens)`` for every transfer, in the one global order every rank follows."""
+    n_old, n_new = count.shape
+    return [
+        (r, t, int(count[r, t]))
+        for r in range(n_old)
+        for t in range(n_new)
+        if r != t and int(count[r, t]) > 0
+    ]
+
+
+def migration_comm_bytes(
+    rank: int,
+    seq_len: int,
+    old_size: int,
+    new_size: int,
+    old_interleave: int,
+    new_interleave: int,
+    num_kv_heads: int,
+    head_dim: int,
+    elem_bytes: int = 8,
+) -> list[tuple[str, int]]:
+    """Rank ``rank``'s traced calls of :func:`migrate_kv`, ``[(op, bytes_sent)]`` in order:
+    two ``send`` (K, V) per transfer it sources, two ``recv`` (0 bytes sent) per one it gets."""
+    count = migration_plan(seq_len, old_size, new_size, old_interleave, new_interleave)
+    out: list[tuple[str, int]] = []
+    for src, dst, n in _pairs(count):
+        if rank == src:
+            out += [("send", n * num_kv_heads * head_dim * elem_bytes)] * 2
+        elif rank == dst:
+            out += [("recv", 0)] * 2
+    return out
+
+
+def migrate_kv(
+    group: Group,
+    seq_len: int,
+    old: tuple[PagedKVCache, torch.Tensor] | None,
+    new: tuple[PagedKVCache, torch.Tensor] | None,
+    old_size: int,
+    new_size: int,
+    old_interleave: int,
+    new_interleave: int,
+) -> int:
+    """Move one request's first ``seq_len`` cached tokens from the old layout to the new one.
+
+    ``group`` spans ranks ``0..max(old_size, new_size)-1``; ``old = (cache, block_table)`` on
+    ranks below ``old_size`` (else ``None``), ``new`` likewise below ``new_size``, with the new
+    group's block table (the same ids on every new rank).  Every token is copied bit for bit.
+    Returns the number of tokens this rank wrote into its new cache.
+    """
+    r = group.rank
+    count = migration_plan(seq_len, old_size, new_size, old_interleave, new_interleave)
+    got_k, got_v, got_p = [], [], []
+    if old is not None:
+        k_old, v_old, pos = old[0].read(old[1], seq_len)
+        owner = torch.div(pos.cpu(), new_interleave, rounding_mode="floor") % new_size
+        if new is not None:
+            keep = owner == r
+            got_k.append(k_old[keep.to(k_old.device)])
+            got_v.append(v_old[keep.to(v_old.device)])
+            got_p.append(pos.cpu()[keep])
+    for src, dst, n in _pairs(count):
+        if r == src:
+            mask = (owner == dst).to(k_old.device)
+            group.send(k_old[mask].contiguous(), dst)
+            group.send(v_old[mask].contiguous(), dst)
+        elif r == dst:
+            like_k = torch.empty(n, *new[0].key_cache.shape[2:], dtype=new[0].key_cache.dtype)
+            like_v = torch.empty(n, *new[0].value_cache.shape[2:], dtype=new[0].key_cache.dtype)
+            got_k.append(group.recv(like_k.to(new[0].key_cache.device), src))
+            got_v.append(group.recv(like_v.to(new[0].key_cache.device), src))
+            theirs = local_positions(seq_len, old_size, src, old_interleave)
+            got_p.append(
+                theirs[torch.div(theirs, new_interleave, rounding_mode="floor") % new_size == r]
+            )
+    if new is None:
+        return 0
+    cache, table = new
+    if not got_p:
+        return 0
+    pos = torch.cat(got_p)
+    return cache.write(torch.cat(got_k), torch.cat(got_v), cache.slot_mapping(pos, table))
+
+
+def migration_problem(
+    seq_len: int,
+    num_decode_steps: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Float64 ``q [S, Hq, D]`` (one query per later decode step) and ``k, v [L + S, Hkv, D]``
+    (the cached context, then one new token per step), identical on every rank."""
+    gen = torch.Generator().manual_seed(seed)
+    n = seq_len + num_decode_steps
+    q = torch.randn(num_decode_steps, num_q_heads, head_dim, generator=gen, dtype=torch.float64)
+    k = torch.randn(n, num_kv_heads, head_dim, generator=gen, dtype=torch.float64)
+    v = torch.randn(n, num_kv_heads, head_dim, generator=gen, dtype=torch.float64)
+    return q, k, v
+
+
+def _cache(
+    num_blocks: int,
+    block_size: int,
+    kv: tuple[int, int],
+    size: int,
+    rank: int,
+    inter: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> PagedKVCache:
+    return PagedKVCache(
+        num_blocks,
+        block_size,
+        kv[0],
+        kv[1],
+        dcp_size=size,
+        dcp_rank=rank,
+        interleave=inter,
+        dtype=dtype,
+        device=device,
+    )
+
+
+def migration_rank(
+    ctx: RankContext,
+    *,
+    src_context_parallel_size: int = 1,
+    decode_context_parallel_size: int = 4,
+    seq_len: int = 37,
+    num_decode_steps: int = 3,
+    block_size: int = 4,
+    src_kv_cache_interleave_size: int = 1,
+    cp_kv_cache_interleave_size: int = 2,
+    num_q_heads: int = 8,
+    num_kv_heads: int = 2,
+    head_dim: int = 8,
+    num_blocks: int = 64,
+    seed: int = 0,
+    dtype: str = "float64",
+) -> dict[str, Any]:
+    """Migrate a running request from CP = ``src_context_parallel_size`` to CP =
+    ``decode_context_parallel_size`` on this rank, then decode ``num_decode_steps`` more tokens.
+
+    The world is ``max(N, M)`` ranks.  Every rank keeps an identical block manager for the old
+    and the new group; the old group holds ``seq_len`` cached tokens.  After :func:`migrate_kv`
+    each new rank checks its cache against the original K/V (bit for bit), and every later
+    step's DCP decode output (this rank's ``num_q_heads / M`` heads) is compared with dense
+    float64 attention over all tokens so far: the un-migrated request's result.
+    """
+    n_old, n_new = src_context_parallel_size, decode_context_parallel_size
+    i_old, i_new = src_kv_cache_interleave_size, cp_kv_cache_interleave_size
+    check_positive(seq_len=seq_len, num_decode_steps=num_decode_steps, num_blocks=num_blocks)
+    check_layout(n_old, i_old, block_size)
+    check_layout(n_new, i_new, block_size)
+    if ctx.world_size != max(n_old, n_new):
+        raise ConfigError(
+            "world-is-both-groups",
+            "world_size == max(src_context_parallel_size, decode_context_parallel_size)",
+            world_size=ctx.world_size,
+            src_context_parallel_size=n_old,
+            decode_context_parallel_size=n_new,
+        )
+    if num_q_heads % n_new or num_q_heads % num_kv_heads:
+        raise ConfigError(
+            "q-heads-divisible",
+            "num_q_heads % decode_context_parallel_size == 0 and num_q_heads % num_kv_heads == 0",
+            num_q_heads=num_q_heads,
+            decode_context_parallel_size=n_new,
+            num_kv_heads=num_kv_heads,
+        )
+    r, dt = ctx.rank, getattr(torch, dtype)
+    q, k, v = migration_problem(
+        seq_len, num_decode_steps, num_q_heads, num_kv_heads, head_dim, seed
+    )
+    q, k, v = q.to(dt), k.to(dt), v.to(dt)
+    kv = (num_kv_heads, head_dim)
+    old_mgr = KVCacheManager(num_blocks, block_size, n_old, i_old)
+    old_mgr.allocate("req", seq_len)
+    old = None
+    if r < n_old:
+        cache = _cache(num_blocks, block_size, kv, n_old, r, i_old, dt, ctx.device)
+        table = old_mgr.block_table("req")
+        cache.write(
+            k[:seq_len].to(ctx.device),
+            v[:seq_len].to(ctx.device),
+            cache.slot_mapping(torch.arange(seq_len), table),
+        )
+        old = (cache, table)
+    new_mgr = KVCacheManager(num_blocks, block_size, n_new, i_new)
+    new_mgr.allocate("req", seq_len)
+    new = None
+    if r < n_new:
+        cache = _cache(num_blocks, block_size, kv, n_new, r, i_new, dt, ctx.device)
+        new = (cache, new_mgr.block_table("req"))
+    before = 0 if old is None else local_seq_len(seq_len, n_old, r, i_old)
+    world = ctx.world
+    first = len(ctx.trace)
+    wrote = migrate_kv(world, seq_len, old, new, n_old, n_new, i_old, i_new)
+    comm = [(rec.op, rec.bytes_sent) for rec in ctx.trace[first:]]
+    blocks_before = old_mgr.num_blocks - old_mgr.num_free_blocks
+    blocks_after = new_mgr.num_blocks - new_mgr.num_free_blocks
+    old_mgr.free("req")
+    layout_exact, errs, decode_comm = True, [], []
+    if new is not None:
+        lk, lv, pos = new[0].read(new[1], seq_len)
+        layout_exact = bool(
+            torch.equal(lk.cpu(), k[pos.cpu()]) and torch.equal(lv.cpu(), v[pos.cpu()])
+        )
+    rest = [list(range(n_new))] + ([list(range(n_new, ctx.world_size))] if n_old > n_new else [])
+    grp = ctx.new_group(rest, "cp_new")
+    if new is not None:
+        h = num_q_heads // n_new
+        heads = slice(r * h, (r + 1) * h)
+        cache = new[0]
+        for s in range(num_decode_steps):
+            p = seq_len + s
+            new_mgr.append("req", 1)
+            table = new_mgr.block_table("req")
+            cache.write(
+                k[p : p + 1].to(ctx.device),
+                v[p : p + 1].to(ctx.device),
+                cache.slot_mapping([p], table),
+            )
+            lk, lv, _ = cache.read(table, p + 1)
+            mark = len(ctx.trace)
+            out = dcp_decode_attention(q[s : s + 1, heads].to(ctx.device), [lk], [lv], grp)
+            decode_comm = [(rec.op, rec.bytes_sent) for rec in ctx.trace[mark:]]
+            ref = dense_attention(q[s : s + 1].double(), k[: p + 1].double(), v[: p + 1].double())[
+                0
+            ][:, heads]
+            errs.append((out.cpu().double() - ref).abs().max().item())
+    err = max(errs, default=0.0)
+    e = k.element_size()
+    print(
+        f"rank {r}: {before} -> {wrote} tokens, layout exact: {layout_exact}, "
+        f"{len(errs)} later steps exact: {err <= 1e-10}"
+    )
+    return {
+        "max_abs_err": err,
+        "step_errs": errs,
+        "layout_exact": layout_exact,
+        "tokens_before": before,
+        "tokens_after": wrote,
+        "positions_before": [] if old is None else old[0].read(old[1], seq_len)[2].cpu().tolist(),
+        "positions_after": [] if new is None else new[0].read(new[1], seq_len)[2].cpu().tolist(),
+        "blocks_before": blocks_before,
+        "blocks_after": blocks_after,
+        "bytes_sent": sum(b for _, b in comm),
+        "bytes_moved_formula": migration_bytes(
+            seq_len, n_old, n_new, i_old, i_new, num_kv_heads, head_dim, e
+        ),
+        "comm": comm,
+        "expected": migration_comm_bytes(
+            r, seq_len, n_old, n_new, i_old, i_new, num_kv_heads, head_dim, e
+        ),
+        "decode_comm": decode_comm,
+        "decode_expected": []
+        if new is None
+        else decode_comm_bytes(1, num_q_heads // n_new, head_dim, head_dim, n_new, "ag_rs", e),
+    }
