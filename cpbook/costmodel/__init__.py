@@ -18,7 +18,17 @@ from .decode import (
     decode_break_even,
     decode_layer_time,
 )
-from .latency import decode_bytes_per_step, prefill_flops
+from .latency import (
+    DEFAULT_MFU,
+    DecodeTime,
+    PrefillTime,
+    decode_bytes_per_step,
+    decode_throughput,
+    prefill_flops,
+    prefill_throughput,
+    tpot,
+    ttft,
+)
 from .memory import (
     Layout,
     kv_budget_bytes_per_gpu,
@@ -35,6 +45,7 @@ from .memory import (
     parallel_config,
     weight_bytes_per_gpu,
 )
+from .recommend import Recommendation, Workload, recommend
 from .specs import (
     DEFAULT_ACTIVATION_RESERVE_BYTES,
     DEFAULT_GPU_MEMORY_UTILIZATION,
@@ -54,6 +65,16 @@ from .specs import (
 )
 
 __all__ = [
+    "DEFAULT_MFU",
+    "DecodeTime",
+    "PrefillTime",
+    "Recommendation",
+    "Workload",
+    "decode_throughput",
+    "prefill_throughput",
+    "recommend",
+    "tpot",
+    "ttft",
     "COLLECTIVES",
     "DECODE_MODES",
     "DEFAULT_ACTIVATION_RESERVE_BYTES",
