@@ -146,6 +146,19 @@ class KVCacheManager:
             out.append(blk)
         return out
 
+    def cached_prefix(self, token_ids: Sequence[int]) -> list[int]:
+        """Block ids :meth:`allocate` would reuse for a request of ``token_ids``: the longest
+        chain of cached full virtual blocks within all but the last token.  Changes nothing
+        (a scheduler asks it before admitting; empty without prefix caching)."""
+        hit: list[int] = []
+        if not self.enable_prefix_caching:
+            return hit
+        for h in self._hashes(list(token_ids[: max(len(token_ids) - 1, 0)]), 0, None):
+            if h not in self.cached:
+                break
+            hit.append(self.cached[h])
+        return hit
+
     def allocate(
         self, request_id: str, num_tokens: int, token_ids: Sequence[int] | None = None
     ) -> PrefixHit:
@@ -168,13 +181,8 @@ class KVCacheManager:
                 len_token_ids=len(token_ids),
                 num_tokens=num_tokens,
             )
-        hit: list[int] = []
         caching = self.enable_prefix_caching and token_ids is not None
-        if caching:
-            for h in self._hashes(list(token_ids[: max(num_tokens - 1, 0)]), 0, None):
-                if h not in self.cached:
-                    break
-                hit.append(self.cached[h])
+        hit = self.cached_prefix(token_ids) if caching else []
         fresh = need - len(hit)
         reusable = sum(1 for b in hit if self.ref_cnt[b] == 0)
         if fresh > len(self.free_queue) - reusable:
