@@ -1,0 +1,55 @@
+"""cpbook.simulator: deterministic, conserves requests and tokens, policies behave as routed."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cpbook.simulator import POLICIES, Cluster, make_workload, simulate
+
+CLUSTER = Cluster()
+
+
+def _check_conservation(w, r):
+    done = np.isfinite(r["finish_s"])
+    assert r["completed"] + r["rejected"] == r["requests"] == len(w.arrival)
+    assert int(done.sum()) == r["completed"]  # every admitted request finished once
+    assert r["decode_tokens"] == int((w.output[done] - 1).sum())
+    assert np.all(r["finish_s"][done] >= w.arrival[done])
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_same_seed_same_result_and_conservation(policy):
+    w = make_workload(400, 4.0, seed=3)
+    a, b = simulate(CLUSTER, w, policy), simulate(CLUSTER, make_workload(400, 4.0, seed=3), policy)
+    for key, val in a.items():
+        if isinstance(val, np.ndarray):
+            assert np.array_equal(val, b[key], equal_nan=True)
+        else:
+            assert val == b[key]
+    _check_conservation(w, a)
+
+
+def test_policies_route_as_configured():
+    w = make_workload(300, 2.0, seed=1, long_fraction=0.3, long_median=200_000)
+    res = {p: simulate(CLUSTER, w, p) for p in POLICIES}
+    assert res["static_dp"]["cp_requests"] == 0 and res["static_cp"]["cp_requests"] == 300
+    cap = CLUSTER.capacity_tokens()
+    assert res["static_dp"]["rejected"] == int((w.total > cap).sum()) > 0
+    assert res["dynamic_cp"]["rejected"] == res["dynamic_cp_tpa"]["rejected"] == 0
+    assert 0 < res["dynamic_cp"]["cp_requests"] <= res["dynamic_cp_tpa"]["cp_requests"]
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    n=st.integers(1, 60),
+    rate=st.floats(0.2, 50.0),
+    long_fraction=st.floats(0.0, 1.0),
+    seed=st.integers(0, 2**16),
+    policy=st.sampled_from(POLICIES),
+)
+def test_small_random_workloads_conserve(n, rate, long_fraction, seed, policy):
+    w = make_workload(n, rate, long_fraction=long_fraction, seed=seed, max_prompt=800_000)
+    _check_conservation(w, simulate(CLUSTER, w, policy))
