@@ -31,13 +31,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import numpy as np
 
 from . import costmodel as cm
 from .dynamic import Router, cp_line
 
-__all__ = ["Workload", "Cluster", "POLICIES", "make_workload", "policy_router", "simulate"]
+__all__ = ["Workload", "Cluster", "POLICIES", "make_workload", "policy_router", "simulate", "sweep"]
 
 POLICIES = ("static_dp", "static_cp", "dynamic_cp", "dynamic_cp_tpa")
 
@@ -305,3 +306,27 @@ def _summary(
         "tpot_s": tpot,
         "finish_s": finish,
     }
+
+
+def sweep(
+    cluster: Cluster,
+    rates: Sequence[float],
+    num_requests: int = 2_000,
+    policies: Sequence[str] = POLICIES,
+    seed: int = 0,
+    progress: Callable[[int, int], None] | None = None,
+    **workload,
+) -> list[dict]:
+    """:func:`simulate` every policy at every arrival rate (one seeded workload per rate);
+    ``progress(done, total)`` is called after each run (a progress bar hooks in there)."""
+    out, total = [], len(rates) * len(policies)
+    for rate in rates:
+        w = make_workload(num_requests, rate, seed=seed, **workload)
+        for policy in policies:
+            r = simulate(cluster, w, policy)
+            out.append(
+                {"rate": rate, **{k: v for k, v in r.items() if not isinstance(v, np.ndarray)}}
+            )
+            if progress is not None:
+                progress(len(out), total)
+    return out
