@@ -258,7 +258,8 @@ def serve_rank(ctx: RankContext, *, model: str = "tiny-gqa", tensor_parallel_siz
         "errors": [o.error for o in outs],
         "logits": [torch.stack(eng.logits[o.request_id]) if eng.logits[o.request_id] else None
                    for o in outs],
-        "dcp_comm_backend": dcp_comm_backend, "steps": len(eng.history), "prefix_hit_tokens": eng.prefix_hit_tokens,
+        "dcp_comm_backend": dcp_comm_backend, "steps": len(eng.history),
+        "prefix_hit_tokens": eng.prefix_hit_tokens,
         "preemptions": eng.scheduler.num_preemptions, "strategies": dict(eng.runner.strategies),
         "history": eng.history, "comm": [(r.op, r.bytes_sent) for r in ctx.trace[first:]],
         "wall_s": wall,

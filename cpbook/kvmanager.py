@@ -245,6 +245,16 @@ class KVCacheManager:
             if self.ref_cnt[blk] == 0:
                 self.free_queue[blk] = None
 
+    def uncache(self, block_ids: Sequence[int]) -> None:
+        """Forget the prefix-cache entries of ``block_ids`` (hashes are registered when ids are
+        allocated; a scheduler that frees a request before its blocks' K/V was computed must
+        drop them).  The ids themselves stay owned or free as they were."""
+        for blk in block_ids:
+            h = self.block_hash[blk]
+            if h is not None:
+                del self.cached[h]
+                self.block_hash[blk] = None
+
     def _get(self, request_id: str) -> _Request:
         if request_id not in self.requests:
             raise ConfigError("known-request-id", "an allocated request id", request_id=request_id)

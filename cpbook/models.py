@@ -117,7 +117,8 @@ class TinyModel:
             else:
                 lw.update(wq=w(H, n, cfg.head_dim, fan_in=H), wk=w(H, k, cfg.head_dim, fan_in=H),
                           wv=w(H, k, cfg.head_dim, fan_in=H))
-            lw.update(wo=w(n, cfg.out_head_dim, H, fan_in=n * cfg.out_head_dim, gain=cfg.o_proj_gain),
+            lw.update(wo=w(n, cfg.out_head_dim, H, fan_in=n * cfg.out_head_dim,
+                           gain=cfg.o_proj_gain),
                       w_gate=w(H, cfg.intermediate_size, fan_in=H),
                       w_up=w(H, cfg.intermediate_size, fan_in=H),
                       w_down=w(cfg.intermediate_size, H, fan_in=cfg.intermediate_size))

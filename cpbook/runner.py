@@ -111,8 +111,9 @@ class ModelRunner:
             workspace_size=self.workspace_size, dcp_comm_backend=cfg.dcp_comm_backend,
             scale=self.model.attn_scale(layer), stats=stats)
         self.strategies[stats["strategy"]] += 1
-        new_k = self._restore(k, meta)
-        new_v = None if v is None else self._restore(v, meta)
+        d = k.shape[-1]
+        new = self._restore(k if v is None else torch.cat([k, v], dim=-1), meta)  # one gather
+        new_k, new_v = (new, None) if v is None else (new[..., :d], new[..., d:])
         slots = torch.cat([cache.slot_mapping(torch.arange(c.start, c.start + c.num_tokens),
                                               c.block_table) for c in chunks])
         cache.write(new_k, new_v, slots)

@@ -135,7 +135,9 @@ class Scheduler:
     # -- one step ---------------------------------------------------------------------------
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
+        blocks = self.kv.block_table(req.request_id).tolist()
         self.kv.free(req.request_id)
+        self.kv.uncache([b for b in blocks if b not in self.written and not self.kv.ref_cnt[b]])
         req.status, req.num_computed_tokens, req.prefill_done = "waiting", 0, False
         req.preemptions += 1
         self.num_preemptions += 1

@@ -95,3 +95,16 @@ def test_allocator_memory_per_rank():
 def test_unknown_request_names_the_rule():
     with pytest.raises(ValueError, match=r"^\[known-request-id\] requires"):
         KVCacheManager(4, 16, 2).free("nobody")
+
+
+def test_cached_prefix_previews_the_hit_and_uncache_forgets_it():
+    m = KVCacheManager(8, 4, 2, enable_prefix_caching=True)  # virtual blocks of 8 tokens
+    prompt = list(range(20))
+    m.allocate("a", 20, prompt)
+    assert m.cached_prefix(prompt) == m.block_table("a").tolist()[:2]  # 2 full blocks in 19
+    free = m.num_free_blocks
+    assert m.cached_prefix(prompt) and m.num_free_blocks == free  # a preview changes nothing
+    m.free("a")
+    m.uncache(m.cached_prefix(prompt)[1:])
+    assert len(m.cached_prefix(prompt)) == 1
+    assert m.allocate("b", 20, prompt).num_blocks == 1

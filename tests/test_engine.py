@@ -1,0 +1,165 @@
+"""cpbook.engine: token-exact greedy serving on one rank and on TP x DCP x PCP grids."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cpbook.comm import RankContext, SimWorld
+from cpbook.config import ConfigError
+from cpbook.engine import (
+    Engine,
+    engine_config,
+    grid_runs,
+    make_prompts,
+    max_concurrent_long_requests,
+    serve_grid_rank,
+    serve_rank,
+    valid_grid,
+)
+from cpbook.launch import run
+from cpbook.models import TinyModel, reference_generate
+
+WORK = dict(num_requests=6, max_new_tokens=6)
+SMALL = dict(num_requests=4, max_new_tokens=4)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """Tiny tensors: one intra-op thread is ~10x faster than several on a shared 2-core CPU."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def references(work: dict) -> dict[str, list[list[int]]]:
+    out = {}
+    for name in ("tiny-gqa", "tiny-mla"):
+        m = TinyModel.from_name(name)
+        prompts = make_prompts(work["num_requests"], 0, m.config.vocab_size)
+        out[name] = [reference_generate(m, p, work["max_new_tokens"]) for p in prompts]
+    return out
+
+
+@pytest.fixture(scope="module")
+def refs() -> dict[str, list[list[int]]]:
+    return references(WORK)
+
+
+def check_grid(runs: list[dict], worlds: list[int], backend: str, refs: dict) -> int:
+    """Run every run of each world in one launch; every rank's tokens equal the reference."""
+    checked = 0
+    for world in worlds:
+        res = run(serve_grid_rank, world, backend, {"runs": runs}, report=False)
+        mine = [r for r in runs
+                if r["tensor_parallel_size"] * r["prefill_context_parallel_size"] == world]
+        assert len(res[0]) == len(mine)
+        for j, r in enumerate(res[0]):
+            for rank in res:
+                assert rank[j]["tokens"] == refs[r["model"]], (world, r["model"], r["tp"],
+                                                               r["dcp"], r["pcp"])
+            assert all(e is None for e in r["errors"])
+            checked += 1
+    return checked
+
+
+def test_the_grid_from_the_issue():
+    assert valid_grid("tiny-gqa") == [
+        (1, 1, 1), (1, 1, 2), (1, 2, 2), (2, 1, 1), (2, 1, 2), (2, 2, 2), (4, 1, 1), (4, 2, 1),
+        (4, 1, 2), (4, 2, 2)]
+    assert len(valid_grid("tiny-mla")) == 13
+    assert (4, 2, 1) in valid_grid("tiny-gqa") and (2, 2, 1) in valid_grid("tiny-mla")
+
+
+def test_one_rank_logits_match_the_reference_to_1e10():
+    """Paged KV, continuous batching, chunked prefill, prefix caching and preemption all happen,
+    and every sampled logits row equals the contiguous-cache reference's (float64)."""
+    for name in ("tiny-gqa", "tiny-mla"):
+        res = run(serve_rank, 1, "inline", {"model": name, **WORK}, report=False)[0]
+        m = TinyModel.from_name(name)
+        assert res["preemptions"] >= 1 and res["prefix_hit_tokens"] > 0
+        kinds = {k for rec in res["history"] for _, k, _, _ in rec.chunks}
+        assert kinds == {"prefill", "chunked_prefill", "decode"}
+        for p, toks, logits in zip(res["prompts"], res["tokens"], res["logits"]):
+            ref, ref_logits = reference_generate(m, p, WORK["max_new_tokens"], True)
+            assert toks == ref
+            assert (logits - ref_logits).abs().max().item() <= 1e-10
+
+
+def test_inline_grid_subset(refs):
+    """One DCP layout per kind: inside TP (GQA 4x2x1), over PCP (GQA 1x2x2), MLA inside TP
+    (2x2x1) and over the whole world (2x4x2)."""
+    pick = {("tiny-gqa", 1, 2, 2), ("tiny-mla", 2, 2, 1), ("tiny-gqa", 4, 2, 1),
+            ("tiny-mla", 2, 4, 2)}
+    runs = [r for r in grid_runs(**WORK)
+            if (r["model"], r["tensor_parallel_size"], r["decode_context_parallel_size"],
+                r["prefill_context_parallel_size"]) in pick]
+    assert check_grid(runs, [2, 4], "inline", refs) == 4
+
+
+@pytest.mark.slow
+def test_inline_full_grid(refs):
+    assert check_grid(grid_runs(**WORK), [1, 2, 4, 8], "inline", refs) == 23
+
+
+@pytest.mark.torchrun
+def test_torchrun_world_2_subset():
+    runs = [r for r in grid_runs(**SMALL)
+            if (r["model"], r["tensor_parallel_size"], r["decode_context_parallel_size"],
+                r["prefill_context_parallel_size"]) in {("tiny-gqa", 1, 2, 2),
+                                                         ("tiny-mla", 2, 2, 1)}]
+    assert check_grid(runs, [2], "torchrun", references(SMALL)) == 2
+
+
+@pytest.mark.torchrun
+@pytest.mark.slow
+def test_torchrun_full_grid():
+    """Every valid TP x DCP x PCP configuration of both models, one launch per world size."""
+    assert check_grid(grid_runs(**SMALL), [2, 4, 8], "torchrun", references(SMALL)) == 21
+
+
+def test_dcp4_admits_4x_the_long_requests():
+    """Same blocks per rank (64 of 4 slots); requests of 64 tokens: 4 fit, 16 under DCP 4."""
+    one = max_concurrent_long_requests(engine_config("tiny-mla", 4, 1), 64, 63)
+    four = max_concurrent_long_requests(engine_config("tiny-mla", 4, 4), 64, 63)
+    assert (one, four) == (4, 16)
+
+
+def test_step_api_and_a_request_longer_than_the_cache():
+    eng = Engine("tiny-gqa", num_kv_blocks=12, max_num_batched_tokens=16)
+    prompts = make_prompts(3, 1)
+    ids = [eng.add_request(p, 4) for p in prompts]
+    too_long = eng.add_request(list(range(60)), 4)
+    first = eng.step()
+    assert first.num_batched_tokens <= 16 and first.admitted
+    while eng.has_unfinished:
+        eng.step()
+    bad = eng.output(too_long)
+    assert bad.tokens == () and "[request-fits-cache]" in bad.error
+    for rid, p in zip(ids, prompts):
+        assert list(eng.output(rid).tokens) == reference_generate(eng.model, p, 4)
+
+
+def test_invalid_config_and_wrong_world_fail_before_any_collective():
+    """Rank 0 of a 2-rank world alone: a collective would time out; the errors come first."""
+    ctx = RankContext(0, 2, "inline", torch.device("cpu"), timeout=5.0, sim=SimWorld(2, 5.0))
+    with pytest.raises(ConfigError, match=r"^\[gqa-dcp-needs-replicated-kv\]"):
+        serve_rank(ctx, tensor_parallel_size=2, decode_context_parallel_size=2)
+    with pytest.raises(ConfigError, match=r"^\[grid-matches-world\]"):
+        serve_rank(ctx, tensor_parallel_size=4)
+    assert len(ctx.trace) == 0
+    with pytest.raises(ConfigError, match=r"^\[known-model\]"):
+        engine_config("tiny-moe")
+    with pytest.raises(ConfigError, match=r"^\[config-matches-model\]"):
+        Engine("tiny-mla", engine_config("tiny-gqa"))
+
+
+def test_engine_is_deterministic_across_strategies():
+    outs = []
+    for strategy in ("allgather_q", "allgather_kv"):
+        eng = Engine("tiny-mla", num_kv_blocks=32, strategy=strategy)
+        outs.append([o.tokens for o in eng.generate(make_prompts(4, 2), 3)])
+        assert dict(eng.runner.strategies).keys() == {strategy}
+    assert outs[0] == outs[1]
+    assert torch.get_default_dtype() == torch.float32  # the engine did not change it
