@@ -33,8 +33,12 @@ def fig_render(n: int, colour: str = "C0"):
 
 
 def visible_panel(html: str) -> str:
-    panels = re.findall(r'<div class="cpx-panel" aria-live="polite"( hidden)?>(.*?)</div>', html)
-    shown = [body for hidden, body in panels if not hidden]
+    """The one panel without ``hidden`` (up to the next panel, caption or script)."""
+    pieces = re.split(r'(?=<div class="cpx-panel")|(?=<p class="cpx-caption")|(?=<script)', html)
+    panels = [p for p in pieces if p.startswith('<div class="cpx-panel"')]
+    shown = [
+        p for p in panels if not p.startswith('<div class="cpx-panel" aria-live="polite" hidden')
+    ]
     assert len(shown) == 1
     return shown[0]
 
@@ -131,3 +135,85 @@ def test_live_widget_follows_its_controls():
     bundle = ex._repr_mimebundle_()
     assert {"text/plain", "text/html", "application/vnd.jupyter.widget-view+json"} <= set(bundle)
     assert bundle["text/html"] == ex.to_html()
+
+
+NB_SOURCE = """\
+import matplotlib.pyplot as plt
+from cpbook.widgets.explorer import explorer, pre
+
+def render(n):
+    fig, ax = plt.subplots(figsize=(2, 1.5))
+    ax.bar(range(n), range(1, n + 1))
+    return fig, pre(f"{n} bars")
+
+explorer(render, {"n": [1, 2, 3]}, alt="{n} bars")"""
+
+
+@pytest.mark.slow
+def test_real_nbval_ignores_the_pngs_and_compares_the_rest(tmp_path):
+    """Strict nbval with the repository's conftest: a stored explorer whose PNG bytes differ
+    passes; one whose readout differs fails."""
+    import os
+    import subprocess
+    import sys
+
+    import nbformat
+    from nbclient import NotebookClient
+
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(NB_SOURCE)])
+    NotebookClient(
+        nb, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    ).execute()
+    html = nb.cells[0].outputs[0]["data"]["text/html"]
+    png = re.search(r'class="cpx-img" src="data:image/png;base64,([A-Za-z0-9+/=]{40})', html)
+    variants = {
+        "png_changed": html.replace(png.group(1), "A" * 40),
+        "text_changed": html.replace("2 bars</pre>", "3 bars</pre>"),
+    }
+    for name, text in variants.items():
+        assert text != html
+        nb.cells[0].outputs[0]["data"]["text/html"] = text
+        nbformat.write(nb, tmp_path / f"{name}.ipynb")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "--nbval",
+            "--nbval-current-env",
+            "-p",
+            "conftest",
+            "-p",
+            "no:cacheprovider",
+            "-q",
+            "-rA",
+            "png_changed.ipynb",
+            "text_changed.ipynb",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert "PASSED png_changed.ipynb::Cell 0" in run.stdout, run.stdout
+    assert "FAILED text_changed.ipynb::Cell 0" in run.stdout, run.stdout
+
+
+def test_chapter_explorers_default_states():
+    from cpbook.dcp import decode_comm_bytes
+    from cpbook.widgets.dcp import comm_explorer
+    from cpbook.widgets.kvcache import layout_explorer
+    from cpbook.widgets.memory import kv_explorer
+
+    layout = layout_explorer(interleave=4, dcp_size=4)
+    shown = visible_panel(layout.to_html())
+    assert "D20 -&gt; rank 1, slot 84" in shown and "D27 -&gt; rank 2, slot 87" in shown
+    assert len(layout.panels) == len(layout.states) == 10
+
+    comm = comm_explorer(dcp=4, backend="a2a", batch=16, context=131_072)
+    sent = sum(n for _, n in decode_comm_bytes(16, 8, 128, 128, 4, "a2a", 2))
+    assert f"2 collectives, {sent / 1024:,.1f} KiB sent" in visible_panel(comm.to_html())
+
+    kv = kv_explorer(model="Llama-3.1-70B", dcp=2)
+    assert "rejected by vLLM" in visible_panel(kv.to_html())

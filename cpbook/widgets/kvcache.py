@@ -1,18 +1,17 @@
-"""Chapter 2 explorer: DCP size, interleave, block size and length -> ownership grid and slots."""
+"""Chapter 2 explorer: DCP size and interleave -> the ownership grid and each rank's slots,
+drawn in HTML (light and fast enough to precompute every state)."""
 
 from __future__ import annotations
 
-import io
-
-import ipywidgets as widgets
-import matplotlib.pyplot as plt
 import torch
 
-from ..config import ConfigError
-from ..kvcache import PagedKVCache, local_seq_len, num_virtual_blocks, slot_mapping
-from ..viz.kvcache import ownership_figure
+from ..kvcache import num_virtual_blocks, owner_rank, slot_mapping
+from ..viz import rank_color
+from .explorer import Control, Explorer, pre
 
-__all__ = ["layout_explorer", "slot_summary"]
+__all__ = ["layout_explorer", "layout_html", "slot_summary"]
+
+_EMPTY = "#eaeef2"
 
 
 def _runs(values: list[int], limit: int = 4) -> str:
@@ -27,69 +26,118 @@ def _runs(values: list[int], limit: int = 4) -> str:
     return text + (", ..." if len(runs) > limit else "")
 
 
-def slot_summary(seq_len: int, dcp_size: int, interleave: int, block_size: int) -> str:
-    """One line per rank: tokens stored, positions held, slots used (block table 0, 1, ...)."""
-    table = torch.arange(num_virtual_blocks(seq_len, block_size, dcp_size))
+def slot_summary(
+    seq_len: int, dcp_size: int, interleave: int, block_size: int, block_table: list[int]
+) -> str:
+    """One line per rank (tokens held, positions, slots), then where D20 and D27 land."""
     lines = []
     for r in range(dcp_size):
-        slots = slot_mapping(torch.arange(seq_len), table, block_size, dcp_size, r, interleave)
-        mine = slots[slots >= 0]
-        blocks = torch.unique(torch.div(mine, block_size, rounding_mode="floor")).numel()
-        assert mine.numel() == local_seq_len(seq_len, dcp_size, r, interleave)
-        assert torch.equal(
-            mine,
-            PagedKVCache(
-                max(len(table), 1),
-                block_size,
-                1,
-                1,
-                dcp_size=dcp_size,
-                dcp_rank=r,
-                interleave=interleave,
-            ).local_slots(table, seq_len),
+        slots = slot_mapping(
+            torch.arange(seq_len), block_table, block_size, dcp_size, r, interleave
         )
         held = torch.nonzero(slots >= 0).flatten().tolist()
+        mine = slots[slots >= 0].tolist()
         lines.append(
-            f"rank {r}: {mine.numel():3d} tokens in {blocks} block(s); positions {_runs(held)}"
-            f" -> slots {_runs(mine.tolist())}"
+            f"rank {r}: {len(mine):2d} tokens, positions {_runs(held)} -> slots {_runs(mine)}"
         )
+    for p in (20, 27):
+        if p < seq_len:
+            r = int(owner_rank(torch.tensor([p]), dcp_size, interleave))
+            s = slot_mapping([p], block_table, block_size, dcp_size, r, interleave).item()
+            lines.append(f"D{p} -> rank {r}, slot {s}")
     return "\n".join(lines)
 
 
-def _png(fig) -> bytes:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    plt.close(fig)
-    return buf.getvalue()
+# one style per panel: the cells themselves carry only their colour
+_STYLE = (
+    "<style>.kvg{display:grid;gap:2px;max-width:38em;font:.8em monospace}"
+    ".kvg>b{display:block;text-align:center;font-weight:normal;color:#fff;border-radius:2px;"
+    "line-height:1.7em}.kvg>b.e{color:#57606a}.kvg>b.m{box-shadow:inset 0 0 0 2px #000}"
+    ".kvg small{display:block;color:#57606a;font-size:.8em;line-height:1.2em;background:#fff}"
+    ".kvr{margin:.3em 0 .1em;font-size:.85em}</style>"
+)
+
+
+def _cell(text: str, colour: str, mark: bool = False, sub: str = "") -> str:
+    cls = " ".join(c for c, on in (("e", colour == _EMPTY), ("m", mark)) if on)
+    attr = f' class="{cls}"' if cls else ""
+    small = f"<small>{sub}</small>" if sub else ""
+    return f'<b{attr} style="background:{colour}">{text or "&nbsp;"}{small}</b>'
+
+
+def _grid(cells: list[str], columns: int) -> str:
+    return (
+        f'<div class="kvg" style="grid-template-columns:repeat({columns},minmax(0,1fr))">'
+        f"{''.join(cells)}</div>"
+    )
+
+
+def layout_html(
+    seq_len: int,
+    dcp_size: int,
+    interleave: int,
+    block_size: int,
+    block_table: list[int],
+    highlight: tuple[int, ...] = (20, 27),
+) -> str:
+    """The ownership grid (tokens coloured by owner rank) and each rank's physical slots with
+    the token stored in each, as HTML: the picture of ``viz.kvcache.ownership_figure``."""
+    owners = owner_rank(torch.arange(seq_len), dcp_size, interleave).tolist()
+    width = min(16, block_size * dcp_size)
+    out = [
+        _STYLE,
+        f"<p style='margin:.2em 0'>Owner of token p: (p // {interleave}) % {dcp_size}; "
+        f"one block id holds {block_size} × {dcp_size} = {block_size * dcp_size} tokens</p>",
+        _grid([_cell(str(p), rank_color(r), p in highlight) for p, r in enumerate(owners)], width),
+        f"<p style='margin:.4em 0 .2em'>Physical slots per rank (block ids {block_table}): "
+        "token stored, slot number below</p>",
+    ]
+    for r in range(dcp_size):
+        slots = slot_mapping(
+            torch.arange(seq_len), block_table, block_size, dcp_size, r, interleave
+        )
+        token_at = {int(s): p for p, s in enumerate(slots.tolist()) if s >= 0}
+        cells = []
+        for b in block_table:
+            for s in range(b * block_size, (b + 1) * block_size):
+                p = token_at.get(s)
+                colour = rank_color(r) if p is not None else _EMPTY
+                cells.append(_cell("" if p is None else str(p), colour, p in highlight, str(s)))
+        out.append(f'<div class="kvr">rank {r}</div>')
+        out.append(_grid(cells, min(16, block_size * len(block_table))))
+    return "".join(out)
 
 
 def layout_explorer(
-    dcp_size: int = 4, interleave: int = 4, block_size: int = 16, seq_len: int = 64
-) -> widgets.VBox:
-    """Sliders for the four knobs; redraws the ownership figure and the per-rank slot summary.
+    seq_len: int = 64,
+    block_size: int = 16,
+    interleaves: tuple[int, ...] = (1, 2, 4, 8, 16),
+    dcp_sizes: tuple[int, ...] = (2, 4),
+    first_block: int = 5,
+    **value,
+) -> Explorer:
+    """Interleave × DCP size for one request: ownership grid, slots and slot summary (HTML).
 
-    Needs a running kernel: in the static book the controls would do nothing, so chapter 2
-    hides this cell's output (tag ``remove-output``) and shows the first view as a figure.
+    The block table is ``first_block, first_block + 1, ...`` (one id per virtual block).
     """
-    dcp = widgets.IntSlider(dcp_size, min=1, max=8, description="dcp_size")
-    inter = widgets.Dropdown(
-        options=[1, 2, 4, 8, 16, 32], value=interleave, description="interleave"
+
+    def render(interleave: int, dcp_size: int) -> str:
+        nb = num_virtual_blocks(seq_len, block_size, dcp_size)
+        table = list(range(first_block, first_block + nb))
+        return layout_html(seq_len, dcp_size, interleave, block_size, table) + pre(
+            slot_summary(seq_len, dcp_size, interleave, block_size, table)
+        )
+
+    return Explorer(
+        render,
+        {
+            "interleave": Control(list(interleaves), label="interleave size"),
+            "dcp_size": Control(list(dcp_sizes), label="DCP size", kind="select"),
+        },
+        value=value,
+        caption=(
+            f"A {seq_len}-token request, block size {block_size}: move the interleave size and "
+            "the DCP size; the token grid, each rank's slots (D20 and D27 outlined) and the "
+            "lines below follow."
+        ),
     )
-    block = widgets.Dropdown(options=[4, 8, 16, 32], value=block_size, description="block_size")
-    length = widgets.IntSlider(seq_len, min=1, max=160, description="seq_len")
-    image = widgets.Image(format="png", layout=widgets.Layout(max_width="760px"))
-    text = widgets.HTML()
-
-    def redraw(_=None) -> None:
-        try:
-            text.value = (
-                "<pre>" + slot_summary(length.value, dcp.value, inter.value, block.value) + "</pre>"
-            )
-            image.value = _png(ownership_figure(length.value, dcp.value, inter.value, block.value))
-        except ConfigError as e:  # e.g. interleave > block_size: show vLLM's rule instead
-            text.value = f"<pre>{e}</pre>"
-
-    for w in (dcp, inter, block, length):
-        w.observe(redraw, names="value")
-    redraw()
-    return widgets.VBox([widgets.HBox([dcp, length]), widgets.HBox([inter, block]), text, image])

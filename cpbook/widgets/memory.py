@@ -1,8 +1,7 @@
-"""Chapter 1 explorer: model, GPU, context length, TP and DCP → per-GPU KV and maximum context."""
+"""Chapter 1 explorer: model, context length and DCP -> per-GPU KV of one request, and whether
+it fits the per-GPU KV budget (TP = 8 on one node of H200s by default)."""
 
 from __future__ import annotations
-
-import ipywidgets as w
 
 from ..costmodel import (
     GB,
@@ -12,61 +11,69 @@ from ..costmodel import (
     kv_bytes_per_token_per_gpu,
     max_context_tokens,
 )
+from .explorer import Control, Explorer, pre
 
-__all__ = ["kv_capacity_text", "kv_explorer"]
+__all__ = ["CONTEXTS", "kv_capacity_html", "kv_explorer"]
 
 CONTEXTS = [2**k for k in range(13, 21)]  # 8K .. 1M
+_OK, _OVER = "#0072B2", "#D55E00"
 
 
-def kv_capacity_text(
-    model: str, gpu: str, tokens: int, tp: int, dcp: int, kv_dtype: str = "bf16"
+def _tokens(n: int) -> str:
+    return f"{n // 2**20}M" if n >= 2**20 else f"{n // 1024}K"
+
+
+def kv_capacity_html(
+    model: str, tokens: int, dcp: int, tp: int = 8, gpu: str = "H200", kv_dtype: str = "bf16"
 ) -> str:
-    """One HTML paragraph: per-GPU KV of a ``tokens``-long request and the longest that fits."""
+    """A bar (one request's KV per GPU against the KV budget per GPU) and one paragraph.
+
+    A configuration vLLM rejects shows the rule it breaks instead of numbers.
+    """
     m, g = MODELS[model], GPUS[gpu]
+    head = f"<b>{model}</b>, TP={tp}, DCP={dcp} on {tp}×{gpu}"
     try:
         per_gpu = kv_bytes_per_token_per_gpu(m, tp, dcp, kv_dtype) * tokens
         budget = kv_budget_bytes_per_gpu(m, g, tp)
         longest = max_context_tokens(m, g, tp, dcp, kv_dtype)
-    except ValueError as e:  # a configuration vLLM rejects, or a model that does not fit
-        return f"<p><b>{model}, TP={tp}, DCP={dcp} on {gpu}:</b> {e}</p>"
-    verdict = "fits" if per_gpu <= budget else "does <b>not</b> fit"
+    except ValueError as e:  # a configuration vLLM rejects
+        return f"<p>{head}: rejected by vLLM's rules.</p>" + pre(str(e))
+    share = per_gpu / budget
+    fits = share <= 1
+    bar = (
+        '<div aria-hidden="true" style="position:relative;height:1.4em;max-width:36em;'
+        'background:#eaeef2;border-radius:3px;overflow:hidden">'
+        f'<div style="width:{min(share, 1) * 100:.1f}%;height:100%;'
+        f'background:{_OK if fits else _OVER}"></div></div>'
+    )
+    verdict = "fits" if fits else f"does <b>not</b> fit ({share:.1f}× the budget)"
     return (
-        f"<p><b>{model}</b> on {tp}×{gpu} with DCP={dcp}: one {tokens:,}-token request needs "
-        f"<b>{per_gpu / GB:.2f} GB</b> of KV per GPU; "
-        f"the KV budget per GPU is {budget / GB:.1f} GB, "
-        f"so it {verdict}. Longest single request: <b>{longest:,}</b> tokens.</p>"
+        f"{bar}<p>{head}: one {_tokens(tokens)}-token request needs "
+        f"<b>{per_gpu / GB:.2f} GB</b> of KV per GPU, {100 * share:.0f} % of the "
+        f"{budget / GB:.1f} GB KV budget per GPU, so it {verdict}. "
+        f"Longest single request: <b>{longest:,}</b> tokens.</p>"
     )
 
 
 def kv_explorer(
-    model: str = "DeepSeek-V3", gpu: str = "H200", tokens: int = 131072, tp: int = 8, dcp: int = 1
-) -> w.VBox:
-    """Dropdowns and a slider; the text below them updates.
-
-    Live only with a kernel (Jupyter): a static page cannot run ``update``, so the book hides
-    this widget's output and shows :func:`cpbook.viz.memory.max_context_bars` instead.
-    """
-    ctrl = dict(
-        model=w.Dropdown(options=list(MODELS), value=model, description="model"),
-        gpu=w.Dropdown(options=list(GPUS), value=gpu, description="GPU"),
-        tokens=w.SelectionSlider(
-            options=[(f"{t // 1024}K", t) for t in CONTEXTS], value=tokens, description="context"
+    models: tuple[str, ...] = ("DeepSeek-V3", "Qwen3-235B-A22B", "Llama-3.1-70B"),
+    dcps: tuple[int, ...] = (1, 2, 4, 8),
+    tp: int = 8,
+    gpu: str = "H200",
+    **value,
+) -> Explorer:
+    """Model × context (8K-1M) × DCP at fixed TP and GPU: every state precomputed (HTML only)."""
+    return Explorer(
+        lambda model, tokens, dcp: kv_capacity_html(model, tokens, dcp, tp, gpu),
+        {
+            "model": list(models),
+            "tokens": Control(CONTEXTS, names=[_tokens(t) for t in CONTEXTS], label="context"),
+            "dcp": Control(list(dcps), label="DCP"),
+        },
+        value=value,
+        caption=(
+            f"One request's KV cache per GPU (bf16) on {tp}×{gpu} with TP = {tp}: the bar is its "
+            "share of the KV budget per GPU (cpbook.costmodel.kv_budget_bytes_per_gpu: a share "
+            "of HBM less the weights and an activation reserve); orange: it does not fit."
         ),
-        tp=w.Dropdown(options=[1, 2, 4, 8, 16], value=tp, description="TP"),
-        dcp=w.Dropdown(options=[1, 2, 4, 8, 16], value=dcp, description="DCP"),
-    )
-    out = w.HTML(kv_capacity_text(model, gpu, tokens, tp, dcp))
-
-    def update(_=None) -> None:
-        out.value = kv_capacity_text(**{k: c.value for k, c in ctrl.items()})
-
-    for c in ctrl.values():
-        c.observe(update, names="value")
-    return w.VBox(
-        [
-            w.HBox([ctrl["model"], ctrl["gpu"]]),
-            ctrl["tokens"],
-            w.HBox([ctrl["tp"], ctrl["dcp"]]),
-            out,
-        ]
     )

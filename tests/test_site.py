@@ -1,0 +1,388 @@
+"""The rendered book in a real browser (headless Chromium over the DevTools protocol).
+
+Serves ``_build/html`` on 127.0.0.1 and opens every page at 1280 px, then lays it out again at
+390 px.  Checks: no JavaScript error from the book's own code (scripts served from 127.0.0.1;
+CDN scripts such as MathJax are unreachable offline, are blocked on purpose, and are neither
+needed nor reported); every image loads and has alt text; every explorer
+(``cpbook.widgets.explorer``) shows another panel when a control changes, and the panel of the
+original values when they come back; no page is wider than the viewport at either width; every
+internal link and its fragment resolve.  Saves each chapter's first screen at both widths under
+``_build/screenshots/`` (next to ``html/``).
+
+Uses ``$CPBOOK_SITE_HTML`` if set, else ``_build/html`` when it is newer than every source of
+the book (``.ci/run`` builds the book first), else builds the book into a temporary folder.
+Needs ``chromium`` (Debian package; ``.ci/run`` installs it) and tornado's websocket client
+(installed with Jupyter).
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import http.server
+import json
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+from urllib.parse import unquote, urljoin, urlsplit
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCES = ["_config.yml", "_toc.yml", "book", "notebooks", "_static"]
+WIDTHS = (1280, 390)
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def _newest_source() -> float:
+    times = []
+    for name in SOURCES:
+        p = ROOT / name
+        files = [p] if p.is_file() else [f for f in p.rglob("*") if f.is_file()]
+        times += [f.stat().st_mtime for f in files if ".ipynb_checkpoints" not in f.parts]
+    return max(times)
+
+
+@pytest.fixture(scope="module")
+def site() -> Path:
+    """The built HTML: ``$CPBOOK_SITE_HTML``, or ``_build/html`` if fresh, else a new build."""
+    if os.environ.get("CPBOOK_SITE_HTML"):
+        return Path(os.environ["CPBOOK_SITE_HTML"])
+    html = ROOT / "_build" / "html"
+    if (html / "index.html").exists():
+        built = max(f.stat().st_mtime for f in html.rglob("*") if f.is_file())
+        if built >= _newest_source():
+            return html
+    out = Path(tempfile.mkdtemp(prefix="cpbook-site-"))
+    subprocess.run(
+        ["jupyter-book", "build", str(ROOT), "--path-output", str(out), "-W", "--keep-going"],
+        check=True,
+        capture_output=True,
+    )
+    return out / "_build" / "html"
+
+
+@pytest.fixture(scope="module")
+def server(site: Path):
+    handler = functools.partial(_QuietHandler, directory=str(site))
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}/"
+    httpd.shutdown()
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args) -> None:
+        pass
+
+
+def pages(site: Path) -> list[str]:
+    """Every HTML page of the book, relative to the site root."""
+    skip = {"_static", "_sources", "_images", "jupyter_execute"}
+    return sorted(
+        p.relative_to(site).as_posix()
+        for p in site.rglob("*.html")
+        if not skip & set(p.relative_to(site).parts)
+    )
+
+
+# ---- a minimal DevTools-protocol client ----------------------------------------------------
+class Browser:
+    """Headless Chromium with one page, driven over the DevTools websocket (tornado)."""
+
+    def __init__(self, profile: Path) -> None:
+        from tornado.ioloop import IOLoop
+
+        self.proc = subprocess.Popen(
+            [
+                CHROMIUM,
+                "--headless=new",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-dev-shm-usage",
+                "--no-first-run",
+                "--hide-scrollbars",
+                # every host but the local server fails at once: no waiting on the CDN
+                "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",
+                "--remote-debugging-port=0",
+                f"--user-data-dir={profile}",
+                "about:blank",
+            ],
+            stderr=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            text=True,
+        )
+        url = None
+        for line in self.proc.stderr:
+            m = re.search(r"DevTools listening on (ws://\S+)", line)
+            if m:
+                url = m.group(1)
+                break
+        if url is None:
+            raise RuntimeError("chromium did not start its DevTools endpoint")
+        threading.Thread(target=lambda: [None for _ in self.proc.stderr], daemon=True).start()
+        self.loop = IOLoop()
+        self.events: list[dict] = []
+        self._id = 0
+        self._pending = None
+        self.ws = self.loop.run_sync(lambda: _connect(url))
+        target = self.call("Target.createTarget", url="about:blank")["targetId"]
+        self.session = self.call("Target.attachToTarget", targetId=target, flatten=True)[
+            "sessionId"
+        ]
+        for domain in ("Page", "Runtime", "Log", "Network"):
+            self.call(f"{domain}.enable", session=True)
+
+    def call(self, method: str, session: bool = False, timeout: float = 30, **params) -> dict:
+        self._id += 1
+        msg = {"id": self._id, "method": method, "params": params}
+        if session:
+            msg["sessionId"] = self.session
+        self.ws.write_message(json.dumps(msg))
+        deadline = time.monotonic() + timeout
+        while True:
+            reply = self._read(deadline)
+            if reply.get("id") == self._id:
+                if "error" in reply:
+                    raise RuntimeError(f"{method}: {reply['error']}")
+                return reply.get("result", {})
+            self.events.append(reply)
+
+    def _read(self, deadline: float) -> dict:
+        """The next message; a read that times out stays pending for the next call."""
+        from tornado import gen
+
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("no message from chromium in time")
+        if self._pending is None:
+            self._pending = self.ws.read_message()
+        raw = self.loop.run_sync(
+            lambda: gen.with_timeout(datetime.timedelta(seconds=left), self._pending)
+        )
+        self._pending = None
+        if raw is None:
+            raise RuntimeError("chromium closed the DevTools connection")
+        return json.loads(raw)
+
+    def wait_event(self, method: str, timeout: float = 30) -> dict:
+        deadline = time.monotonic() + timeout
+        for i, e in enumerate(self.events):
+            if e.get("method") == method:
+                return self.events.pop(i)
+        while True:
+            e = self._read(deadline)
+            if e.get("method") == method:
+                return e
+            self.events.append(e)
+
+    def resize(self, width: int, height: int = 900) -> None:
+        self.call(
+            "Emulation.setDeviceMetricsOverride",
+            session=True,
+            width=width,
+            height=height,
+            deviceScaleFactor=1,
+            mobile=width < 600,
+        )
+
+    def open(self, url: str, width: int) -> None:
+        self.resize(width)
+        self.events.clear()
+        self.call("Page.navigate", session=True, url=url)
+        self.wait_event("Page.loadEventFired")
+
+    def js(self, expression: str):
+        r = self.call(
+            "Runtime.evaluate",
+            session=True,
+            expression=expression,
+            returnByValue=True,
+            awaitPromise=True,
+        )
+        if "exceptionDetails" in r:
+            raise RuntimeError(f"page script failed: {r['exceptionDetails']}")
+        return r["result"].get("value")
+
+    def drain(self, seconds: float = 0.05) -> None:
+        """Collect the events that arrive within ``seconds``."""
+        deadline = time.monotonic() + seconds
+        try:
+            while True:
+                self.events.append(self._read(deadline))
+        except TimeoutError:
+            pass
+
+    def screenshot(self, path: Path) -> None:
+        import base64
+
+        data = self.call("Page.captureScreenshot", session=True, format="png")["data"]
+        path.write_bytes(base64.b64decode(data))
+
+    def close(self) -> None:
+        try:
+            self.ws.close()
+        finally:
+            self.proc.terminate()
+            self.proc.wait(timeout=10)
+            self.loop.close()
+
+
+async def _connect(url: str):
+    from tornado.websocket import websocket_connect
+
+    return await websocket_connect(url, max_message_size=64 * 2**20)
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    if CHROMIUM is None:
+        pytest.fail("chromium is not installed (apt-get install chromium; .ci/run does this)")
+    b = Browser(tmp_path_factory.mktemp("chromium-profile"))
+    yield b
+    b.close()
+
+
+# ---- what each page must satisfy ---------------------------------------------------------
+IMAGES_JS = """Array.from(document.images).map(i => ({src: i.currentSrc.slice(0, 80),
+  ok: i.complete && i.naturalWidth > 0, alt: (i.getAttribute('alt') || '').trim(),
+  hidden: !!i.closest('[hidden]')}))"""
+
+WIDTH_JS = "[document.documentElement.scrollWidth, window.innerWidth]"
+
+# For every explorer and every control: does some other value show another panel?
+EXPLORERS_JS = """Array.from(document.querySelectorAll('.cpx')).map(root => {
+  const visible = () => Array.from(root.querySelectorAll('.cpx-panel'))
+                             .findIndex(p => !p.hidden);
+  const ctrls = Array.from(root.querySelectorAll('[data-cpx-control]'));
+  const start = visible();
+  const result = {id: root.id, ready: root.getAttribute('data-cpx-ready'), start: start,
+                  controls: {}};
+  for (const c of ctrls) {
+    const orig = c.value;
+    const n = c.tagName === 'SELECT' ? c.options.length : (+c.max + 1);
+    const changed = [];
+    for (let v = 0; v < n; v++) {
+      if (String(v) === orig) continue;
+      c.value = String(v);
+      c.dispatchEvent(new Event(c.tagName === 'SELECT' ? 'change' : 'input'));
+      const out = c.parentNode.querySelector('output');
+      changed.push({value: v, panel: visible(),
+                    label: out ? out.textContent : c.options[v].textContent});
+    }
+    c.value = orig;
+    c.dispatchEvent(new Event('change'));
+    result.controls[c.getAttribute('data-cpx-control')] = changed;
+  }
+  result.back = visible();
+  return result;
+})"""
+
+
+def own_errors(events: list[dict], origin: str) -> list[str]:
+    """JavaScript exceptions and console errors raised by scripts the site serves itself."""
+    errors = []
+    for e in events:
+        if e.get("method") == "Runtime.exceptionThrown":
+            d = e["params"]["exceptionDetails"]
+            frames = (d.get("stackTrace") or {}).get("callFrames") or []
+            urls = [f.get("url", "") for f in frames] or [d.get("url", "")]
+            if any(u.startswith(origin) or u == "" for u in urls[:1]):
+                text = d.get("exception", {}).get("description") or d.get("text")
+                errors.append(f"{urls[0] or 'inline'}: {text}")
+        elif e.get("method") == "Log.entryAdded":
+            entry = e["params"]["entry"]
+            if entry["level"] == "error" and entry.get("source") == "javascript":
+                if entry.get("url", "").startswith(origin):
+                    errors.append(f"{entry.get('url')}: {entry['text']}")
+    return errors
+
+
+def test_every_page_in_chromium(site: Path, server: str, browser: Browser):
+    t0 = time.monotonic()
+    problems: list[str] = []
+    shots = site.parent / "screenshots"
+    shots.mkdir(exist_ok=True)
+    explorers = 0
+    all_pages = pages(site)
+    assert any(p.startswith("notebooks/") for p in all_pages)
+    wide, narrow = WIDTHS
+    for page in all_pages:
+        browser.open(urljoin(server, page), wide)
+        browser.drain()
+        problems += [f"{page}: JS error {e}" for e in own_errors(browser.events, server)]
+        for img in browser.js(IMAGES_JS):
+            if not img["alt"]:
+                problems.append(f"{page}: image without alt text ({img['src']})")
+            if not img["ok"]:
+                problems.append(f"{page}: image did not load ({img['src']})")
+        chapter = page.startswith("notebooks/")
+        if chapter:
+            browser.screenshot(shots / f"{Path(page).stem}-{wide}.png")
+        for ex in browser.js(EXPLORERS_JS):
+            explorers += 1
+            problems += explorer_problems(page, ex)
+        # the same page, re-laid out at each width (CSS media queries apply without a reload)
+        for width in WIDTHS:
+            browser.resize(width)
+            scroll, inner = browser.js(WIDTH_JS)
+            if scroll > inner:
+                problems.append(f"{page} at {width}px: page is {scroll}px wide")
+        if chapter:
+            browser.screenshot(shots / f"{Path(page).stem}-{narrow}.png")
+    assert not problems, "\n".join(problems)
+    assert explorers >= 3, f"only {explorers} explorers in the book"
+    print(f"{len(all_pages)} pages, {explorers} explorers, {time.monotonic() - t0:.0f} s")
+
+
+def explorer_problems(page: str, ex: dict) -> list[str]:
+    where = f"{page}: explorer {ex['id']}"
+    if ex["ready"] != "1":
+        return [f"{where}: its script did not run"]
+    out = []
+    if not ex["controls"]:
+        out.append(f"{where}: no controls")
+    for name, changes in ex["controls"].items():
+        if changes and all(c["panel"] == ex["start"] for c in changes):
+            out.append(f"{where}: control {name} never changes the output")
+        if any(c["panel"] < 0 for c in changes):
+            out.append(f"{where}: control {name} leaves no panel visible")
+    if ex["back"] != ex["start"]:
+        out.append(f"{where}: restoring the controls does not restore the panel")
+    return out
+
+
+def test_internal_links_resolve(site: Path):
+    ids: dict[Path, set[str]] = {}
+
+    def ids_of(path: Path) -> set[str]:
+        if path not in ids:
+            text = path.read_text(errors="replace")
+            ids[path] = set(re.findall(r'\bid="([^"]+)"', text)) | set(
+                re.findall(r'\bname="([^"]+)"', text)
+            )
+        return ids[path]
+
+    broken = []
+    for page in pages(site):
+        path = site / page
+        for href in re.findall(r'<a\b[^>]*\bhref="([^"]+)"', path.read_text(errors="replace")):
+            parts = urlsplit(href)
+            if parts.scheme or parts.netloc or href.startswith(("mailto:", "javascript:")):
+                continue
+            target = (path.parent / unquote(parts.path)).resolve() if parts.path else path
+            if target.is_dir():
+                target = target / "index.html"
+            if not target.exists():
+                broken.append(f"{page}: {href} (no such file)")
+            elif parts.fragment and target.suffix == ".html":
+                if unquote(parts.fragment) not in ids_of(target):
+                    broken.append(f"{page}: {href} (no such anchor)")
+    assert not broken, "\n".join(broken)
