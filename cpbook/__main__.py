@@ -1,5 +1,9 @@
 """Command line: ``python -m cpbook demo NAME --world-size N [--backend inline|torchrun]``.
 
+``python -m cpbook serve --model tiny-gqa --tp T --dcp D --pcp P [--json]`` serves generated
+prompts with the chapter 9 engine on ``T·P`` ranks (inline, or ``--backend torchrun``, or
+started by ``torchrun --nproc-per-node T·P -m cpbook serve ...``).
+
 Under torchrun (``torchrun --nproc-per-node N -m cpbook demo NAME``) the processes torchrun
 started run the demo directly; rank 0 prints the deterministic report.  Errors print one line,
 ``cpbook: error: [rule] requires …; got …``, and exit with status 2 (``--debug``: the traceback).
@@ -8,11 +12,13 @@ started run the demo directly; rank 0 prints the deterministic report.  Errors p
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import sys
 
 from .comm import DEFAULT_TIMEOUT_S
+from .config import ConfigError
 from .demos import DEMOS, describe, get_demo, parse_params
 from .launch import format_report, gather_results, pick_backend, run, worker_context, worker_run
 
@@ -46,7 +52,83 @@ def _parser() -> argparse.ArgumentParser:
         help="keyword argument of the demo (repeatable)",
     )
     d.add_argument("--debug", action="store_true", help="show the full traceback on errors")
+    s = sub.add_parser(
+        "serve",
+        help="serve generated prompts with the mini engine on TP x DCP x PCP ranks",
+        description="Greedy generation with the chapter 9 engine (paged KV, continuous "
+        "batching, chunked prefill, prefix caching) on tp*pcp ranks.",
+    )
+    s.add_argument("--model", choices=["tiny-gqa", "tiny-mla"], default="tiny-gqa")
+    s.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
+    s.add_argument("--dcp", type=int, default=1, help="decode_context_parallel_size")
+    s.add_argument("--pcp", type=int, default=1, help="prefill_context_parallel_size")
+    s.add_argument("--requests", type=int, default=6, help="number of generated prompts")
+    s.add_argument("--seed", type=int, default=0, help="seed of the weights and the prompts")
+    s.add_argument("--max-new-tokens", type=int, default=8)
+    s.add_argument("--num-kv-blocks", type=int, default=20, help="KV blocks per rank")
+    s.add_argument("--dcp-comm-backend", choices=["ag_rs", "a2a"], default="ag_rs")
+    s.add_argument(
+        "--strategy", choices=["auto", "allgather_q", "allgather_kv"], default="auto",
+        help="chunked-prefill strategy (auto: the chapter 5 selector)",
+    )
+    s.add_argument("--backend", choices=["inline", "torchrun"], default="inline")
+    s.add_argument("--json", action="store_true", help="JSON lines: requests, then a summary")
+    s.add_argument(
+        "--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds per collective"
+    )
+    s.add_argument("--debug", action="store_true", help="show the full traceback on errors")
     return p
+
+
+def _serve_lines(res: dict, as_json: bool) -> list[str]:
+    """Rank 0's result as JSON lines (one per request, then the summary) or a short table."""
+    new = sum(len(t) for t in res["tokens"])
+    summary = {
+        "name": "engine_summary", "model": res["model"], "tp": res["tp"], "dcp": res["dcp"],
+        "pcp": res["pcp"], "steps": res["steps"],
+        "tokens_per_s": round(new / res["wall_s"], 1) if res["wall_s"] else None,
+        "prefix_hit_tokens": res["prefix_hit_tokens"], "preemptions": res["preemptions"],
+    }
+    if as_json:
+        lines = [
+            json.dumps({"name": "request", "id": i, "prompt_len": len(p), "tokens": t,
+                        **({"error": e} if e else {})})
+            for i, (p, t, e) in enumerate(zip(res["prompts"], res["tokens"], res["errors"]))
+        ]
+        return lines + [json.dumps(summary)]
+    lines = [f"{res['model']}  tp={res['tp']} dcp={res['dcp']} pcp={res['pcp']}"]
+    for i, (p, t, e) in enumerate(zip(res["prompts"], res["tokens"], res["errors"])):
+        lines.append(f"  request {i}: prompt {len(p):3d} tokens -> {e or t}")
+    lines.append(f"  {res['steps']} steps, {summary['tokens_per_s']} tokens/s, prefix hits "
+                 f"{res['prefix_hit_tokens']} tokens, {res['preemptions']} preemptions")
+    return lines
+
+
+def _serve(a: argparse.Namespace) -> int:
+    from .engine import engine_config, serve_rank
+
+    engine_config(a.model, a.tp, a.dcp, a.pcp)  # a bad grid fails here, before any process
+    kwargs = dict(model=a.model, tensor_parallel_size=a.tp, decode_context_parallel_size=a.dcp,
+                  prefill_context_parallel_size=a.pcp, dcp_comm_backend=a.dcp_comm_backend,
+                  num_requests=a.requests, max_new_tokens=a.max_new_tokens,
+                  num_kv_blocks=a.num_kv_blocks, strategy=a.strategy, seed=a.seed)
+    world = a.tp * a.pcp
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # we are a torchrun worker
+        if int(os.environ["WORLD_SIZE"]) != world:
+            raise ConfigError("grid-matches-world", "tp * pcp == world_size",
+                              grid_world_size=world, world_size=int(os.environ["WORLD_SIZE"]))
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        ctx = worker_context(pick_backend(world, local), a.timeout)
+        res = serve_rank(ctx, **kwargs)
+        if ctx.rank == 0:
+            print("\n".join(_serve_lines(res, a.json)))
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+        return 0
+    res = run(serve_rank, world, a.backend, kwargs, timeout=a.timeout, report=False)[0]
+    print("\n".join(_serve_lines(res, a.json)))
+    return 0
 
 
 def _root_message(e: BaseException) -> str:
@@ -100,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     p = _parser()
     a = p.parse_args(argv)
     try:
-        return _demo(a, p)
+        return _demo(a, p) if a.cmd == "demo" else _serve(a)
     except Exception as e:  # noqa: BLE001 - one line for a command-line user, all with --debug
         if a.debug:
             raise
