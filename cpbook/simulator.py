@@ -167,10 +167,11 @@ def _prefill(cluster: Cluster, w: Workload, sizes: np.ndarray) -> np.ndarray:
     return end
 
 
-def simulate(cluster: Cluster, w: Workload, policy: str) -> dict:
-    """Run ``policy`` on workload ``w``; returns per-request times and the summary metrics."""
-    router = policy_router(cluster, policy)
-    tpa = policy == "dynamic_cp_tpa"
+def simulate(cluster: Cluster, w: Workload, policy: str, router: Router | None = None) -> dict:
+    """Run ``policy`` on workload ``w`` (with ``router`` instead of the policy's own, if given;
+    CP groups pay TPA's costs when ``router.tpa``); returns per-request times and metrics."""
+    router = policy_router(cluster, policy) if router is None else router
+    tpa = router.tpa
     g_n, cap = cluster.decode_gpus, cluster.capacity_tokens()
     m, _ = cluster.spec
     layers = m.num_layers
