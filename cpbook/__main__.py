@@ -82,11 +82,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def _serve_lines(res: dict, as_json: bool) -> list[str]:
     """Rank 0's result as JSON lines (one per request, then the summary) or a short table."""
-    new = sum(len(t) for t in res["tokens"])
     summary = {
         "name": "engine_summary", "model": res["model"], "tp": res["tp"], "dcp": res["dcp"],
         "pcp": res["pcp"], "steps": res["steps"],
-        "tokens_per_s": round(new / res["wall_s"], 1) if res["wall_s"] else None,
+        "tokens_per_s": round(res["tokens_per_s"], 1),
         "prefix_hit_tokens": res["prefix_hit_tokens"], "preemptions": res["preemptions"],
     }
     if as_json:
@@ -105,7 +104,8 @@ def _serve_lines(res: dict, as_json: bool) -> list[str]:
 
 
 def _serve(a: argparse.Namespace) -> int:
-    from .engine import engine_config, serve_rank
+    from .engine import engine_config
+    from .timing import serve_timing
 
     engine_config(a.model, a.tp, a.dcp, a.pcp)  # a bad grid fails here, before any process
     kwargs = dict(model=a.model, tensor_parallel_size=a.tp, decode_context_parallel_size=a.dcp,
@@ -119,14 +119,14 @@ def _serve(a: argparse.Namespace) -> int:
                               grid_world_size=world, world_size=int(os.environ["WORLD_SIZE"]))
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         ctx = worker_context(pick_backend(world, local), a.timeout)
-        res = serve_rank(ctx, **kwargs)
+        res = serve_timing(ctx, **kwargs)
         if ctx.rank == 0:
             print("\n".join(_serve_lines(res, a.json)))
         import torch.distributed as dist
 
         dist.destroy_process_group()
         return 0
-    res = run(serve_rank, world, a.backend, kwargs, timeout=a.timeout, report=False)[0]
+    res = run(serve_timing, world, a.backend, kwargs, timeout=a.timeout, report=False)[0]
     print("\n".join(_serve_lines(res, a.json)))
     return 0
 

@@ -11,7 +11,6 @@ configurations in one launch (one torchrun start for all of a world size).
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -237,9 +236,10 @@ def serve_rank(ctx: RankContext, *, model: str = "tiny-gqa", tensor_parallel_siz
 
     The configuration is validated (and the grid checked against the world size) before any
     collective.  Returns per-request ``tokens`` and the ``logits`` rows they came from, the
-    step count, prefix-cache hits, preemptions, the prefill strategies used, this rank's traced
-    ``comm`` and wall time.  Exactness is checked by the caller against
-    :func:`cpbook.models.reference_generate` (the engine itself has no closed-form byte count).
+    step count, prefix-cache hits, preemptions, the prefill strategies used and this rank's
+    traced ``comm`` (:func:`cpbook.timing.serve_timing` adds the wall time).  Exactness is
+    checked by the caller against :func:`cpbook.models.reference_generate` (a whole engine run
+    has no closed-form byte count, so there is no ``expected`` list).
     """
     cfg = engine_config(model, tensor_parallel_size, decode_context_parallel_size,
                         prefill_context_parallel_size, block_size=block_size,
@@ -249,9 +249,7 @@ def serve_rank(ctx: RankContext, *, model: str = "tiny-gqa", tensor_parallel_siz
     eng = Engine(model, cfg, num_kv_blocks, ctx=ctx, max_num_batched_tokens=max_num_batched_tokens,
                  max_num_seqs=max_num_seqs, strategy=strategy, seed=seed, dtype=dtype)
     prompts = make_prompts(num_requests, seed, eng.model.config.vocab_size)
-    t0 = time.perf_counter()
     outs = eng.generate(prompts, max_new_tokens)
-    wall = time.perf_counter() - t0
     return {
         "model": model, "tp": cfg.tp, "dcp": cfg.dcp, "pcp": cfg.pcp, "rank": ctx.rank,
         "prompts": prompts, "tokens": [list(o.tokens) for o in outs],
@@ -262,7 +260,6 @@ def serve_rank(ctx: RankContext, *, model: str = "tiny-gqa", tensor_parallel_siz
         "prefix_hit_tokens": eng.prefix_hit_tokens,
         "preemptions": eng.scheduler.num_preemptions, "strategies": dict(eng.runner.strategies),
         "history": eng.history, "comm": [(r.op, r.bytes_sent) for r in ctx.trace[first:]],
-        "wall_s": wall,
     }
 
 

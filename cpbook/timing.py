@@ -30,6 +30,7 @@ __all__ = [
     "chunked_prefill_timing",
     "collective_timing",
     "ring_prefill_timing",
+    "serve_timing",
 ]
 
 
@@ -354,3 +355,16 @@ def decode_step_timing(
         out[c] = {m: medians[m] for m in methods}
         out[c].update({f"{m}_err": (last[m] - last["no_cp"]).abs().max().item() for m in methods})
     return out
+
+
+def serve_timing(ctx: RankContext, **kwargs: Any) -> dict[str, Any]:
+    """:func:`cpbook.engine.serve_rank` (same arguments) plus ``wall_s``, this rank's seconds
+    for the whole run (engine construction included), and ``tokens_per_s``, the new tokens
+    over it.  ``python -m cpbook serve`` reports these."""
+    from .engine import serve_rank
+
+    start = time.perf_counter()
+    res = serve_rank(ctx, **kwargs)
+    wall = time.perf_counter() - start
+    new = sum(len(t) for t in res["tokens"])
+    return {**res, "wall_s": wall, "tokens_per_s": new / wall if wall else None}
