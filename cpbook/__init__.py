@@ -10,6 +10,8 @@ One concept per module:
 * ``kvcache``, ``kvmanager`` — DCP's KV layout and slot mapping; the block allocator (ch. 2);
 * ``dcp``, ``mla`` — DCP decode for GQA and MLA, and MLA's context path (chapter 3);
 * ``zigzag``, ``pcp`` — the DualChunkSwap partition; PCP prefill attention (chapter 4);
+* ``dynamic``, ``migration``, ``simulator`` — dynamic CP: the length router, live migration of a
+  running request from CP = N to CP = M, the workload simulator of four policies (chapter 7);
 * ``costmodel`` — hardware, model shapes, KV capacity; ``timing`` — clocks for ``bench/`` only;
 * ``demos`` — the registry of every chapter's per-rank function, behind ``python -m cpbook``;
 * ``viz``, ``widgets`` — the chapters' figures and explorers.

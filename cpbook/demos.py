@@ -29,6 +29,7 @@ DEMOS: dict[str, tuple[int, str]] = {
     "chunked": (5, "cpbook.chunked:chunked_prefill_rank"),
     "ring": (5, "cpbook.ring:ring_prefill_rank"),
     "tpa": (6, "cpbook.tpa:tpa_rank"),
+    "migrate": (7, "cpbook.migration:migration_rank"),
 }
 
 
