@@ -1,0 +1,107 @@
+"""The mini engine (chapter 9): throughput, capacity under DCP, and paging overhead.
+
+    python bench/engine.py --json
+
+Prints, after a ``{"name": "engine_run", "date_utc": ..., "machine": ...}`` line:
+
+* per configuration ``{"name": "engine", "model", "tp", "dcp", "pcp", "requests",
+  "tokens_per_s", "max_concurrent_long_requests"}``: ``tokens_per_s`` from one
+  :func:`cpbook.timing.serve_timing` run (inline: simulated ranks are threads of one process,
+  so multi-rank rates measure the simulation, not a cluster); ``max_concurrent_long_requests``:
+  requests of ``LONG`` tokens admitted into an empty cache of ``BLOCKS`` blocks of
+  ``block_size`` 16 per rank until the scheduler stops admitting;
+* ``{"name": "engine_capacity", "model", "dcp1", "dcp4", "ratio"}`` (target: ratio >= 4);
+* ``{"name": "engine_decode_overhead", "model", "batch": 8, "engine_tokens_per_s",
+  "plain_tokens_per_s", "ratio"}``: one rank, 8 requests all decoding, the engine's decode
+  steps against a plain loop of :func:`cpbook.models.reference_forward` (one request at a time,
+  contiguous KV cache) over the same tokens; medians of ``--repeats`` rounds, taken in turns
+  (target: ratio >= 0.5).
+
+One intra-op thread (tiny tensors; several threads only contend on a shared CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from cpbook.engine import Engine, engine_config, max_concurrent_long_requests
+from cpbook.launch import run
+from cpbook.models import TinyModel, reference_forward
+from cpbook.timing import machine_record, serve_timing
+
+BLOCKS, LONG = 64, 255
+CONFIGS = [("tiny-gqa", 1, 1, 1), ("tiny-mla", 1, 1, 1), ("tiny-gqa", 4, 1, 1),
+           ("tiny-gqa", 4, 2, 1), ("tiny-mla", 4, 1, 1), ("tiny-mla", 4, 2, 1),
+           ("tiny-mla", 4, 4, 1), ("tiny-mla", 2, 2, 2)]
+
+
+def capacity(model: str, tp: int, dcp: int, pcp: int) -> int:
+    return max_concurrent_long_requests(engine_config(model, tp, dcp, pcp, block_size=16),
+                                        BLOCKS, LONG)
+
+
+def decode_overhead(model: str, batch: int, prompt_len: int, steps: int,
+                    repeats: int) -> dict[str, float]:
+    """Median seconds per decode step of ``batch`` requests: engine vs plain reference loop."""
+    m = TinyModel.from_name(model)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(m.config.vocab_size, (prompt_len,), generator=gen).tolist()
+               for _ in range(batch)]
+    eng_t, plain_t = [], []
+    for _ in range(repeats + 1):
+        eng = Engine(m, num_kv_blocks=batch * (prompt_len + steps + 8) // 4 + 8,
+                     max_num_batched_tokens=batch * prompt_len, max_num_seqs=batch)
+        ids = [eng.add_request(p, steps + 1) for p in prompts]
+        eng.step()  # every prompt's prefill in one step
+        assert all(eng.scheduler.requests[i].prefill_done for i in ids)
+        start = time.perf_counter()
+        for _ in range(steps):
+            rec = eng.step()
+            assert [k for _, k, _, _ in rec.chunks] == ["decode"] * batch
+        eng_t.append((time.perf_counter() - start) / steps)
+        caches = [[[] for _ in range(m.config.num_hidden_layers)] for _ in prompts]
+        last = [int(reference_forward(m, p, 0, c)[-1].argmax()) for p, c in zip(prompts, caches)]
+        start = time.perf_counter()
+        for s in range(steps):
+            for i, c in enumerate(caches):
+                last[i] = int(reference_forward(m, [last[i]], prompt_len + s, c)[-1].argmax())
+        plain_t.append((time.perf_counter() - start) / steps)
+    return {"engine": statistics.median(eng_t[1:]), "plain": statistics.median(plain_t[1:])}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json", action="store_true", help="print JSON lines (the default output)")
+    p.add_argument("--requests", type=int, default=6)
+    p.add_argument("--repeats", type=int, default=5)
+    a = p.parse_args(argv)
+    torch.set_num_threads(1)
+    print(json.dumps({"name": "engine_run", **machine_record()}), flush=True)
+    for model, tp, dcp, pcp in CONFIGS:
+        res = run(serve_timing, tp * pcp, "inline",
+                  {"model": model, "tensor_parallel_size": tp,
+                   "decode_context_parallel_size": dcp, "prefill_context_parallel_size": pcp,
+                   "num_requests": a.requests, "max_new_tokens": 8}, report=False)[0]
+        print(json.dumps({"name": "engine", "model": model, "tp": tp, "dcp": dcp, "pcp": pcp,
+                          "requests": a.requests, "tokens_per_s": round(res["tokens_per_s"], 1),
+                          "max_concurrent_long_requests": capacity(model, tp, dcp, pcp)}),
+              flush=True)
+    one, four = capacity("tiny-mla", 4, 1, 1), capacity("tiny-mla", 4, 4, 1)
+    print(json.dumps({"name": "engine_capacity", "model": "tiny-mla", "blocks_per_rank": BLOCKS,
+                      "block_size": 16, "request_tokens": LONG + 1, "dcp1": one, "dcp4": four,
+                      "ratio": four / one}), flush=True)
+    for model in ("tiny-gqa", "tiny-mla"):
+        t = decode_overhead(model, 8, 64, 16, a.repeats)
+        print(json.dumps({"name": "engine_decode_overhead", "model": model, "batch": 8,
+                          "engine_tokens_per_s": round(8 / t["engine"], 1),
+                          "plain_tokens_per_s": round(8 / t["plain"], 1),
+                          "ratio": round(t["plain"] / t["engine"], 3)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
