@@ -1,0 +1,206 @@
+"""Tests for chapter 8's cost model: layouts, TTFT/TPOT, reproductions, recommend, calibration."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+
+import pytest
+
+from cpbook import costmodel as cm
+from cpbook.costmodel import Layout as L
+from cpbook.costmodel import Workload, calibration, recommend
+
+DSV3, KIMI, QWEN3 = (cm.MODELS[k] for k in ("DeepSeek-V3", "Kimi-K2", "Qwen3-235B-A22B"))
+L8B, L70B, L405B = (cm.MODELS[k] for k in ("Llama-3.1-8B", "Llama-3.1-70B", "Llama-3.1-405B"))
+H100, H200, B200, A910 = (cm.GPUS[k] for k in ("H100", "H200", "B200", "Ascend910C"))
+M1 = 2**20
+
+PRE_SPLIT_NAMES = [  # every public name of cpbook/costmodel.py before the split
+    "GB", "GIB", "GPUSpec", "GPUS", "ModelSpec", "MODELS", "KV_DTYPE_BYTES",
+    "FP8_DS_MLA_BYTES_PER_TOKEN_PER_LAYER", "DEFAULT_ACTIVATION_RESERVE_BYTES",
+    "DEFAULT_GPU_MEMORY_UTILIZATION", "parallel_config", "kv_bytes_per_token",
+    "kv_bytes_for_context", "kv_replication", "kv_bytes_per_token_per_gpu",
+    "weight_bytes_per_gpu", "kv_budget_bytes_per_gpu", "max_context_tokens", "prefill_flops",
+    "decode_bytes_per_step", "LinkSpec", "LINKS", "COLLECTIVES", "collective_time",
+    "DECODE_MODES", "DEFAULT_HBM_EFFICIENCY", "DecodeLayerTime", "decode_layer_time",
+    "decode_break_even",
+]  # fmt: skip
+
+
+def test_package_keeps_every_name():
+    from cpbook.costmodel import max_context_tokens  # noqa: F401  (from-import still works)
+
+    assert all(hasattr(cm, n) for n in PRE_SPLIT_NAMES + cm.__all__)
+    assert set(PRE_SPLIT_NAMES) <= set(cm.__all__)
+
+
+# --------------------------------------------------------------------------------- memory
+
+
+def test_layout_kv_per_token_by_hand():
+    assert cm.layout_kv_bytes_per_token(DSV3, L(tp=8)) == 70_272  # 8 copies of the latent
+    assert cm.layout_kv_bytes_per_token(DSV3, L(tp=8, dcp=8)) == 70_272 / 8
+    assert cm.layout_kv_bytes_per_token(L8B, L(tp=8)) == 131_072 / 8  # one KV head each
+    assert cm.layout_kv_bytes_per_token(L8B, L(pcp=8)) == 131_072  # PCP keeps the whole cache
+    assert cm.layout_kv_bytes_per_token(QWEN3, L(tp=8, dcp=2)) == 192_512 / 4 / 2
+    assert cm.layout_kv_bytes_per_token(QWEN3, L(tp=8, dcp=2, tpa=True)) == 192_512 / 4 / 2
+    assert cm.layout_kv_bytes_per_token(DSV3, L(tp=8, dcp=8), "fp8") == 656 * 61 / 8
+
+
+def test_layout_agrees_with_pre_split_functions():
+    for model, tp, dcp in ((DSV3, 8, 8), (DSV3, 8, 1), (QWEN3, 8, 2), (L70B, 8, 1)):
+        lay = L(tp=tp, dcp=dcp)
+        assert cm.layout_kv_bytes_per_token(model, lay) == cm.kv_bytes_per_token_per_gpu(
+            model, tp, dcp
+        )
+        assert cm.layout_max_context(model, H200, lay) == cm.max_context_tokens(
+            model, H200, tp, dcp
+        )
+
+
+def test_weights_with_expert_parallelism_by_hand():
+    routed = 58 * 256 * 3 * 7168 * 2048  # DeepSeek-V3 config.json
+    assert DSV3.expert_params == routed
+    dense = 671e9 - routed
+    assert math.isclose(cm.layout_weight_bytes(DSV3, L(dp=8, ep=True)), dense + routed / 8)
+    assert cm.layout_weight_bytes(DSV3, L(tp=8)) == cm.weight_bytes_per_gpu(DSV3, 8) == 671e9 / 8
+    assert cm.layout_weight_bytes(L8B, L(tp=2, pcp=4)) == 8.03e9 * 2 / 2  # PCP replicates
+
+
+def test_max_concurrency_counts_replicas():
+    one = cm.max_concurrency(L8B, H200, L(), 4096)
+    assert cm.max_concurrency(L8B, H200, L(dp=8), 4096) == 8 * one
+    assert one == math.floor(cm.layout_kv_budget(L8B, H200, L()) / (131_072 * 4096))
+
+
+# ---------------------------------------------------------------------------- time
+
+
+def test_ttft_splits_flops_and_dcp_adds_nothing():
+    base = cm.ttft(L8B, H200, L(), 131072)
+    assert base.tp_comm_s == base.cp_comm_s == 0
+    mm, attn = cm.prefill_flops(L8B, 131072)
+    assert math.isclose(base.compute_s, (mm + attn) / (H200.bf16_flops * cm.DEFAULT_MFU))
+    assert cm.ttft(DSV3, H200, L(tp=8), 8192) == cm.ttft(DSV3, H200, L(tp=8, dcp=8), 8192)
+    for n in (2, 4, 8):  # claim pcp-ttft-x-ranks
+        ratio = base.total_s / cm.ttft(L8B, H200, L(pcp=n), 131072).total_s
+        assert 0.9 * n <= ratio <= n
+
+
+def test_tpot_matches_chapter6_break_even():
+    def slower(c):
+        return (
+            cm.tpot(DSV3, H200, L(tp=8, dcp=8), c).total_s > cm.tpot(DSV3, H200, L(tp=8), c).total_s
+        )
+
+    be = cm.decode_break_even(DSV3, H200, "dcp", tp=8, dcp=8)
+    assert slower(int(be * 0.99)) and not slower(int(be * 1.01))
+
+
+def test_meta_405b_prefill_within_30_percent():
+    """Yang et al., arXiv 2411.01783: 1M tokens in 77 s, 128K in 3.8 s, 128 H100 (TP8 x CP16)."""
+    kw = dict(cp_link=cm.LINKS["RDMA400"], cp_comm="ring")
+    for tokens, published in ((10**6, 77.0), (M1, 77.0), (128_000, 3.8), (2**17, 3.8)):
+        t = cm.ttft(L405B, H100, L(tp=8, pcp=16), tokens, **kw).total_s
+        assert abs(t / published - 1) <= 0.30, (tokens, t)
+
+
+def test_one_million_tokens_on_one_node():
+    def fits(gpu, dcp, kv, util=0.9):
+        return (
+            cm.layout_max_context(DSV3, gpu, L(tp=8, dcp=dcp), kv, gpu_memory_utilization=util)
+            >= M1
+        )
+
+    for gpu in (H200, A910):
+        assert fits(gpu, 8, "bf16") and fits(gpu, 8, "fp8") and not fits(gpu, 1, "bf16")
+    assert not fits(H200, 1, "fp8", 0.92) and fits(H200, 1, "fp8", 0.925)
+    with pytest.raises(ValueError, match="model-fits"):
+        cm.layout_max_context(KIMI, H200, L(tp=8, dcp=8), gpu_memory_utilization=0.95)
+
+
+def test_dcp_throughput_story_qualitatively():
+    """vLLM blog (Jul 2026): 1,863 -> 6,091 tok/s/GPU; concurrency x DCP, throughput less."""
+    kimi = replace(KIMI, weight_bytes_per_param=4.5 / 8)
+    c = {d: cm.max_concurrency(kimi, B200, L(tp=8, dcp=d), 67_000) for d in (1, 8)}
+    x = {d: cm.decode_throughput(kimi, B200, L(tp=8, dcp=d), 67_000, c[d]) for d in (1, 8)}
+    assert 7 <= c[8] / c[1] <= 9 and 2 < x[8] / x[1] < c[8] / c[1]
+
+
+def test_pcp_between_dp_and_tp():
+    for ctx in (32768, 131072):
+        t = {lay: cm.ttft(L8B, H200, lay, ctx).total_s for lay in (L(tp=8), L(pcp=8), L(dp=8))}
+        x = {
+            lay: cm.prefill_throughput(L8B, H200, lay, ctx) for lay in (L(tp=8), L(pcp=8), L(dp=8))
+        }
+        assert t[L(pcp=8)] < t[L(dp=8)] and t[L(pcp=8)] <= t[L(tp=8)]
+        assert x[L(tp=8)] < x[L(pcp=8)] < x[L(dp=8)]
+
+
+# ------------------------------------------------------------------------ recommend
+
+
+def test_recommend_three_decision_cases():
+    a = recommend("DeepSeek-V3", "H200", Workload(M1))
+    assert a.layout.dcp > 1 and a.longest_request >= M1
+    b = recommend("Llama-3.1-70B", "H200", Workload(131072, 4, ttft_target_s=15))
+    assert b.layout.pcp > 1 and b.ttft.total_s <= 15
+    c = recommend("Llama-3.1-8B", "H200", Workload(4096, 512))
+    assert (c.layout.dp, c.layout.dcp, c.layout.pcp) == (8, 1, 1)
+    assert all(r.reasons for r in (a, b, c))
+
+
+@pytest.mark.parametrize(
+    "call, rule",
+    [
+        (lambda: recommend("GPT-9", "H200", Workload(1024)), "known-model"),
+        (lambda: recommend("Llama-3.1-8B", "TPU", Workload(1024)), "known-gpu"),
+        (lambda: Workload(-5), "positive-workload"),
+        (lambda: Workload(1024, 0), "positive-workload"),
+        (lambda: recommend("Kimi-K2", "H200", Workload(1024)), "model-fits"),
+        (lambda: recommend("Llama-3.1-405B", "H200", Workload(8 * M1)), "request-fits"),
+        (lambda: cm.ttft(L8B, H200, L(), 0), "positive-tokens"),
+        (lambda: cm.tpot(L8B, H200, L(), 1024, batch=-1), "positive-tokens"),
+        (lambda: cm.max_concurrency(L8B, H200, L(), -1), "positive-tokens"),
+        (lambda: cm.layout_weight_bytes(DSV3, L(tp=3)), "heads-divisible-by-tp"),
+        (lambda: cm.layout_kv_bytes_per_token(L70B, L(tp=8, dcp=2)), "gqa-dcp-needs"),
+        (lambda: cm.ttft(L8B, H200, L(), 1024, cp_comm="ulysses"), "cp-comm"),
+    ],
+)
+def test_bad_input_raises_value_error(call, rule):
+    with pytest.raises(ValueError, match=rule):
+        call()
+
+
+# ---------------------------------------------------------------------- calibration
+
+
+def test_calibration_holds_out_and_predicts():
+    points = calibration.load_points()
+    held = [p for p in points if calibration.is_validation(p)]
+    fit, rows = calibration.calibrate(points)
+    assert len(held) == len(rows) >= 8 and len(points) - len(held) >= 30
+    assert {p.bench for p in held} == {"decode_step", "pcp_prefill", "chunked_prefill"}
+    assert fit.alpha_s > 0 and fit.beta_s_per_byte > 0 and fit.prefill_flops_per_s > 0
+    refit = calibration.fit([p for p in points if not calibration.is_validation(p)])
+    assert refit == fit  # the held-out runs never enter the fit
+    assert sum(abs(r["error"]) <= 0.20 for r in rows) >= 19
+
+
+def test_bench_calibrate_prints_json_lines(capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "calibrate.py"
+    spec = importlib.util.spec_from_file_location("calibrate", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.main(["--json"])
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert lines[0]["name"] == "costmodel_fit"
+    val = [x for x in lines if x["name"] == "costmodel_validation"]
+    assert val and all(set(x) >= {"config", "predicted_ms", "measured_ms", "error"} for x in val)
+    for x in val:
+        assert math.isclose(x["error"], x["predicted_ms"] / x["measured_ms"] - 1, abs_tol=2e-3)
