@@ -9,6 +9,7 @@ states are the counts of its rows.  Reads files only: no notebook is executed.
 """
 
 import ast
+import functools
 import json
 import re
 from collections import Counter
@@ -75,6 +76,7 @@ def _ledger_refs() -> list[tuple[int, str]]:
     return [(int(ch), slug) for row in _rows() for ch, slug in REF.findall(row)]
 
 
+@functools.lru_cache(maxsize=None)
 def _claims_in(path: Path) -> tuple[set[str], dict[str, list[str]]]:
     """Labels at the top of markdown cells, and tagged code cells' sources, by slug."""
     labels, tagged = set(), {}
