@@ -37,10 +37,12 @@ import numpy as np
 
 from . import costmodel as cm
 from .dynamic import Router, cp_line
+from .migration import migration_plan
 
 __all__ = ["Workload", "Cluster", "POLICIES", "make_workload", "policy_router", "simulate", "sweep"]
 
 POLICIES = ("static_dp", "static_cp", "dynamic_cp", "dynamic_cp_tpa")
+_NEVER = np.iinfo(np.int64).max // 2  # steps until a migration that never comes
 
 
 @dataclass(frozen=True)
@@ -167,18 +169,39 @@ def _prefill(cluster: Cluster, w: Workload, sizes: np.ndarray) -> np.ndarray:
     return end
 
 
-def simulate(cluster: Cluster, w: Workload, policy: str, router: Router | None = None) -> dict:
+def simulate(
+    cluster: Cluster,
+    w: Workload,
+    policy: str,
+    router: Router | None = None,
+    expected_output: int | None = None,
+) -> dict:
     """Run ``policy`` on workload ``w`` (with ``router`` instead of the policy's own, if given;
-    CP groups pay TPA's costs when ``router.tpa``); returns per-request times and metrics."""
+    CP groups pay TPA's costs when ``router.tpa``); returns per-request times and metrics.
+
+    With ``expected_output``, a request starts on the size the router gives its prompt plus
+    ``expected_output`` tokens and, if its true length routes it higher, **migrates** when its
+    context reaches that size's threshold (or its first GPU's capacity): every GPU waits while
+    the tokens that change owner cross one link (``alpha + bytes / bandwidth``, the bytes of
+    :func:`cpbook.migration.migration_plan`).  The destination's KV is reserved at admission.
+    """
     router = policy_router(cluster, policy) if router is None else router
     tpa = router.tpa
     g_n, cap = cluster.decode_gpus, cluster.capacity_tokens()
     m, _ = cluster.spec
-    layers = m.num_layers
+    layers, link = m.num_layers, cm.LINKS[cluster.link]
     sizes = router.route_many(w.total)
+    start = (
+        sizes
+        if expected_output is None
+        else np.minimum(sizes, router.route_many(w.prompt + expected_output))
+    )
+    thr = np.asarray([0.0] + router.thresholds)[[router.cp_sizes.index(n) for n in sizes]]
+    mig_ctx = np.maximum(np.minimum(thr, start * cap), w.prompt + 1).astype(np.int64)
+    migrates = (start < sizes) & (mig_ctx < w.total - 1)
     n_req = len(w.arrival)
     rejected = w.total > sizes * cap
-    prefill_end = _prefill(cluster, w, sizes)
+    prefill_end = _prefill(cluster, w, start)
     ttft = prefill_end - w.arrival
     t_w = cluster.weights_step_s()
     terms = {n: cluster.attention_terms(n, tpa) for n in set(sizes.tolist()) | {1}}
@@ -191,35 +214,77 @@ def simulate(cluster: Cluster, w: Workload, policy: str, router: Router | None =
     grow = np.zeros(g_n)  # tokens added per step per GPU
     group_reqs: dict[tuple[int, int], int] = {}  # (n, group) -> requests decoding on it
     finish = np.full(n_req, np.nan)
-    where = np.full(n_req, -1)
-    act_id, act_rem = np.empty(0, np.int64), np.empty(0, np.int64)
+    cur_n, cur_j, dest_j = start.copy(), np.full(n_req, -1), np.full(n_req, -1)
+    act_id, act_rem, act_mig = (np.empty(0, np.int64) for _ in range(3))
     waiting: list[int] = []
     now, nxt, steps, decode_tokens, peak = 0.0, 0, 0, 0, 0.0
+    moved_bytes, n_moved = 0, 0
     clock, produced = [0.0], [0]  # decode tokens produced by each event time
 
-    def admit(i: int) -> bool:
-        n, need = int(sizes[i]), float(-(-int(w.total[i]) // int(sizes[i])))
+    def place(i: int, n: int, j: int, tokens: float, sign: int) -> None:
+        sl = slice(j * n, (j + 1) * n)
+        tok[sl] += sign * tokens / n
+        grow[sl] += sign / n
+        if n > 1:
+            group_reqs[(n, j)] = group_reqs.get((n, j), 0) + sign
+
+    def hold(n: int, tokens: int) -> tuple[int, float] | None:
+        need = float(-(-tokens // n))
         gfree = free.reshape(-1, n).min(axis=1)
         j = int(np.argmax(gfree))
         if gfree[j] < need:
+            return None
+        free[j * n : (j + 1) * n] -= need
+        return j, need
+
+    def admit(i: int) -> bool:
+        first = int(mig_ctx[i]) if migrates[i] else int(w.total[i])
+        dest = hold(int(sizes[i]), int(w.total[i])) if migrates[i] else None
+        if migrates[i] and dest is None:
             return False
-        sl = slice(j * n, (j + 1) * n)
-        free[sl] -= need
-        tok[sl] += w.prompt[i] / n
-        grow[sl] += 1.0 / n
-        if n > 1:
-            group_reqs[(n, j)] = group_reqs.get((n, j), 0) + 1
-        where[i] = j
+        got = hold(int(start[i]), first)
+        if got is None:
+            if dest is not None:
+                n = int(sizes[i])
+                free[dest[0] * n : (dest[0] + 1) * n] += dest[1]
+            return False
+        cur_j[i] = got[0]
+        dest_j[i] = -1 if dest is None else dest[0]
+        place(i, int(start[i]), got[0], float(w.prompt[i]), 1)
         return True
 
-    def release(i: int) -> None:
-        n, j = int(sizes[i]), int(where[i])
-        sl = slice(j * n, (j + 1) * n)
-        free[sl] += float(-(-int(w.total[i]) // n))
-        tok[sl] -= (w.prompt[i] + w.output[i] - 1) / n
-        grow[sl] -= 1.0 / n
-        if n > 1:
-            group_reqs[(n, j)] -= 1
+    def release(i: int, n: int, j: int, reserved: int, tokens: int) -> None:
+        free[j * n : (j + 1) * n] += float(-(-reserved // n))
+        place(i, n, j, float(tokens), -1)
+
+    def migrate(i: int) -> float:
+        nonlocal moved_bytes, n_moved
+        ctx, n0, j0, n1, j1 = (
+            int(mig_ctx[i]),
+            int(start[i]),
+            int(cur_j[i]),
+            int(sizes[i]),
+            int(dest_j[i]),
+        )
+        release(i, n0, j0, ctx, ctx)
+        place(i, n1, j1, float(ctx), 1)
+        cur_n[i], cur_j[i] = n1, j1
+        plan = migration_plan(ctx, n0, n1)  # interleave 1 on both sides
+        new_rank = {j1 * n1 + r: r for r in range(n1)}
+        kept = sum(
+            int(plan[r, new_rank[j0 * n0 + r]]) for r in range(n0) if j0 * n0 + r in new_rank
+        )
+        moved = (ctx - kept) * cm.kv_bytes_per_token(m)
+        moved_bytes, n_moved = moved_bytes + moved, n_moved + 1
+        return link.alpha_s + moved / link.bw_bytes_per_s
+
+    def finish_request(i: int) -> None:
+        n1, tokens = int(sizes[i]), int(w.total[i] - 1)
+        if dest_j[i] >= 0 and cur_n[i] != n1:  # never reached its migration point
+            free[dest_j[i] * n1 : (dest_j[i] + 1) * n1] += float(-(-int(w.total[i]) // n1))
+            release(i, int(cur_n[i]), int(cur_j[i]), int(mig_ctx[i]), tokens)
+        else:
+            release(i, int(cur_n[i]), int(cur_j[i]), int(w.total[i]), tokens)
 
     while nxt < len(order) or waiting or len(act_id):
         t_next = prefill_end[order[nxt]] if nxt < len(order) else math.inf
@@ -231,7 +296,7 @@ def simulate(cluster: Cluster, w: Workload, policy: str, router: Router | None =
                 if cnt:
                     a, b, _ = terms[n]
                     fixed[j * n : (j + 1) * n] += a + b * cnt
-            k_max = int(act_rem.min())
+            k_max = int(min(act_rem.min(), act_mig.min()))
             ks = np.arange(k_max)
             per_gpu = gamma * (tok[:, None] + grow[:, None] * ks[None, :]) + fixed[:, None]
             dt = t_w + layers * per_gpu.max(axis=0)
@@ -243,12 +308,15 @@ def simulate(cluster: Cluster, w: Workload, policy: str, router: Router | None =
             tok += grow * k
             clock.append(now)
             produced.append(decode_tokens)
-            act_rem = act_rem - k
+            act_rem, act_mig = act_rem - k, act_mig - k
+            for i in act_id[act_mig == 0].tolist():
+                now += migrate(i)
+            act_mig = np.where(act_mig == 0, _NEVER, act_mig)
             done = act_rem == 0
             for i in act_id[done].tolist():
                 finish[i] = now
-                release(i)
-            act_id, act_rem = act_id[~done], act_rem[~done]
+                finish_request(i)
+            act_id, act_rem, act_mig = act_id[~done], act_rem[~done], act_mig[~done]
         while nxt < len(order) and prefill_end[order[nxt]] <= now:
             waiting.append(int(order[nxt]))
             nxt += 1
@@ -259,11 +327,14 @@ def simulate(cluster: Cluster, w: Workload, policy: str, router: Router | None =
         if new:
             act_id = np.concatenate([act_id, np.array(new, np.int64)])
             act_rem = np.concatenate([act_rem, w.output[new] - 1])
+            act_mig = np.concatenate(
+                [act_mig, np.where(migrates[new], mig_ctx[new] - w.prompt[new], _NEVER)]
+            )
         peak = max(peak, 1.0 - float(free.min()) / cap)
         if not len(act_id) and waiting and nxt == len(order):
             raise RuntimeError("[decode-progress] requires an admissible request; none fits")
     window = float(np.interp(w.arrival[-1], clock, produced)) / w.arrival[-1]
-    return _summary(
+    out = _summary(
         w,
         policy,
         router,
@@ -277,6 +348,7 @@ def simulate(cluster: Cluster, w: Workload, policy: str, router: Router | None =
         peak,
         window,
     )
+    return {**out, "migrations": n_moved, "migrated_bytes": int(moved_bytes)}
 
 
 def _summary(

@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cpbook.dynamic import Router
 from cpbook.simulator import POLICIES, Cluster, make_workload, simulate
 
 CLUSTER = Cluster()
@@ -42,6 +43,17 @@ def test_policies_route_as_configured():
     assert 0 < res["dynamic_cp"]["cp_requests"] <= res["dynamic_cp_tpa"]["cp_requests"]
 
 
+def test_growing_requests_migrate_and_are_conserved():
+    w = make_workload(300, 0.5, seed=2, output_median=6_000, max_output=200_000)
+    router = Router([32_768], [1, 8], tpa=True, capacity_tokens=CLUSTER.capacity_tokens())
+    oracle = simulate(CLUSTER, w, "dynamic_cp_tpa", router)
+    moving = simulate(CLUSTER, w, "dynamic_cp_tpa", router, expected_output=0)
+    grows = int(((w.prompt < 32_768) & (w.total > 32_768 + 1)).sum())
+    assert oracle["migrations"] == 0 and moving["migrations"] == grows > 0
+    assert moving["migrated_bytes"] > 0 and moving["cp_requests"] == oracle["cp_requests"]
+    _check_conservation(w, moving)
+
+
 @settings(max_examples=15, deadline=None)
 @given(
     n=st.integers(1, 60),
@@ -49,7 +61,10 @@ def test_policies_route_as_configured():
     long_fraction=st.floats(0.0, 1.0),
     seed=st.integers(0, 2**16),
     policy=st.sampled_from(POLICIES),
+    expected=st.sampled_from([None, 0, 400]),
 )
-def test_small_random_workloads_conserve(n, rate, long_fraction, seed, policy):
-    w = make_workload(n, rate, long_fraction=long_fraction, seed=seed, max_prompt=800_000)
-    _check_conservation(w, simulate(CLUSTER, w, policy))
+def test_small_random_workloads_conserve(n, rate, long_fraction, seed, policy, expected):
+    w = make_workload(
+        n, rate, long_fraction=long_fraction, seed=seed, max_prompt=800_000, max_output=60_000
+    )
+    _check_conservation(w, simulate(CLUSTER, w, policy, expected_output=expected))
