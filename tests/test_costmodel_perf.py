@@ -204,3 +204,22 @@ def test_bench_calibrate_prints_json_lines(capsys):
     assert val and all(set(x) >= {"config", "predicted_ms", "measured_ms", "error"} for x in val)
     for x in val:
         assert math.isclose(x["error"], x["predicted_ms"] / x["measured_ms"] - 1, abs_tol=2e-3)
+
+
+def test_appendix_moe_and_link_tables_match_costmodel():
+    from tests.test_costmodel import appendix_table, cited, key, num
+
+    moe = appendix_table("tab-moe")
+    assert [key(r["Key"]) for r in moe] == [k for k, m in cm.MODELS.items() if m.expert_params]
+    for row in moe:
+        model = cm.MODELS[key(row["Key"])]
+        assert num(row["Active per token (billions)"]) * 1e9 == model.active_params
+        assert row["Routed experts (billions)"] == f"{model.expert_params / 1e9:,.1f}"
+        assert cited(row["Source"]) == model.source
+    links = appendix_table("tab-links")
+    assert [key(r["Key"]) for r in links] == list(cm.LINKS)
+    for row in links:
+        link = cm.LINKS[key(row["Key"])]
+        assert math.isclose(num(row["α (µs)"]) * 1e-6, link.alpha_s)
+        assert math.isclose(num(row["Bandwidth per direction (GB/s)"]) * 1e9, link.bw_bytes_per_s)
+        assert cited(row["Source"]) == link.source
