@@ -126,6 +126,12 @@ def test_linked_section_and_asserting_cell_exist(chapter, slug):
     assert any(_asserts(src) for src in tagged[slug]), f"claim-{slug}: no cell asserts"
 
 
+def test_each_claim_label_is_defined_once():
+    # Sphinx resolves a label defined twice to one of the two: the ledger's link could move
+    where = Counter(slug for path in _chapters().values() for slug in _claims_in(path)[0])
+    assert not [slug for slug, n in where.items() if n > 1]
+
+
 def test_every_claim_label_in_the_book_is_in_the_ledger():
     listed = {slug for _, slug in _ledger_refs()}
     for path in _chapters().values():
