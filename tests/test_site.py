@@ -6,8 +6,8 @@ CDN scripts such as MathJax are unreachable offline, are blocked on purpose, and
 needed nor reported); every image loads and has alt text; every explorer
 (``cpbook.widgets.explorer``) shows another panel when a control changes, and the panel of the
 original values when they come back; no page is wider than the viewport at either width; every
-internal link and its fragment resolve.  Saves each chapter's first screen at both widths under
-``_build/screenshots/`` (next to ``html/``).
+internal link and its fragment resolve.  Saves each chapter's first screen at both widths, and
+each explorer at 1280 px, under ``_build/screenshots/`` (next to ``html/``).
 
 Uses ``$CPBOOK_SITE_HTML`` if set, else ``_build/html`` when it is newer than every source of
 the book (``.ci/run`` builds the book first), else builds the book into a temporary folder.
@@ -220,10 +220,20 @@ class Browser:
         except TimeoutError:
             pass
 
-    def screenshot(self, path: Path) -> None:
+    def screenshot(self, path: Path, selector: str | None = None, index: int = 0) -> None:
+        """The viewport, or the ``index``-th element matching ``selector``."""
         import base64
 
-        data = self.call("Page.captureScreenshot", session=True, format="png")["data"]
+        params: dict = {"format": "png"}
+        if selector:
+            box = self.js(
+                f"(() => {{const e = document.querySelectorAll({json.dumps(selector)})[{index}];"
+                "e.scrollIntoView({block: 'start'}); const r = e.getBoundingClientRect();"
+                "return {x: r.left + scrollX, y: r.top + scrollY, width: r.width,"
+                "height: Math.min(r.height, innerHeight - r.top), scale: 1};})()"
+            )
+            params["clip"] = box
+        data = self.call("Page.captureScreenshot", session=True, **params)["data"]
         path.write_bytes(base64.b64decode(data))
 
     def close(self) -> None:
@@ -262,6 +272,7 @@ EXPLORERS_JS = """Array.from(document.querySelectorAll('.cpx')).map(root => {
   const visible = () => Array.from(root.querySelectorAll('.cpx-panel'))
                              .findIndex(p => !p.hidden);
   const ctrls = Array.from(root.querySelectorAll('[data-cpx-control]'));
+  const map = JSON.parse(root.getAttribute('data-cpx-map'));
   const start = visible();
   const result = {id: root.id, ready: root.getAttribute('data-cpx-ready'), start: start,
                   controls: {}};
@@ -274,8 +285,11 @@ EXPLORERS_JS = """Array.from(document.querySelectorAll('.cpx')).map(root => {
       c.value = String(v);
       c.dispatchEvent(new Event(c.tagName === 'SELECT' ? 'change' : 'input'));
       const out = c.parentNode.querySelector('output');
-      changed.push({value: v, panel: visible(),
-                    label: out ? out.textContent : c.options[v].textContent});
+      const key = ctrls.map(x => x.value).join('.');
+      const names = JSON.parse(c.getAttribute('data-cpx-names'));
+      changed.push({value: v, panel: visible(), want: map[key],
+                    label: out ? out.textContent : c.options[c.selectedIndex].textContent,
+                    name: names[v]});
     }
     c.value = orig;
     c.dispatchEvent(new Event('change'));
@@ -326,9 +340,10 @@ def test_every_page_in_chromium(site: Path, server: str, browser: Browser):
         chapter = page.startswith("notebooks/")
         if chapter:
             browser.screenshot(shots / f"{Path(page).stem}-{wide}.png")
-        for ex in browser.js(EXPLORERS_JS):
+        for i, ex in enumerate(browser.js(EXPLORERS_JS)):
             explorers += 1
             problems += explorer_problems(page, ex)
+            browser.screenshot(shots / f"{Path(page).stem}-explorer{i}-{wide}.png", ".cpx", i)
         # the same page, re-laid out at each width (CSS media queries apply without a reload)
         for width in WIDTHS:
             browser.resize(width)
@@ -354,6 +369,10 @@ def explorer_problems(page: str, ex: dict) -> list[str]:
             out.append(f"{where}: control {name} never changes the output")
         if any(c["panel"] < 0 for c in changes):
             out.append(f"{where}: control {name} leaves no panel visible")
+        if any(c["panel"] != c["want"] for c in changes):
+            out.append(f"{where}: control {name} shows a panel of other values")
+        if any(c["label"] != c["name"] for c in changes):
+            out.append(f"{where}: control {name} reads a value it does not hold")
     if ex["back"] != ex["start"]:
         out.append(f"{where}: restoring the controls does not restore the panel")
     return out

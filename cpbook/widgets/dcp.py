@@ -44,11 +44,12 @@ def comm_bars_html(
         'align-items:center;max-width:40em;font-size:.9em">'
     ]
     for label, n, colour in rows:
-        width = 100 * min(n / scale, 1)
+        width = 80 * min(n / scale, 1)  # the longest bar leaves room for its value
         out.append(
             f"<span>{html.escape(label)}</span><span style='display:flex;align-items:center;"
             f"gap:.4em'><span style='display:inline-block;height:1em;width:{width:.2f}%;"
-            f"min-width:1px;background:{colour}'></span><span>{_kb(n)}</span></span>"
+            f"min-width:1px;background:{colour}'></span><span style='white-space:nowrap'>{_kb(n)}"
+            "</span></span>"
         )
     out.append("</div>")
     ratio = kv / sent if sent else float("inf")
