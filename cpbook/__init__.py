@@ -12,6 +12,8 @@ One concept per module:
 * ``zigzag``, ``pcp`` — the DualChunkSwap partition; PCP prefill attention (chapter 4);
 * ``dynamic``, ``migration``, ``simulator`` — dynamic CP: the length router, live migration of a
   running request from CP = N to CP = M, the workload simulator of four policies (chapter 7);
+* ``models``, ``scheduler``, ``runner``, ``engine`` — tiny GQA/MLA decoders and the mini serving
+  engine (continuous batching, paged KV, prefix caching, TP × DCP × PCP), ``serve`` (chapter 9);
 * ``costmodel`` — sourced specs, memory, TTFT/TPOT, calibration, ``recommend`` (chapters 1, 6, 8);
 * ``timing`` — clocks for ``bench/`` only;
 * ``demos`` — the registry of every chapter's per-rank function, behind ``python -m cpbook``;

@@ -1,0 +1,74 @@
+"""Figures of chapter 9: what one engine step batches, and a run's step timeline.
+
+Both take :class:`cpbook.engine.StepRecord` lists from a real run (``Engine.history``).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from matplotlib.patches import Patch, Rectangle
+
+from . import PALETTE, figure
+
+__all__ = ["KIND_COLORS", "step_batch_figure", "timeline_figure"]
+
+_WIDTH = 6.25  # the book's text column at 110 dpi (see viz.chunked)
+KIND_COLORS = {"prefill": PALETTE[0], "chunked_prefill": PALETTE[4], "decode": PALETTE[2]}
+_NAMES = {"prefill": "prefill", "chunked_prefill": "chunked prefill", "decode": "decode"}
+_CACHED, _WAIT, _PREEMPT = "#BBBBBB", "#EEEEEE", PALETTE[5]
+
+
+def step_batch_figure(record, budget: int):
+    """One step's batch: per scheduled request, the tokens already in the KV cache (grey) and
+    the tokens this step computes (coloured by kind), with the step's token budget."""
+    fig, ax = figure(figsize=(_WIDTH, 0.5 + 0.42 * len(record.chunks)))
+    for row, (rid, kind, start, n) in enumerate(record.chunks):
+        y = len(record.chunks) - 1 - row
+        ax.barh(y, start, color=_CACHED, height=0.6)
+        ax.barh(y, n, left=start, color=KIND_COLORS[kind], height=0.6)
+        ax.text(start + n + 0.8, y, f"+{n}", va="center", fontsize=9)
+    ax.set_yticks(range(len(record.chunks)),
+                  [f"req {c[0]}" for c in reversed(record.chunks)], fontsize=9)
+    ax.set_xlabel("token position in the request")
+    ax.set_title(f"step {record.step}: {record.num_batched_tokens} of {budget} budget tokens",
+                 fontsize=10)
+    handles = [Patch(color=_CACHED, label="already cached")] + [
+        Patch(color=KIND_COLORS[k], label=_NAMES[k]) for k in KIND_COLORS]
+    ax.legend(handles=handles, fontsize=8, loc="lower right", frameon=False)
+    ax.spines[["top", "right"]].set_visible(False)
+    fig.tight_layout()
+    return fig
+
+
+def timeline_figure(history: Sequence, request_ids: Sequence[str]):
+    """Requests (rows) by steps (columns): the kind of work each request got in each step,
+    waiting (light grey), preempted (red outline); finished requests leave the chart."""
+    fig, ax = figure(figsize=(_WIDTH, 0.6 + 0.32 * len(request_ids)))
+    row = {rid: len(request_ids) - 1 - i for i, rid in enumerate(request_ids)}
+    done: set[str] = set()
+    for rec in history:
+        x = rec.step - 1
+        ran = {c[0]: c for c in rec.chunks}
+        for rid in request_ids:
+            if rid in done:
+                continue
+            color = KIND_COLORS[ran[rid][1]] if rid in ran else _WAIT
+            ax.add_patch(Rectangle((x, row[rid] - 0.4), 0.92, 0.8, color=color, lw=0))
+            if rid in rec.preempted:
+                ax.add_patch(Rectangle((x, row[rid] - 0.4), 0.92, 0.8, fill=False, lw=1.6,
+                                       edgecolor=_PREEMPT))
+        done |= set(rec.finished)
+    ax.set_xlim(0, len(history))
+    ax.set_ylim(-0.6, len(request_ids) - 0.4)
+    ax.set_yticks(range(len(request_ids)), [f"req {r}" for r in reversed(request_ids)],
+                  fontsize=9)
+    ax.set_xlabel("engine step")
+    handles = [Patch(color=KIND_COLORS[k], label=_NAMES[k]) for k in KIND_COLORS] + [
+        Patch(color=_WAIT, label="waiting"),
+        Patch(fill=False, edgecolor=_PREEMPT, lw=1.6, label="preempted")]
+    ax.legend(handles=handles, fontsize=8, ncol=5, loc="upper center",
+              bbox_to_anchor=(0.5, -0.28 if len(request_ids) > 4 else -0.45), frameon=False)
+    ax.spines[["top", "right"]].set_visible(False)
+    fig.tight_layout()
+    return fig
