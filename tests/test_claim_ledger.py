@@ -101,6 +101,13 @@ def test_every_row_has_one_status_and_a_source():
                 or REF.search(row), row
 
 
+def test_doc_links_name_existing_chapters():
+    for row in _rows():
+        for ch, target in re.findall(r"\{doc\}`Ch\. (\d+) <\.\./notebooks/([^>]+)>`", row):
+            assert (NOTEBOOKS / f"{target}.ipynb").exists(), row
+            assert target.startswith(f"{int(ch):02d}_"), row
+
+
 def test_stated_counts_match_the_rows():
     m = COUNTS.search(LEDGER.read_text())
     assert m, "the ledger states its counts"
