@@ -30,6 +30,7 @@ DEMOS: dict[str, tuple[int, str]] = {
     "ring": (5, "cpbook.ring:ring_prefill_rank"),
     "tpa": (6, "cpbook.tpa:tpa_rank"),
     "migrate": (7, "cpbook.migration:migration_rank"),
+    "engine": (9, "cpbook.engine:serve_rank"),
 }
 
 

@@ -250,6 +250,11 @@ def serve_rank(ctx: RankContext, *, model: str = "tiny-gqa", tensor_parallel_siz
                  max_num_seqs=max_num_seqs, strategy=strategy, seed=seed, dtype=dtype)
     prompts = make_prompts(num_requests, seed, eng.model.config.vocab_size)
     outs = eng.generate(prompts, max_new_tokens)
+    c = eng.groups.coords
+    print(f"{model} tp {cfg.tp} dcp {cfg.dcp} pcp {cfg.pcp}, rank {ctx.rank} (tp {c.tp_rank}, "
+          f"pcp {c.pcp_rank}, dcp {c.dcp_rank}): {len(eng.history)} steps, "
+          f"{eng.scheduler.num_preemptions} preemptions, {eng.prefix_hit_tokens} prefix-hit "
+          f"tokens; request 0 -> {list(outs[0].tokens)}")
     return {
         "model": model, "tp": cfg.tp, "dcp": cfg.dcp, "pcp": cfg.pcp, "rank": ctx.rank,
         "prompts": prompts, "tokens": [list(o.tokens) for o in outs],

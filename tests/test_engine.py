@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -163,3 +165,19 @@ def test_engine_is_deterministic_across_strategies():
         assert dict(eng.runner.strategies).keys() == {strategy}
     assert outs[0] == outs[1]
     assert torch.get_default_dtype() == torch.float32  # the engine did not change it
+
+
+def test_serve_cli_json_and_errors(capsys):
+    from cpbook.__main__ import main
+
+    assert main(["serve", "--model", "tiny-mla", "--tp", "2", "--dcp", "2", "--requests", "3",
+                 "--max-new-tokens", "3", "--json"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [x["name"] for x in lines] == ["request"] * 3 + ["engine_summary"]
+    ref = reference_generate(TinyModel.from_name("tiny-mla"), make_prompts(3, 0)[1], 3)
+    assert lines[1]["tokens"] == ref and lines[1]["prompt_len"] == len(make_prompts(3, 0)[1])
+    assert {"model", "tp", "dcp", "pcp", "steps", "tokens_per_s", "prefix_hit_tokens",
+            "preemptions"} <= set(lines[-1])
+    assert main(["serve", "--model", "tiny-gqa", "--tp", "2", "--dcp", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("cpbook: error: [gqa-dcp-needs-replicated-kv] requires")
