@@ -79,6 +79,14 @@ def server(site: Path):
 
 
 class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    """Keep-alive, and the theme's assets cached across pages (the site does not change)."""
+
+    protocol_version = "HTTP/1.1"
+
+    def end_headers(self) -> None:
+        self.send_header("Cache-Control", "max-age=3600")
+        super().end_headers()
+
     def log_message(self, *args) -> None:
         pass
 

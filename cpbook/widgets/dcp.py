@@ -11,7 +11,11 @@ from .explorer import Control, Explorer
 __all__ = ["comm_bars_html", "comm_explorer"]
 
 _COLOURS = {"all_gather": "#0072B2", "reduce_scatter": "#E69F00", "all_to_all": "#009E73"}
-_NAMES = {"all_gather": "AllGather", "reduce_scatter": "ReduceScatter", "all_to_all": "All2All"}
+# what each call of ``decode_comm_bytes`` carries, in call order
+_NAMES = {
+    "ag_rs": ["AllGather Q", "AllGather LSE", "ReduceScatter out"],
+    "a2a": ["AllGather Q", "All2All out + LSE"],
+}
 
 
 def _kb(n: float) -> str:
@@ -35,7 +39,8 @@ def comm_bars_html(
         num_reqs, heads_per_rank, head_dim, head_dim, dcp, dcp_comm_backend, elem_bytes
     )
     kv = num_reqs * 2 * head_dim * elem_bytes * -(-context // dcp)
-    rows = [(f"{i + 1}. {_NAMES[op]}", n, _COLOURS[op]) for i, (op, n) in enumerate(calls)]
+    names = _NAMES[dcp_comm_backend]
+    rows = [(f"{i + 1}. {names[i]}", n, _COLOURS[op]) for i, (op, n) in enumerate(calls)]
     sent = sum(n for _, n in calls)
     rows += [("sent, total", sent, "#555555"), ("KV read", kv, "#CC79A7")]
     scale = scale or max(n for _, n, _ in rows)
@@ -54,7 +59,8 @@ def comm_bars_html(
     out.append("</div>")
     ratio = kv / sent if sent else float("inf")
     out.append(
-        f"<p>DCP={dcp}, <code>{dcp_comm_backend}</code>, {num_reqs} request(s) of "
+        f"<p>DCP={dcp}, <code>{dcp_comm_backend}</code>, {num_reqs} "
+        f"request{'s' if num_reqs > 1 else ''} of "
         f"{context // 1024}K tokens: {len(calls)} collectives, {_kb(sent)} sent per rank and "
         f"layer; the rank reads {_kb(kv)} of KV, "
         + (f"{ratio:,.0f}× what it sends.</p>" if sent else "and sends nothing.</p>")
