@@ -98,7 +98,9 @@ def ttft(
     all-gather before attention (:func:`cpbook.pcp.pcp_comm_bytes`, not overlapped),
     ``"ring"`` Meta's pass-KV ring (:func:`cpbook.ring_plan.ring_comm_bytes`), each step
     hidden behind that step's attention.  ``link`` is TP's, ``cp_link`` the CP group's
-    (defaults: the GPU's scale-up link).  MoE models count active parameters only.
+    (defaults: the GPU's scale-up link).  MoE models count active parameters only; attention
+    FLOPs are :func:`prefill_flops`'s (for MLA, ``head_dim`` 192 for QK and PV alike: about
+    20 % above the 128-wide PV product).
     """
     from ..pcp import pcp_comm_bytes, pcp_restore_bytes
     from ..ring_plan import ring_comm_bytes
@@ -129,6 +131,7 @@ def ttft(
         calls = pcp_comm_bytes(rows, kvh, d, n, dv, kv_bytes)
         cp_s = layers * sum(collective_time(op, b, n, cp_link) for op, b in calls)
     elif n > 1:
+        # a pass-KV step sends K and V rows (2 x head_dim each); (d + dv) / 2 gives K + V widths
         steps = ring_comm_bytes(
             "pass_kv", [prompt_tokens], [0], 1, kvh, (d + dv) // 2, n, 0, kv_bytes
         )
