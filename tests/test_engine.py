@@ -91,18 +91,14 @@ def test_one_rank_logits_match_the_reference_to_1e10():
 
 def test_inline_grid_subset(refs):
     """One DCP layout per kind: inside TP (GQA 4x2x1), over PCP (GQA 1x2x2), MLA inside TP
-    (2x2x1) and over the whole world (2x4x2)."""
+    (2x2x1) and over the whole world (2x4x2).  All 23 layouts run inline in
+    notebooks/09_engine.ipynb, which nbval re-executes."""
     pick = {("tiny-gqa", 1, 2, 2), ("tiny-mla", 2, 2, 1), ("tiny-gqa", 4, 2, 1),
             ("tiny-mla", 2, 4, 2)}
     runs = [r for r in grid_runs(**WORK)
             if (r["model"], r["tensor_parallel_size"], r["decode_context_parallel_size"],
                 r["prefill_context_parallel_size"]) in pick]
     assert check_grid(runs, [2, 4], "inline", refs) == 4
-
-
-@pytest.mark.slow
-def test_inline_full_grid(refs):
-    assert check_grid(grid_runs(**WORK), [1, 2, 4, 8], "inline", refs) == 23
 
 
 @pytest.mark.torchrun

@@ -5,7 +5,7 @@ Both take :class:`cpbook.engine.StepRecord` lists from a real run (``Engine.hist
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from matplotlib.patches import Patch, Rectangle
 
@@ -22,12 +22,12 @@ _CACHED, _WAIT, _PREEMPT = "#BBBBBB", "#EEEEEE", PALETTE[5]
 def step_batch_figure(record, budget: int):
     """One step's batch: per scheduled request, the tokens already in the KV cache (grey) and
     the tokens this step computes (coloured by kind), with the step's token budget."""
-    fig, ax = figure(figsize=(_WIDTH, 0.5 + 0.42 * len(record.chunks)))
+    fig, ax = figure(figsize=(_WIDTH, 1.2 + 0.42 * len(record.chunks)), layout="constrained")
     for row, (rid, kind, start, n) in enumerate(record.chunks):
         y = len(record.chunks) - 1 - row
         ax.barh(y, start, color=_CACHED, height=0.6)
         ax.barh(y, n, left=start, color=KIND_COLORS[kind], height=0.6)
-        ax.text(start + n + 0.8, y, f"+{n}", va="center", fontsize=9)
+        ax.text(start + n + 0.4, y, f"+{n}", va="center", fontsize=9)
     ax.set_yticks(range(len(record.chunks)),
                   [f"req {c[0]}" for c in reversed(record.chunks)], fontsize=9)
     ax.set_xlabel("token position in the request")
@@ -35,23 +35,24 @@ def step_batch_figure(record, budget: int):
                  fontsize=10)
     handles = [Patch(color=_CACHED, label="already cached")] + [
         Patch(color=KIND_COLORS[k], label=_NAMES[k]) for k in KIND_COLORS]
-    ax.legend(handles=handles, fontsize=8, loc="lower right", frameon=False)
+    fig.legend(handles=handles, fontsize=8, ncol=4, loc="outside lower center", frameon=False)
     ax.spines[["top", "right"]].set_visible(False)
-    fig.tight_layout()
     return fig
 
 
-def timeline_figure(history: Sequence, request_ids: Sequence[str]):
+def timeline_figure(history: Sequence, request_ids: Sequence[str],
+                    arrivals: Mapping[str, int] | None = None):
     """Requests (rows) by steps (columns): the kind of work each request got in each step,
-    waiting (light grey), preempted (red outline); finished requests leave the chart."""
-    fig, ax = figure(figsize=(_WIDTH, 0.6 + 0.32 * len(request_ids)))
+    waiting (light grey), preempted (red outline); a request enters the chart at its arrival
+    step (``arrivals``, default 1) and leaves it when it finishes."""
+    fig, ax = figure(figsize=(_WIDTH, 1.0 + 0.32 * len(request_ids)), layout="constrained")
     row = {rid: len(request_ids) - 1 - i for i, rid in enumerate(request_ids)}
     done: set[str] = set()
     for rec in history:
         x = rec.step - 1
         ran = {c[0]: c for c in rec.chunks}
         for rid in request_ids:
-            if rid in done:
+            if rid in done or rec.step < (arrivals or {}).get(rid, 1):
                 continue
             color = KIND_COLORS[ran[rid][1]] if rid in ran else _WAIT
             ax.add_patch(Rectangle((x, row[rid] - 0.4), 0.92, 0.8, color=color, lw=0))
@@ -60,6 +61,10 @@ def timeline_figure(history: Sequence, request_ids: Sequence[str]):
                                        edgecolor=_PREEMPT))
         done |= set(rec.finished)
     ax.set_xlim(0, len(history))
+    every = max(1, len(history) // 20)
+    ax.set_xticks([i + 0.46 for i in range(0, len(history), every)],
+                  [str(i + 1) for i in range(0, len(history), every)], fontsize=8)
+    ax.grid(False)
     ax.set_ylim(-0.6, len(request_ids) - 0.4)
     ax.set_yticks(range(len(request_ids)), [f"req {r}" for r in reversed(request_ids)],
                   fontsize=9)
@@ -67,8 +72,6 @@ def timeline_figure(history: Sequence, request_ids: Sequence[str]):
     handles = [Patch(color=KIND_COLORS[k], label=_NAMES[k]) for k in KIND_COLORS] + [
         Patch(color=_WAIT, label="waiting"),
         Patch(fill=False, edgecolor=_PREEMPT, lw=1.6, label="preempted")]
-    ax.legend(handles=handles, fontsize=8, ncol=5, loc="upper center",
-              bbox_to_anchor=(0.5, -0.28 if len(request_ids) > 4 else -0.45), frameon=False)
+    fig.legend(handles=handles, fontsize=8, ncol=5, loc="outside lower center", frameon=False)
     ax.spines[["top", "right"]].set_visible(False)
-    fig.tight_layout()
     return fig
