@@ -11,8 +11,8 @@ each explorer at 1280 px, under ``_build/screenshots/`` (next to ``html/``).
 
 Uses ``$CPBOOK_SITE_HTML`` if set, else ``_build/html`` when it is newer than every source of
 the book (``.ci/run`` builds the book first), else builds the book into a temporary folder.
-Needs ``chromium`` (Debian package; ``.ci/run`` installs it) and tornado's websocket client
-(installed with Jupyter).
+Needs ``chromium`` (Debian package): skipped without it, except under ``.ci/run``, which installs
+it and sets ``CPBOOK_REQUIRE_BROWSER=1``.  Talks to it with tornado's websocket client.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def site() -> Path:
             return html
     out = Path(tempfile.mkdtemp(prefix="cpbook-site-"))
     subprocess.run(
-        ["jupyter-book", "build", str(ROOT), "--path-output", str(out), "-W", "--keep-going"],
+        ["jupyter-book", "build", str(ROOT), "--path-output", str(out), "--keep-going"],
         check=True,
         capture_output=True,
     )
@@ -262,7 +262,10 @@ async def _connect(url: str):
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory):
     if CHROMIUM is None:
-        pytest.fail("chromium is not installed (apt-get install chromium; .ci/run does this)")
+        reason = "chromium is not installed (apt-get install chromium; .ci/run does this)"
+        if os.environ.get("CPBOOK_REQUIRE_BROWSER"):
+            pytest.fail(reason)
+        pytest.skip(reason)
     b = Browser(tmp_path_factory.mktemp("chromium-profile"))
     yield b
     b.close()
@@ -327,7 +330,7 @@ def own_errors(events: list[dict], origin: str) -> list[str]:
     return errors
 
 
-def test_every_page_in_chromium(site: Path, server: str, browser: Browser):
+def test_every_page_in_chromium(browser: Browser, site: Path, server: str):
     t0 = time.monotonic()
     problems: list[str] = []
     shots = site.parent / "screenshots"
