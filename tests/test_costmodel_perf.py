@@ -186,7 +186,7 @@ def test_calibration_holds_out_and_predicts():
     assert fit.alpha_s > 0 and fit.beta_s_per_byte > 0 and fit.prefill_flops_per_s > 0
     refit = calibration.fit([p for p in points if not calibration.is_validation(p)])
     assert refit == fit  # the held-out runs never enter the fit
-    assert sum(abs(r["error"]) <= 0.20 for r in rows) >= 19
+    assert sum(abs(r["error"]) <= 0.20 for r in rows) >= 20
 
 
 def test_bench_calibrate_prints_json_lines(capsys):

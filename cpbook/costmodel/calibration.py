@@ -6,8 +6,9 @@ A CPU run of one step costs, on the slowest rank,
     t = α·calls + β·bytes_sent + prefill_flops / F_prefill + decode_flops / F_decode
         + bytes_read / M
 
-times ``max(1, ranks / cores)`` when ranks share cores.  Every count comes from the mechanism
-modules' own formulas (:func:`cpbook.pcp.pcp_comm_bytes`,
+with the compute terms (FLOPs, bytes read) stretched by ``max(worst rank, all ranks / cores) /
+worst rank`` when ranks share cores; a rank waiting in a collective leaves its core to others.
+Every count comes from the mechanism modules' own formulas (:func:`cpbook.pcp.pcp_comm_bytes`,
 :func:`cpbook.chunked_plan.chunked_comm_bytes`, :func:`cpbook.tpa.tpa_comm_bytes`,
 :func:`cpbook.tpa.tpa_costs`); the five constants are fitted by non-negative least squares on
 relative error.  No clock is read here: the times are the stored ``bench/results`` files.
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 FEATURES = ("calls", "bytes_sent", "prefill_flops", "decode_flops", "bytes_read")
+COMPUTE = ("prefill_flops", "decode_flops", "bytes_read")  # the terms that need a core
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 
 
@@ -35,6 +37,11 @@ class Point:
     measured_s: float
     work: dict
     oversubscription: float = 1.0
+
+    def scaled_work(self) -> list[float]:
+        """The work in :data:`FEATURES` order, the compute terms stretched by
+        ``oversubscription`` (ranks waiting in a collective leave their core to others)."""
+        return [self.work[f] * (self.oversubscription if f in COMPUTE else 1.0) for f in FEATURES]
 
     @property
     def label(self) -> str:
@@ -58,7 +65,7 @@ class CPUFit:
     def predict(self, point: Point) -> float:
         """Predicted seconds of ``point`` (its measured time is not used)."""
         c = self.coefficients()
-        return point.oversubscription * sum(ci * point.work[f] for ci, f in zip(c, FEATURES))
+        return sum(ci * x for ci, x in zip(c, point.scaled_work()))
 
 
 def _work(**kw: float) -> dict:
@@ -242,7 +249,7 @@ def fit(points: Sequence[Point]) -> CPUFit:
     count = {b: sum(q.bench == b for q in points) for b in {q.bench for q in points}}
     w = np.array([count[p.bench] ** -0.5 for p in points])  # every bench weighs the same
     a = np.array(
-        [[p.oversubscription * p.work[f] / p.measured_s for f in FEATURES] for p in points]
+        [[x / p.measured_s for x in p.scaled_work()] for p in points]
     )
     scale = np.where(a.max(axis=0) > 0, a.max(axis=0), 1.0)
     c = _nnls(a / scale * w[:, None], w) / scale
