@@ -22,7 +22,7 @@ from .attention import dense_attention, rope
 from .config import ConfigError
 from .mla import TinyMLA
 
-__all__ = ["ModelConfig", "MODELS", "TinyModel", "reference_generate"]
+__all__ = ["ModelConfig", "MODELS", "TinyModel", "reference_forward", "reference_generate"]
 
 
 @dataclass(frozen=True)
@@ -141,17 +141,26 @@ class TinyModel:
         ``k [T, 1, C+R]`` (``[norm(kv_c), rope(k_pe)]``) and ``v = None``.
         """
         lw, cfg = self.layers[layer], self.config
-        q = torch.einsum("th,hnd->tnd", h, lw["wq"][:, heads])
         if not cfg.use_mla:
+            q = torch.einsum("th,hnd->tnd", h, lw["wq"][:, heads])
             k = torch.einsum("th,hnd->tnd", h, lw["wk"][:, kv_heads])
             v = torch.einsum("th,hnd->tnd", h, lw["wv"][:, kv_heads])
             return rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta), v
+        q, latent = self.mla_q_and_latent(layer, h, positions, heads)
         q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
-        q_pe = rope(q_pe, positions, cfg.rope_theta)
+        return self.mla[layer].absorb_q(q_nope, q_pe, heads), latent[:, None], None
+
+    def mla_q_and_latent(self, layer: int, h: torch.Tensor, positions: torch.Tensor,
+                         heads: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
+        """MLA's MHA-form query ``[q_nope, rope(q_pe)]`` (``[T, h, Dn+R]``) and cache row
+        ``[norm(kv_c), rope(k_pe)]`` (``[T, C+R]``)."""
+        lw, cfg = self.layers[layer], self.config
+        q = torch.einsum("th,hnd->tnd", h, lw["wq"][:, heads])
+        q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
         kv_c = _rms(h @ lw["w_dkv"], lw["kv_norm"], cfg.rms_norm_eps)
         k_pe = rope((h @ lw["w_kr"])[:, None], positions, cfg.rope_theta)[:, 0]
-        latent = torch.cat([kv_c, k_pe], dim=-1)[:, None]
-        return self.mla[layer].absorb_q(q_nope, q_pe, heads), latent, None
+        return (torch.cat([q_nope, rope(q_pe, positions, cfg.rope_theta)], dim=-1),
+                torch.cat([kv_c, k_pe], dim=-1))
 
     def attn_scale(self, layer: int) -> float | None:
         """Softmax scale (``None``: ``1/sqrt(head_dim)``; MLA: the MHA form's scale)."""
@@ -176,55 +185,50 @@ class TinyModel:
         return _rms(x, self.final_norm, self.config.rms_norm_eps) @ self.lm_head
 
 
+def reference_forward(model: TinyModel, token_ids: list[int], start: int,
+                      cache: list[list[torch.Tensor]]) -> torch.Tensor:
+    """One single-device forward of ``token_ids`` at positions ``start, start+1, ...`` over a
+    contiguous KV cache (``cache[layer]``: ``[K, V]`` or MLA's ``[latent]``, ``start`` rows
+    long, extended in place).  Causal; MLA in its MHA form.  Returns logits ``[T, vocab]``."""
+    cfg = model.config
+    every = slice(None)
+    pos = torch.arange(start, start + len(token_ids))
+    x = model.embed[torch.tensor(token_ids)]
+    for layer in range(cfg.num_hidden_layers):
+        h = model.attn_input(layer, x)
+        if cfg.use_mla:
+            q, lat = model.mla_q_and_latent(layer, h, pos)
+            cache[layer] = [torch.cat(cache[layer] + [lat])]
+            kk, vv = model.mla[layer].expand_kv(cache[layer][0], every)
+            a = dense_attention(q, kk, vv, causal=True, q_offset=start,
+                                scale=model.mla[layer].scale)[0]
+            x = x + torch.einsum("tnd,ndh->th", a, model.layers[layer]["wo"])
+        else:
+            q, k, v = model.qkv(layer, h, pos, every, every)
+            if cache[layer]:
+                k, v = torch.cat([cache[layer][0], k]), torch.cat([cache[layer][1], v])
+            cache[layer] = [k, v]
+            a = dense_attention(q, k, v, causal=True, q_offset=start)[0]
+            x = x + model.o_proj(layer, a, every)
+        x = x + model.mlp(layer, x, every)
+    return model.logits(x)
+
+
 def reference_generate(model: TinyModel, prompt: list[int], max_new_tokens: int,
                        return_logits: bool = False):
-    """Greedy tokens of ``prompt`` on one device: a full prefill, then one token per forward,
-    over a contiguous KV cache (no paging, no batching), in the model's dtype.
-
-    Returns the ``max_new_tokens`` new tokens, and with ``return_logits`` also the logits row
-    ``[vocab]`` each was picked from.
-    """
-    cfg, L = model.config, model.config.num_hidden_layers
-    all_heads, all_cols = slice(None), slice(None)
-    cache: list[list[torch.Tensor]] = [[] for _ in range(L)]  # per layer: [k, v] or [latent]
+    """Greedy tokens of ``prompt`` on one device: a full prefill, then one token per forward
+    (:func:`reference_forward`, contiguous KV cache, no paging or batching), in the model's
+    dtype.  Returns the ``max_new_tokens`` new tokens, and with ``return_logits`` also the
+    logits row ``[vocab]`` each was picked from."""
+    cache: list[list[torch.Tensor]] = [[] for _ in range(model.config.num_hidden_layers)]
     tokens, out, rows = list(prompt), [], []
-    start = 0
+    step, start = list(prompt), 0
     while len(out) < max_new_tokens:
-        ids = torch.tensor(tokens[start:])
-        pos = torch.arange(start, len(tokens))
-        x = model.embed[ids]
-        for layer in range(L):
-            h = model.attn_input(layer, x)
-            if cfg.use_mla:
-                q, lat = _mla_q_and_latent(model, layer, h, pos)
-                cache[layer] = [torch.cat(cache[layer] + [lat])] if cache[layer] else [lat]
-                kk, vv = model.mla[layer].expand_kv(cache[layer][0], all_heads)
-                a = dense_attention(q, kk, vv, causal=True, q_offset=start,
-                                    scale=model.mla[layer].scale)[0]
-                x = x + torch.einsum("tnd,ndh->th", a, model.layers[layer]["wo"])
-            else:
-                q, k, v = model.qkv(layer, h, pos, all_heads, all_heads)
-                if cache[layer]:
-                    k, v = torch.cat([cache[layer][0], k]), torch.cat([cache[layer][1], v])
-                cache[layer] = [k, v]
-                a = dense_attention(q, k, v, causal=True, q_offset=start)[0]
-                x = x + model.o_proj(layer, a, all_heads)
-            x = x + model.mlp(layer, x, all_cols)
-        logits = model.logits(x[-1:])[0]
+        logits = reference_forward(model, step, start, cache)[-1]
         out.append(int(logits.argmax()))
         rows.append(logits)
         start = len(tokens)
         tokens.append(out[-1])
+        step = [out[-1]]
     return (out, torch.stack(rows)) if return_logits else out
 
-
-def _mla_q_and_latent(model: TinyModel, layer: int, h: torch.Tensor,
-                      pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """MLA in its MHA form (the reference): per-head ``q = [q_nope, rope(q_pe)]`` and the
-    cache row ``[norm(kv_c), rope(k_pe)]`` (``[T, C+R]``)."""
-    lw, cfg = model.layers[layer], model.config
-    q = torch.einsum("th,hnd->tnd", h, lw["wq"])
-    q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
-    kv_c = _rms(h @ lw["w_dkv"], lw["kv_norm"], cfg.rms_norm_eps)
-    k_pe = rope((h @ lw["w_kr"])[:, None], pos, cfg.rope_theta)[:, 0]
-    return torch.cat([q_nope, rope(q_pe, pos, cfg.rope_theta)], dim=-1), torch.cat([kv_c, k_pe], -1)

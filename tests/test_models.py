@@ -70,9 +70,7 @@ def test_mla_absorbed_attention_equals_its_mha_form():
     m = model.mla[0]
     o_lat, _ = dense_attention(q, lat, lat[..., : cfg.kv_lora_rank], causal=True, scale=m.scale)
     absorbed = m.v_up_proj(o_lat, slice(None))
-    from cpbook.models import _mla_q_and_latent
-
-    qm, latm = _mla_q_and_latent(model, 0, model.attn_input(0, x), pos)
+    qm, latm = model.mla_q_and_latent(0, model.attn_input(0, x), pos)
     assert torch.allclose(latm, lat[:, 0], atol=1e-13, rtol=0)
     kk, vv = m.expand_kv(latm, slice(None))
     mha, _ = dense_attention(qm, kk, vv, causal=True, scale=m.scale)
