@@ -177,3 +177,31 @@ def test_serve_cli_json_and_errors(capsys):
     assert main(["serve", "--model", "tiny-gqa", "--tp", "2", "--dcp", "2"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("cpbook: error: [gqa-dcp-needs-replicated-kv] requires")
+
+
+@pytest.mark.torchrun
+@pytest.mark.slow
+def test_serve_under_torchrun_and_a_world_mismatch():
+    """``torchrun -m cpbook serve``: rank 0 prints the JSON lines; a world that is not
+    ``tp * pcp`` stops with the rule before any collective."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def serve(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                               "--nproc-per-node=2", "-m", "cpbook", "serve", *args],
+                              capture_output=True, text=True, env=env, timeout=300)
+
+    ok = serve("--model", "tiny-mla", "--tp", "1", "--dcp", "2", "--pcp", "2", "--requests",
+               "3", "--max-new-tokens", "3", "--json")
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    lines = [json.loads(x) for x in ok.stdout.splitlines() if x.startswith("{")]
+    assert [x["name"] for x in lines] == ["request"] * 3 + ["engine_summary"]
+    assert lines[1]["tokens"] == reference_generate(TinyModel.from_name("tiny-mla"),
+                                                    make_prompts(3, 0)[1], 3)
+    bad = serve("--model", "tiny-gqa", "--tp", "4", "--dcp", "2")
+    assert bad.returncode != 0
+    assert "cpbook: error: [grid-matches-world] requires tp * pcp == world_size" in bad.stderr
