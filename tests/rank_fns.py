@@ -63,3 +63,15 @@ def echo_timeout(ctx: RankContext, *, timeout: int, threads: int) -> tuple[int, 
     """Return the function's own ``timeout`` and ``threads`` (not the launcher's)."""
     ctx.world.barrier()
     return timeout, threads
+
+
+def in_sequence(ctx: RankContext, calls: list[tuple[str, dict]]) -> list:
+    """Run several per-rank functions (``"module:function"``, kwargs) one after another on the
+    same processes: one torchrun launch checks several configurations."""
+    import importlib
+
+    out = []
+    for path, kwargs in calls:
+        mod, fn = path.split(":")
+        out.append(getattr(importlib.import_module(mod), fn)(ctx, **kwargs))
+    return out

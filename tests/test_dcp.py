@@ -16,6 +16,7 @@ from cpbook.dcp import (
 )
 from cpbook.groups import RankGrid
 from cpbook.launch import run
+from tests.rank_fns import in_sequence
 
 
 def _check(res):
@@ -134,17 +135,19 @@ def test_float32_inputs():
 
 
 @pytest.mark.torchrun
-@pytest.mark.parametrize("backend", ["ag_rs", "a2a"])
-def test_article_example_under_torchrun(backend):
-    res = run(
-        gqa_decode_rank,
-        6,
-        fn_kwargs=dict(seq_lens=(48, 5, 2), dcp_comm_backend=backend),
-        backend="torchrun",
-        report=False,
-    )
-    _check(res)
+def test_article_example_under_torchrun():
+    """Both combine backends on the article's 6 ranks, one torchrun launch."""
+    calls = [
+        ("cpbook.dcp:gqa_decode_rank", dict(seq_lens=(48, 5, 2), dcp_comm_backend=b))
+        for b in ("ag_rs", "a2a")
+    ]
+    res = run(in_sequence, 6, "torchrun", dict(calls=calls), report=False)
     assert res.dist_backend == "gloo"
+    for per_rank, trace in zip(res, res.traces):
+        assert max(r["max_abs_err"] for r in per_rank) <= 1e-10
+        assert all(r["comm"] == r["expected"] for r in per_rank)
+        assert [(c.op, c.bytes_sent) for c in trace] == sum((r["comm"] for r in per_rank), [])
+        assert all(c.bytes_recv == c.bytes_sent and c.group == "dcp" for c in trace)
 
 
 def test_correct_attn_out_guards():

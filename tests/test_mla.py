@@ -20,6 +20,7 @@ from cpbook.mla import (
     q_move_bytes,
     reorg_kvcache,
 )
+from tests.rank_fns import in_sequence
 
 
 def _check(res):
@@ -150,27 +151,22 @@ def test_measured_crossover_matches_formula():
 
 @pytest.mark.torchrun
 def test_mla_under_torchrun():
-    _check(
-        run(
-            mla_decode_rank,
-            4,
-            fn_kwargs=dict(seq_lens=(40, 5, 2)),
-            backend="torchrun",
-            report=False,
-        )
+    """Absorbed decode (DCP 4) and the cached-context prefill (TP 4, DCP 2, a workspace that
+    forces several passes) on 4 processes, one torchrun launch."""
+    ctx_kw = dict(
+        tensor_parallel_size=4,
+        decode_context_parallel_size=2,
+        context_lens=(40, 3),
+        query_lens=(2, 1),
+        workspace_size=16,
     )
-    _check(
-        run(
-            mla_context_rank,
-            2,
-            fn_kwargs=dict(
-                tensor_parallel_size=2,
-                decode_context_parallel_size=2,
-                context_lens=(40, 3),
-                query_lens=(2, 1),
-                workspace_size=16,
-            ),
-            backend="torchrun",
-            report=False,
-        )
-    )
+    calls = [
+        ("cpbook.mla:mla_decode_rank", dict(seq_lens=(40, 5, 2))),
+        ("cpbook.mla:mla_context_rank", ctx_kw),
+    ]
+    res = run(in_sequence, 4, "torchrun", dict(calls=calls), report=False)
+    for per_rank, trace in zip(res, res.traces):
+        assert max(r["max_abs_err"] for r in per_rank) <= 1e-10
+        assert all(r["comm"] == r["expected"] for r in per_rank)
+        assert [(c.op, c.bytes_sent) for c in trace] == sum((r["comm"] for r in per_rank), [])
+        assert all(c.bytes_recv == c.bytes_sent for c in trace)

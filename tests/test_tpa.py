@@ -7,6 +7,7 @@ import pytest
 from cpbook.config import ConfigError, ParallelConfig
 from cpbook.launch import run
 from cpbook.tpa import attention_kv_heads, q_proj_heads, tpa_config, tpa_costs, tpa_rank
+from tests.rank_fns import in_sequence
 
 LAYOUTS = [  # (attention, tp, dcp, q heads, kv heads, modes)
     ("gqa", 2, 2, 4, 1, ("standard", "tpa")),
@@ -88,12 +89,16 @@ def test_heads_and_costs():
 
 
 @pytest.mark.torchrun
-@pytest.mark.parametrize("attention", ["gqa", "mla"])
-def test_tpa_under_torchrun(attention):
-    kw = _kw(attention, 4, 4, 8, 2 if attention == "gqa" else 1, "tpa", seq_lens=(21, 3))
-    res = run(tpa_rank, 4, "torchrun", kw, report=False)
-    assert max(r["max_abs_err"] for r in res) <= 1e-10
-    assert all(r["comm"] == r["expected"] for r in res)
+def test_tpa_under_torchrun():
+    """GQA and MLA TPA on 4 processes, one torchrun launch."""
+    calls = [
+        ("cpbook.tpa:tpa_rank", _kw(a, 4, 4, 8, 2 if a == "gqa" else 1, "tpa", seq_lens=(21, 3)))
+        for a in ("gqa", "mla")
+    ]
+    res = run(in_sequence, 4, "torchrun", dict(calls=calls), report=False)
+    for per_rank in res:
+        assert max(r["max_abs_err"] for r in per_rank) <= 1e-10
+        assert all(r["comm"] == r["expected"] for r in per_rank)
 
 
 def test_plain_dcp_rejects_what_tpa_admits():
