@@ -26,13 +26,7 @@ WORK = dict(num_requests=6, max_new_tokens=6)
 SMALL = dict(num_requests=4, max_new_tokens=4)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny tensors: one intra-op thread is ~10x faster than several on a shared 2-core CPU."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def references(work: dict) -> dict[str, list[list[int]]]:

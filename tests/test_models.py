@@ -9,14 +9,7 @@ from cpbook.attention import dense_attention
 from cpbook.config import ConfigError
 from cpbook.models import MODELS, TinyModel, reference_generate
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny tensors: one intra-op thread is ~10x faster than several on a shared 2-core CPU."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))

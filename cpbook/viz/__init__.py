@@ -49,3 +49,13 @@ def figure(*args, **kwargs):
     """``plt.subplots`` with the book's style applied."""
     style()
     return plt.subplots(*args, **kwargs)
+
+
+def tokens_label(t: float, _pos: object = None) -> str:
+    """A token count as a tick label: 1024 -> '1K', 2**20 -> '1M', 173507 -> '169K' (binary K
+    and M, 3 significant digits); usable as a matplotlib ``FuncFormatter``."""
+    if t >= 2**20:
+        return f"{t / 2**20:.3g}M"
+    if t >= 1024:
+        return f"{t / 1024:.3g}K"
+    return f"{t:.3g}"

@@ -17,6 +17,7 @@ from matplotlib.text import Text
 from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter, NullLocator
 
 from . import PALETTE, figure, rank_color
+from . import tokens_label as _tokens
 
 __all__ = ["routing_figure", "migration_figure", "frontier_figure", "crossover_figure"]
 
@@ -27,15 +28,6 @@ POLICY_STYLE = {  # policy -> (label, colour, marker)
     "dynamic_cp_tpa": ("dynamic CP + TPA", PALETTE[0], "^"),
 }
 SIZE_COLOR = {1: PALETTE[7], 2: PALETTE[2], 4: PALETTE[1], 8: PALETTE[0]}
-
-
-def _tokens(t: float, _pos: Any = None) -> str:
-    """1024 -> '1K', 2**20 -> '1M' (binary K and M)."""
-    if t >= 2**20:
-        return f"{t / 2**20:.3g}M"
-    if t >= 1024:
-        return f"{t / 1024:.3g}K"
-    return f"{t:.3g}"
 
 
 def _legible(fig, size: float = 11.0):

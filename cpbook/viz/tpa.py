@@ -16,6 +16,7 @@ from matplotlib.ticker import FuncFormatter, NullLocator
 
 from .. import costmodel as cm
 from . import PALETTE, figure
+from . import tokens_label as _tokens
 
 __all__ = ["tpa_dataflow", "measured_decode", "modelled_decode", "break_even_sensitivity"]
 
@@ -28,15 +29,6 @@ ARTICLE = {131072: "article: 128K", 4096: "article: 4K"}
 _COMPUTE, _COLLECTIVE, _NONE = "#DCEBF7", "#FBE3C4", "#F2F2F2"
 _PLAIN = FuncFormatter(lambda v, _p: f"{v:g}")  # 20, not 2 x 10^1
 _PLAIN_25 = FuncFormatter(lambda v, _p: f"{v:g}" if f"{v:g}"[0] in "25" else "")
-
-
-def _tokens(t: float, _pos: Any = None) -> str:
-    """1024 -> '1K', 2**20 -> '1M', 173507 -> '169K' (binary K and M, 3 digits)."""
-    if t >= 2**20:
-        return f"{t / 2**20:.3g}M"
-    if t >= 1024:
-        return f"{t / 1024:.3g}K"
-    return f"{t:.3g}"
 
 
 def _log_tokens(axis, ticks: Sequence[int]) -> None:

@@ -1,0 +1,16 @@
+"""Fixtures shared by the test modules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny tensors: one intra-op thread is ~10x faster than several on a shared 2-core CPU.
+    A module opts in with ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
