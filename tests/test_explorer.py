@@ -225,3 +225,17 @@ def test_chapter_explorers_default_states():
 
     kv = kv_explorer(model="Llama-3.1-70B", dcp=2)
     assert "rejected by vLLM" in visible_panel(kv.to_html())
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_engine_timeline_explorer_runs_the_engine_in_every_state():
+    from cpbook.widgets.engine import timeline_explorer
+
+    ex = timeline_explorer(budgets=(16, 32), num_kv_blocks=(20, 64), budget=32, blocks=64)
+    assert len(ex.states) == 4
+    html = ex.to_html()
+    assert html.count("tokens == reference: True") == 4
+    shown = visible_panel(html)
+    assert "budget 32 tokens/step, 64 KV blocks" in shown
+    steps = int(re.search(r"(\d+) steps", shown).group(1))
+    assert shown.count("<i") == 7 * steps + 5  # one cell per request and step, 5 in the legend
