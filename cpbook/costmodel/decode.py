@@ -79,6 +79,38 @@ def _decode_config(model: ModelSpec, mode: str, tp: int, dcp: int) -> ParallelCo
     )
 
 
+def decode_attention_calls(
+    model: ModelSpec,
+    cfg: ParallelConfig,
+    tpa: bool,
+    num_reqs: int,
+    dcp_comm_backend: str = "ag_rs",
+    act_bytes: int = 2,
+) -> tuple[tuple[str, int, int], ...]:
+    """One layer's decode-attention collectives on one GPU of ``cfg``, as
+    ``(op, group_size, bytes_per_rank)``: :func:`cpbook.tpa.tpa_comm_bytes` (standard or TPA)
+    with MLA's latent widths or GQA's head dim, all-reduces over TP and the rest over DCP."""
+    from ..tpa import tpa_comm_bytes
+
+    if model.use_mla:
+        q_dim, out_dim = model.kv_lora_rank + model.qk_rope_head_dim, model.kv_lora_rank
+    else:
+        q_dim = out_dim = model.head_dim
+    calls = tpa_comm_bytes(
+        "tpa" if tpa else "standard",
+        num_reqs,
+        cfg.q_heads_per_rank,
+        q_dim,
+        out_dim,
+        cfg.dcp,
+        cfg.tp,
+        model.hidden_size,
+        dcp_comm_backend,
+        act_bytes,
+    )
+    return tuple((op, cfg.tp if op == "all_reduce" else cfg.dcp, b) for op, b in calls)
+
+
 def decode_layer_time(
     model: ModelSpec,
     gpu: GPUSpec,
@@ -108,7 +140,7 @@ def decode_layer_time(
     come from :func:`cpbook.tpa.attention_kv_heads`.  Every term is linear in
     ``context_tokens``, so :func:`decode_break_even` solves for the crossing exactly.
     """
-    from ..tpa import attention_kv_heads, tpa_comm_bytes, tpa_costs
+    from ..tpa import attention_kv_heads, tpa_costs
 
     if not 0 < hbm_efficiency <= 1:
         raise ValueError(
@@ -121,23 +153,9 @@ def decode_layer_time(
     per_head = kv_bytes_per_token(model, kv_dtype) / model.num_layers / model.num_kv_heads
     kv_bytes = per_head * (heads.stop - heads.start) / cfg.dcp * context_tokens * num_reqs
     hbm = gpu.hbm_bw_bytes_per_s * hbm_efficiency
-    if model.use_mla:
-        q_dim, out_dim = model.kv_lora_rank + model.qk_rope_head_dim, model.kv_lora_rank
-    else:
-        q_dim = out_dim = model.head_dim
-    calls = tpa_comm_bytes(
-        "tpa" if mode == "dcp_tpa" else "standard",
-        num_reqs,
-        cfg.q_heads_per_rank,
-        q_dim,
-        out_dim,
-        cfg.dcp,
-        cfg.tp,
-        model.hidden_size,
-        dcp_comm_backend,
-        act_bytes,
+    sized = decode_attention_calls(
+        model, cfg, mode == "dcp_tpa", num_reqs, dcp_comm_backend, act_bytes
     )
-    sized = tuple((op, cfg.tp if op == "all_reduce" else cfg.dcp, b) for op, b in calls)
     q_in = model.q_lora_rank or model.hidden_size
     extra = tpa_costs(cfg, q_in, num_reqs, model.head_dim, model.weight_bytes_per_param)
     return DecodeLayerTime(

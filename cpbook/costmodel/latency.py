@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .decode import DEFAULT_HBM_EFFICIENCY, collective_time
+from .decode import DEFAULT_HBM_EFFICIENCY, collective_time, decode_attention_calls
 from .memory import (
     Layout,
     kv_bytes_per_token_per_gpu,
@@ -202,7 +202,7 @@ def tpot(
     combine, the ``o_proj`` all-reduce) plus the MLP's all-reduce.  Expert-parallel all-to-alls
     are not modelled.
     """
-    from ..tpa import tpa_comm_bytes, tpa_costs
+    from ..tpa import tpa_costs
 
     _tokens(context_tokens, "context_tokens")
     _tokens(batch, "batch")
@@ -229,31 +229,42 @@ def tpot(
     memory = (weights + kv + extra["extra_weight_bytes"] * model.num_layers) / (
         gpu.hbm_bw_bytes_per_s * hbm_efficiency
     )
-    if model.use_mla:
-        q_dim, out_dim = model.kv_lora_rank + model.qk_rope_head_dim, model.kv_lora_rank
-    else:
-        q_dim = out_dim = model.head_dim
+    q_dim = model.kv_lora_rank + model.qk_rope_head_dim if model.use_mla else model.head_dim
     attn_flops = 4 * cfg.q_heads_per_rank * q_dim * context_tokens * b / cfg.dcp
     compute = (2 * model.params_per_token * b / cfg.tp + attn_flops * model.num_layers) / (
         gpu.bf16_flops * mfu
     )
-    calls = tpa_comm_bytes(
-        "tpa" if layout.tpa else "standard",
-        b,
-        cfg.q_heads_per_rank,
-        q_dim,
-        out_dim,
-        cfg.dcp,
-        cfg.tp,
-        model.hidden_size,
-        dcp_comm_backend,
-        act_bytes,
-    )
+    calls = decode_attention_calls(model, cfg, layout.tpa, b, dcp_comm_backend, act_bytes)
     mlp = 2 * b * model.hidden_size * act_bytes * (cfg.tp - 1) // cfg.tp
-    per_layer = sum(
-        collective_time(op, nb, cfg.tp if op == "all_reduce" else cfg.dcp, link) for op, nb in calls
-    ) + collective_time("all_reduce", mlp, cfg.tp, link)
+    per_layer = sum(collective_time(op, nb, n, link) for op, n, nb in calls) + collective_time(
+        "all_reduce", mlp, cfg.tp, link
+    )
     return DecodeTime(memory, compute, per_layer * model.num_layers, b)
+
+
+def tpot_break_even(
+    model: ModelSpec,
+    gpu: GPUSpec,
+    layout: Layout,
+    baseline: Layout,
+    batch: int = 1,
+    lo: int = 1024,
+    hi: int = 2**19,
+    resolution: int = 256,
+) -> int:
+    """The context length (within ``resolution`` tokens, bisected in ``[lo, hi]``) above which
+    ``layout``'s whole-model TPOT beats ``baseline``'s at ``batch`` requests; ``hi`` if it
+    never does below it.  Assumes one crossing (the DCP terms are linear in the context)."""
+
+    def slower(c: int) -> bool:
+        return tpot(model, gpu, layout, c, batch).total_s > tpot(
+            model, gpu, baseline, c, batch
+        ).total_s
+
+    while hi - lo > resolution:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if slower(mid) else (lo, mid)
+    return hi
 
 
 def decode_throughput(

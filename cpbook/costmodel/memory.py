@@ -122,6 +122,22 @@ def kv_budget_bytes_per_gpu(
     ``hbm * gpu_memory_utilization - weights / tp - activation_reserve_bytes``.
     Raises ValueError when the result is not positive (the model does not fit).
     """
+    return _kv_budget(
+        model, gpu, weight_bytes_per_gpu(model, tp), f"at tp={tp}",
+        gpu_memory_utilization, activation_reserve_bytes,
+    )
+
+
+def _kv_budget(
+    model: ModelSpec,
+    gpu: GPUSpec,
+    weights: float,
+    where: str,
+    gpu_memory_utilization: float,
+    activation_reserve_bytes: float,
+) -> float:
+    """``hbm * gpu_memory_utilization - weights - activation_reserve_bytes`` for one GPU holding
+    ``weights`` (``where`` names the layout in the error); ValueError unless positive."""
     if not 0 < gpu_memory_utilization <= 1:
         raise ValueError(
             f"[gpu-memory-utilization] requires 0 < gpu_memory_utilization <= 1; "
@@ -132,12 +148,11 @@ def kv_budget_bytes_per_gpu(
             f"[activation-reserve] requires activation_reserve_bytes >= 0; "
             f"got activation_reserve_bytes={activation_reserve_bytes}"
         )
-    weights = weight_bytes_per_gpu(model, tp)
     budget = gpu.hbm_bytes * gpu_memory_utilization - weights - activation_reserve_bytes
     if budget <= 0:
         raise ValueError(
             f"[model-fits] requires weights + reserve < usable HBM; {model.name} does not fit on "
-            f"{gpu.name} at tp={tp}: "
+            f"{gpu.name} {where}: "
             f"{gpu.hbm_bytes / GB:.0f} GB x {gpu_memory_utilization} - "
             f"weights {weights / GB:.1f} GB - reserve "
             f"{activation_reserve_bytes / GB:.1f} GB = {budget / GB:.1f} GB"
@@ -249,19 +264,10 @@ def layout_kv_budget(
     activation_reserve_bytes: float = DEFAULT_ACTIVATION_RESERVE_BYTES,
 ) -> float:
     """Bytes left for KV on one GPU of ``layout``; ValueError when the weights do not fit."""
-    if not 0 < gpu_memory_utilization <= 1:
-        raise ValueError(
-            f"[gpu-memory-utilization] requires 0 < gpu_memory_utilization <= 1; "
-            f"got gpu_memory_utilization={gpu_memory_utilization}"
-        )
-    weights = layout_weight_bytes(model, layout)
-    budget = gpu.hbm_bytes * gpu_memory_utilization - weights - activation_reserve_bytes
-    if budget <= 0:
-        raise ValueError(
-            f"[model-fits] requires weights + reserve < usable HBM; {model.name} does not fit on "
-            f"{gpu.name} as {layout.label}: weights {weights / GB:.1f} GB per GPU"
-        )
-    return budget
+    return _kv_budget(
+        model, gpu, layout_weight_bytes(model, layout), f"as {layout.label}",
+        gpu_memory_utilization, activation_reserve_bytes,
+    )
 
 
 def layout_max_context(
