@@ -223,3 +223,11 @@ def test_appendix_moe_and_link_tables_match_costmodel():
         assert math.isclose(num(row["α (µs)"]) * 1e-6, link.alpha_s)
         assert math.isclose(num(row["Bandwidth per direction (GB/s)"]) * 1e9, link.bw_bytes_per_s)
         assert cited(row["Source"]) == link.source
+
+
+def test_tpot_break_even_brackets_the_crossing():
+    dsv3, h200 = cm.MODELS["DeepSeek-V3"], cm.GPUS["H200"]
+    dcp, tp = cm.Layout(tp=8, dcp=8), cm.Layout(tp=8)
+    c = cm.tpot_break_even(dsv3, h200, dcp, tp)
+    assert cm.tpot(dsv3, h200, dcp, c).total_s <= cm.tpot(dsv3, h200, tp, c).total_s
+    assert cm.tpot(dsv3, h200, dcp, c - 256).total_s > cm.tpot(dsv3, h200, tp, c - 256).total_s

@@ -27,6 +27,7 @@ from .latency import (
     prefill_flops,
     prefill_throughput,
     tpot,
+    tpot_break_even,
     ttft,
 )
 from .memory import (
@@ -74,6 +75,7 @@ __all__ = [
     "prefill_throughput",
     "recommend",
     "tpot",
+    "tpot_break_even",
     "ttft",
     "COLLECTIVES",
     "DECODE_MODES",
