@@ -75,8 +75,7 @@ def migration_bytes(
 ) -> int:
     """The module docstring's formula: bytes all ranks send together (K and V)."""
     count = migration_plan(seq_len, old_size, new_size, old_interleave, new_interleave)
-    off_diagonal = int(count.sum()) - sum(int(count[r, r]) for r in range(min(old_size, new_size)))
-    return off_diagonal * 2 * num_kv_heads * head_dim * elem_bytes
+    return sum(n for _, _, n in _pairs(count)) * 2 * num_kv_heads * head_dim * elem_bytes
 
 
 def _pairs(count: torch.Tensor) -> list[tuple[int, int, int]]:

@@ -13,10 +13,10 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 from matplotlib.colors import ListedColormap
-from matplotlib.text import Text
 from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter, NullLocator
 
 from . import PALETTE, figure, rank_color
+from . import legible as _legible
 from . import tokens_label as _tokens
 
 __all__ = ["routing_figure", "migration_figure", "frontier_figure", "crossover_figure"]
@@ -28,16 +28,6 @@ POLICY_STYLE = {  # policy -> (label, colour, marker)
     "dynamic_cp_tpa": ("dynamic CP + TPA", PALETTE[0], "^"),
 }
 SIZE_COLOR = {1: PALETTE[7], 2: PALETTE[2], 4: PALETTE[1], 8: PALETTE[0]}
-
-
-def _legible(fig, size: float = 11.0):
-    """Every text at least ``size`` pt (7.2 in wide figures shown at ~0.87 scale)."""
-    for ax in fig.axes:
-        ax.tick_params(labelsize=size)
-    for text in fig.findobj(Text):
-        if text.get_text() and text.get_fontsize() < size:
-            text.set_fontsize(size)
-    return fig
 
 
 def _token_axis(axis, lo: float, hi: float) -> None:

@@ -11,11 +11,11 @@ import math
 from typing import Any, Callable, Mapping, Sequence
 
 from matplotlib.patches import FancyBboxPatch
-from matplotlib.text import Text
 from matplotlib.ticker import FuncFormatter, NullLocator
 
 from .. import costmodel as cm
 from . import PALETTE, figure
+from . import legible as _legible
 from . import tokens_label as _tokens
 
 __all__ = ["tpa_dataflow", "measured_decode", "modelled_decode", "break_even_sensitivity"]
@@ -34,17 +34,6 @@ _PLAIN_25 = FuncFormatter(lambda v, _p: f"{v:g}" if f"{v:g}"[0] in "25" else "")
 def _log_tokens(axis, ticks: Sequence[int]) -> None:
     axis.set_ticks(list(ticks), [_tokens(t) for t in ticks])
     axis.set_minor_locator(NullLocator())
-
-
-def _legible(fig, size: float = 11.0):
-    """Every text of ``fig`` at least ``size`` pt: the figures are 7.2 in wide and shown at
-    about 0.87 of that in the book's text column, so 11 pt renders at about 9.5 pt."""
-    for ax in fig.axes:
-        ax.tick_params(labelsize=size)
-    for text in fig.findobj(Text):
-        if text.get_text() and text.get_fontsize() < size:
-            text.set_fontsize(size)
-    return fig
 
 
 def _box(ax, x, y, w, h, color, text, dashed=False):
