@@ -16,7 +16,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from cpbook.attention import attention_with_lse
+from cpbook.core.attention import attention_with_lse
 
 CASES = {
     # name: (q tokens, k tokens, heads, head_dim, causal)

@@ -1,6 +1,6 @@
 """Fit the CPU cost model to this machine's stored benchmark runs and check it on held-out ones.
 
-    python bench/calibrate.py --json      # reads bench/results/*.json(l), prints JSON lines
+    python bench/calibrate.py --json      # reads the stored runs in cpbook/data, prints JSON lines
 
 :mod:`cpbook.costmodel.calibration` turns every stored run of ``bench/decode_step.py``,
 ``bench/pcp_prefill.py`` and ``bench/chunked_prefill.py`` into counted work (collective calls,
@@ -23,13 +23,13 @@ import json
 import os
 from pathlib import Path
 
-from cpbook.costmodel.calibration import RESULTS, calibrate, is_validation, load_points
+from cpbook.costmodel.calibration import calibrate, is_validation, load_points
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", action="store_true", help="print JSON lines (the default output)")
-    p.add_argument("--results", type=Path, default=RESULTS, help="folder of stored runs")
+    p.add_argument("--results", type=Path, default=None, help="folder of stored runs (default: the package copies in cpbook/data)")
     p.add_argument("--cores", type=int, default=2, help="cores of the machine that ran them")
     a = p.parse_args(argv)
     points = load_points(a.results, a.cores)

@@ -10,7 +10,7 @@ KV head), 8 query heads, 1 KV head, head_dim 64, float32, context pieces of 1638
 (:func:`cpbook.timing.chunked_prefill_timing`).  A strategy's ``ms`` is the slowest rank's
 median wall time (``--repeats`` runs, three times as many where a run takes milliseconds);
 ``bytes`` what each rank sent (traced); ``chosen`` what
-:func:`cpbook.chunked_plan.choose_strategy` picks with its default link model.  The
+:func:`cpbook.pcp.chunked_plan.choose_strategy` picks with its default link model.  The
 ``chunked_prefill_selector`` row gives the selector's agreement with the measurement at the
 points where the two strategies differ by more than ``--decisive`` (10 %) and, per chunk, the
 measured crossover (the grid contexts it lies between) and the model's, judged by wall time
@@ -61,7 +61,7 @@ def _gather(ctx, mine: dict) -> list[dict] | None:
 
 def _crossover(chunk: int, a: argparse.Namespace) -> int | None:
     """Smallest context at which the selector prefers AllGather-Q (bisection), or None."""
-    from cpbook.chunked_plan import choose_strategy
+    from cpbook.pcp.chunked_plan import choose_strategy
 
     def q_wins(c: int) -> bool:
         return choose_strategy(chunk, c, dtype_bytes=4, pcp=2, dcp=2,
@@ -95,7 +95,7 @@ def _verdict(points: list[tuple], a: argparse.Namespace) -> dict:
 
 
 def _grid(ctx, a: argparse.Namespace) -> None:
-    from cpbook.chunked_plan import STRATEGIES, choose_strategy
+    from cpbook.pcp.chunked_plan import STRATEGIES, choose_strategy
     from cpbook.timing import chunked_prefill_timing
 
     wall, cpu = [], []
@@ -171,7 +171,7 @@ def _worker(a: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from cpbook.launch import worker_context
+    from cpbook.core.launch import worker_context
 
     torch.set_num_threads(1)
     ctx = worker_context("gloo", 1200.0)

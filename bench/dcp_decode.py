@@ -25,8 +25,10 @@ import time
 
 import torch
 
-from cpbook.dcp import gqa_decode_problem, gqa_decode_rank, local_attention, shard_kv_cache
-from cpbook.launch import run
+from cpbook.core.launch import run
+from cpbook.dcp.decode import local_attention
+from cpbook.demos.ch03_decode import gqa_decode_problem, gqa_decode_rank
+from cpbook.kv.paged import shard_kv_cache
 
 CONTEXT, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 65536, 8, 1, 64, 16
 

@@ -28,7 +28,7 @@ import json
 import math
 import os
 
-from cpbook.launch import run
+from cpbook.core.launch import run
 from cpbook.timing import decode_step_timing, machine_record
 
 CONTEXTS = (1024, 4096, 16384, 65536, 262144)

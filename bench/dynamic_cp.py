@@ -3,7 +3,7 @@
     python bench/dynamic_cp.py --json            # the default workload, 10,000 requests
     python bench/dynamic_cp.py --json --sweep    # also the load sweep of chapter 7's frontier
 
-Runs :func:`cpbook.simulator.simulate` (DeepSeek-V3 on a decode pool of 8 H200 with DP
+Runs :func:`cpbook.dynamic.simulator.simulate` (DeepSeek-V3 on a decode pool of 8 H200 with DP
 attention + EP, 32 prefill GPUs; every assumption in the module's docstring) for ``static_dp``,
 ``static_cp`` (CP = 8), ``dynamic_cp`` and ``dynamic_cp_tpa``, and prints after a
 ``{"name": "dynamic_cp_run", "date_utc": ..., ...}`` line one line per policy::
@@ -24,7 +24,7 @@ import json
 import sys
 import time
 
-from cpbook.simulator import POLICIES, Cluster, make_workload, simulate, sweep
+from cpbook.dynamic.simulator import POLICIES, Cluster, make_workload, simulate, sweep
 from cpbook.timing import machine_record
 
 RATES = (1.0, 2.0, 4.0, 6.0, 8.0)

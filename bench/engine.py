@@ -13,7 +13,7 @@ Prints, after a ``{"name": "engine_run", "date_utc": ..., "machine": ...}`` line
 * ``{"name": "engine_capacity", "model", "dcp1", "dcp4", "ratio"}`` (target: ratio >= 4);
 * ``{"name": "engine_decode_overhead", "model", "batch": 8, "engine_tokens_per_s",
   "plain_tokens_per_s", "ratio"}``: one rank, 8 requests all decoding, the engine's decode
-  steps against a plain loop of :func:`cpbook.models.reference_forward` (one request at a time,
+  steps against a plain loop of :func:`cpbook.engine.models.reference_forward` (one request at a time,
   contiguous KV cache) over the same tokens; medians of ``--repeats`` rounds, taken in turns
   (target: ratio >= 0.5).
 
@@ -29,9 +29,10 @@ import time
 
 import torch
 
-from cpbook.engine import Engine, engine_config, max_concurrent_long_requests
-from cpbook.launch import run
-from cpbook.models import TinyModel, reference_forward
+from cpbook.core.launch import run
+from cpbook.demos.ch09_engine import max_concurrent_long_requests
+from cpbook.engine.engine import Engine, engine_config
+from cpbook.engine.models import TinyModel, reference_forward
 from cpbook.timing import machine_record, serve_timing
 
 BLOCKS, LONG = 64, 255

@@ -14,7 +14,8 @@ import time
 
 import torch
 
-from cpbook.kvcache import num_virtual_blocks, slot_mapping, transfer_plan
+from cpbook.kv.layout import num_virtual_blocks, slot_mapping
+from cpbook.kv.transfer import transfer_plan
 
 
 def bench_slot_mapping(

@@ -8,8 +8,8 @@ each run from a common barrier; one warm-up round, then ``--repeats``; a method'
 slowest rank's median:
 
 * ``single`` — one process, ``F.scaled_dot_product_attention(is_causal=True)``, 1 thread;
-* ``cpbook_zigzag`` / ``cpbook_contiguous`` — :func:`cpbook.pcp.pcp_prefill_attention`
-  (all-gather K/V through ``cpbook.comm``, then local causal attention) on DualChunkSwap or
+* ``cpbook_zigzag`` / ``cpbook_contiguous`` — :func:`cpbook.pcp.prefill.pcp_prefill_attention`
+  (all-gather K/V through ``cpbook.core.comm``, then local causal attention) on DualChunkSwap or
   contiguous shards;
 * ``torch_ring_headtail`` — PyTorch's private ``_templated_ring_attention`` with the CPU flash
   SDPA op on ``_HeadTailLoadBalancer`` shards (torch 2.13), K/V rotated by all-gather and by
@@ -61,7 +61,7 @@ def _torch_ring(ctx, a: argparse.Namespace, rotate: str):
         _HeadTailLoadBalancer,
     )
 
-    from cpbook.zigzag import zigzag_partition
+    from cpbook.pcp.zigzag import zigzag_partition
 
     idx = _HeadTailLoadBalancer(a.seq_len, ctx.world_size, "cpu")._generate_indices()[0].long()
     mine = idx.view(ctx.world_size, -1)[ctx.rank]
@@ -83,10 +83,10 @@ def _worker(a: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from cpbook.launch import worker_context
-    from cpbook.pcp import pcp_prefill_attention, pcp_shard
+    from cpbook.core.launch import worker_context
+    from cpbook.pcp.prefill import pcp_prefill_attention, pcp_shard
+    from cpbook.pcp.zigzag import pcp_partition
     from cpbook.timing import machine_record, pcp_prefill_timing
-    from cpbook.zigzag import pcp_partition
 
     torch.set_num_threads(1)
     ctx = worker_context("gloo", 600.0)

@@ -1,23 +1,29 @@
 """cpbook: context parallelism for LLM inference, the package behind the executable book.
 
-One concept per module:
+The sub-packages are its layers, lowest first.  A module imports only from its own sub-package
+and from rows above its own, at module top (``tests/test_layers.py`` reads this table and checks
+every import):
 
-* ``config`` — :class:`~cpbook.config.ParallelConfig` (vLLM names) and its rules;
-* ``groups`` — the rank grid (TP innermost, PCP outer) and the TP / PCP / DCP groups;
-* ``comm`` — the ``Group`` interface: simulated ranks (threads) and torch.distributed, traced;
-* ``launch`` — run one per-rank function inline or under ``torchrun``;
-* ``attention`` — dense reference, attention with LSE, the exact merge, RoPE (chapter 1);
-* ``kvcache``, ``kvmanager`` — DCP's KV layout and slot mapping; the block allocator (ch. 2);
-* ``dcp``, ``mla`` — DCP decode for GQA and MLA, and MLA's context path (chapter 3);
-* ``zigzag``, ``pcp`` — the DualChunkSwap partition; PCP prefill attention (chapter 4);
-* ``dynamic``, ``migration``, ``simulator`` — dynamic CP: the length router, live migration of a
-  running request from CP = N to CP = M, the workload simulator of four policies (chapter 7);
-* ``models``, ``scheduler``, ``runner``, ``engine`` — tiny GQA/MLA decoders and the mini serving
-  engine (continuous batching, paged KV, prefix caching, TP × DCP × PCP), ``serve`` (chapter 9);
-* ``costmodel`` — sourced specs, memory, TTFT/TPOT, calibration, ``recommend`` (chapters 1, 6, 8);
-* ``timing`` — clocks for ``bench/`` only;
-* ``demos`` — the registry of every chapter's per-rank function, behind ``python -m cpbook``;
-* ``viz``, ``widgets`` — the chapters' figures and explorers.
+1. ``core``, ``data`` — the traced ``Group`` interface, its simulated and torch.distributed
+   backends, the launcher, :class:`~cpbook.core.config.ParallelConfig` and every rule, head
+   placement, the rank grid, dense attention with the LSE merge; the stored CPU runs the
+   package reads (package data).
+2. ``kv`` — DCP's memory: ownership and slot mapping, the paged store, the virtual-block manager
+   with prefix caching, the P/D transfer plan, the context gather (chapter 2).
+3. ``dcp`` — DCP decode for GQA and MLA, MLA's context path, TPA (chapters 3, 6).
+4. ``pcp`` — the DualChunkSwap partition, PCP prefill, chunked prefill AllGather-Q /
+   AllGather-KV (which combines over the DCP group, hence below ``dcp``), ring pass-KV /
+   pass-Q, and their planners (chapters 4, 5).
+5. ``costmodel``, ``engine`` — sourced specs, memory, TTFT/TPOT, calibration, ``recommend``
+   (chapters 1, 6, 8); tiny models, scheduler, runner, engine (chapter 9).
+6. ``dynamic`` — the length router, live migration, the workload simulator (chapter 7).
+7. ``demos`` — one module per chapter: its ``*_problem``, ``*_rank`` and dense references, and
+   the registry behind ``python -m cpbook demo``.
+8. ``viz`` — the chapters' figures, and the one style module (palette, ink, formatters).
+9. ``widgets`` — the explorers (live ipywidgets, and static HTML for the book).
+10. ``timing``, ``tools`` — the one place that reads a clock (for ``bench/``); the notebook
+    executor.
+11. ``__main__`` — the CLI (``demo``, ``serve``).
 """
 
 __version__ = "0.1.0"

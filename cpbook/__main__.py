@@ -17,10 +17,19 @@ import os
 import re
 import sys
 
-from .comm import DEFAULT_TIMEOUT_S
-from .config import ConfigError
-from .demos import DEMOS, describe, get_demo, parse_params
-from .launch import format_report, gather_results, pick_backend, run, worker_context, worker_run
+from cpbook.core.comm import DEFAULT_TIMEOUT_S
+from cpbook.core.config import ConfigError
+from cpbook.core.launch import (
+    format_report,
+    gather_results,
+    pick_backend,
+    run,
+    worker_context,
+    worker_run,
+)
+from cpbook.demos import DEMOS, describe, get_demo, parse_params
+from cpbook.engine.engine import engine_config
+from cpbook.timing import serve_timing
 
 _RULE = re.compile(r"(\[[\w-]+\] requires .*)")
 
@@ -104,8 +113,6 @@ def _serve_lines(res: dict, as_json: bool) -> list[str]:
 
 
 def _serve(a: argparse.Namespace) -> int:
-    from .engine import engine_config
-    from .timing import serve_timing
 
     engine_config(a.model, a.tp, a.dcp, a.pcp)  # a bad grid fails here, before any process
     kwargs = dict(model=a.model, tensor_parallel_size=a.tp, decode_context_parallel_size=a.dcp,

@@ -18,9 +18,18 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from .comm import RankContext
-from .pcp import pcp_prefill_attention, pcp_shard
-from .zigzag import pcp_partition
+from cpbook.core.config import ParallelConfig
+from cpbook.core.context import RankContext
+from cpbook.core.groups import make_groups
+from cpbook.core.heads import attention_kv_heads, kv_heads_of, q_heads_of, tpa_config
+from cpbook.dcp.tpa import TPABlock, attention_block
+from cpbook.demos.ch05_chunked import chunked_prefill_problem
+from cpbook.engine.engine import serve_rank
+from cpbook.pcp.chunked import chunked_prefill_attention, context_shard
+from cpbook.pcp.chunked_plan import STRATEGIES
+from cpbook.pcp.prefill import pcp_prefill_attention, pcp_shard
+from cpbook.pcp.ring import RingLayout, ring_attention
+from cpbook.pcp.zigzag import pcp_partition, zigzag_partition
 
 __all__ = [
     "machine_record",
@@ -149,7 +158,7 @@ def chunked_prefill_timing(
     """Medians of one chunked-prefill attention layer per strategy (float32), on this rank.
 
     One request: ``context_len`` cached tokens in the DCP-sharded paged cache, a chunk of
-    ``chunk_len`` tokens split zigzag over PCP (:mod:`cpbook.chunked`).  Inputs are prepared
+    ``chunk_len`` tokens split zigzag over PCP (:mod:`cpbook.pcp.chunked`).  Inputs are prepared
     before the clock starts; the strategies take turns from common barriers
     (:func:`timed_rounds`), and each run ends at a barrier too, so a run lasts until the last
     rank has its output (AllGather-Q ends in a collective, AllGather-KV does not; without the
@@ -158,11 +167,6 @@ def chunked_prefill_timing(
     (``<strategy>_cpu``), the bytes this rank sent in one run (``<strategy>_bytes``, from the
     trace), and ``max_abs_diff`` between the strategies' outputs on the real rows.
     """
-    from .chunked import chunked_prefill_attention, chunked_prefill_problem, context_shard
-    from .chunked_plan import STRATEGIES
-    from .config import ParallelConfig, kv_heads_of_rank, q_heads_of_rank
-    from .groups import make_groups
-    from .zigzag import zigzag_partition
 
     cfg = ParallelConfig(
         tensor_parallel_size=tensor_parallel_size,
@@ -175,7 +179,7 @@ def chunked_prefill_timing(
     )
     groups = make_groups(ctx, cfg)
     tp_rank = groups.coords.tp_rank
-    qh, kvh = q_heads_of_rank(cfg, tp_rank), kv_heads_of_rank(cfg, tp_rank)
+    qh, kvh = q_heads_of(cfg, tp_rank), kv_heads_of(cfg, tp_rank)
     (q,), (k,), (v,) = chunked_prefill_problem(
         [context_len],
         [chunk_len],
@@ -222,7 +226,7 @@ def chunked_prefill_timing(
 def collective_timing(ctx: RankContext, sizes: Sequence[int], repeats: int = 5) -> dict[str, float]:
     """Median wall seconds of one ``all_gather`` and one ``all_to_all`` on the world group, per
     message size in bytes sent by each rank (float32 payloads); keys ``"<op>_<bytes>"``.  The
-    link model ``α + β·bytes`` of :mod:`cpbook.chunked_plan` is fitted to these."""
+    link model ``α + β·bytes`` of :mod:`cpbook.pcp.chunked_plan` is fitted to these."""
     n, methods = ctx.world_size, {}
     for size in sizes:
         gather = torch.zeros(max(1, size // 4 // max(1, n - 1)))  # sends b·(n−1) bytes
@@ -246,7 +250,7 @@ def ring_prefill_timing(
 
     Methods, on DualChunkSwap (head-tail) shards of one ``seq_len`` prompt (a multiple of
     ``2 * world_size``), the world group as PCP group: ``pass_kv`` and ``pass_q``
-    (:func:`cpbook.ring.ring_attention`) and PyTorch's private ``_templated_ring_attention``
+    (:func:`cpbook.pcp.ring.ring_attention`) and PyTorch's private ``_templated_ring_attention``
     (torch 2.13, CPU flash SDPA op) on the same shards, rotating K/V by all-gather
     (``torch_ring_allgather``) and by all-to-all (``torch_ring_alltoall``); ``torch_ring`` is
     the faster of the two on this rank.  PyTorch's ring needs ``torch.distributed`` (run under
@@ -255,8 +259,6 @@ def ring_prefill_timing(
     and ``<method>_thread`` CPU seconds (:func:`timed_rounds`), and ``<method>_err``, the max
     error of its rows against one-process causal SDPA.
     """
-    from .ring import RingLayout, ring_attention
-    from .zigzag import zigzag_partition
 
     gen = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(seq_len, num_heads, head_dim, generator=gen) for _ in range(3))
@@ -317,8 +319,6 @@ def decode_step_timing(
 
     Returns ``{context: {method: seconds, method + "_err": max error vs no_cp}}`` for this rank.
     """
-    from .groups import make_groups
-    from .tpa import TPABlock, attention_block, attention_kv_heads, tpa_config
 
     n, out = ctx.world_size, {}
     kw = dict(
@@ -358,10 +358,9 @@ def decode_step_timing(
 
 
 def serve_timing(ctx: RankContext, **kwargs: Any) -> dict[str, Any]:
-    """:func:`cpbook.engine.serve_rank` (same arguments) plus ``wall_s``, this rank's seconds
+    """:func:`cpbook.engine.engine.serve_rank` (same arguments) plus ``wall_s``, this rank's seconds
     for the whole run (engine construction included), and ``tokens_per_s``, the new tokens
     over it.  ``python -m cpbook serve`` reports these."""
-    from .engine import serve_rank
 
     start = time.perf_counter()
     res = serve_rank(ctx, **kwargs)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from cpbook.comm import RankContext
-from cpbook.groups import RankGrid, make_groups
+from cpbook.core.context import RankContext
+from cpbook.core.groups import RankGrid, make_groups
 
 
 def every_collective(ctx: RankContext) -> dict:

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cpbook.attention import attention_with_lse, dense_attention, merge_attn_states
+from cpbook.core.attention import attention_with_lse, dense_attention, merge_attn_states
 
 
 def _rand(seed, tq, tk, hq, hk, d, dv, dtype=torch.float64):

@@ -7,19 +7,19 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cpbook.chunked import (
+from cpbook.core.config import ConfigError, ParallelConfig
+from cpbook.core.context import RankContext
+from cpbook.core.groups import make_groups
+from cpbook.core.launch import run
+from cpbook.demos.ch05_chunked import chunked_prefill_rank
+from cpbook.pcp.chunked import (
     allgather_kv_attention,
     allgather_q_attention,
     chunked_prefill_attention,
-    chunked_prefill_rank,
     context_shard,
 )
-from cpbook.chunked_plan import STRATEGIES, choose_strategy, chunked_comm_bytes
-from cpbook.comm import RankContext
-from cpbook.config import ConfigError, ParallelConfig
-from cpbook.groups import make_groups
-from cpbook.launch import run
-from cpbook.zigzag import zigzag_partition
+from cpbook.pcp.chunked_plan import STRATEGIES, choose_strategy, chunked_comm_bytes
+from cpbook.pcp.zigzag import zigzag_partition
 
 # (tp, pcp, dcp, num_q_heads, num_kv_heads, use_mla): every PCP × DCP pairing vLLM accepts with
 # pcp in {1..4}, dcp in {1, 2, 4} (and dcp = pcp = 3), GQA with several KV heads, MQA, MLA

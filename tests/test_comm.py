@@ -5,8 +5,8 @@ import time
 import pytest
 import torch
 
-from cpbook.comm import CommRecord, Trace
-from cpbook.launch import run
+from cpbook.core.comm import CommRecord, Trace
+from cpbook.core.launch import run
 from tests.rank_fns import every_collective, skip_collective
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from cpbook.config import ConfigError, ParallelConfig
+from cpbook.core.config import ConfigError, ParallelConfig
 
 P = ParallelConfig
 

@@ -474,7 +474,7 @@ def test_every_model_has_its_projection_widths():
 
 
 def test_decode_collectives_are_the_tpa_formula():
-    from cpbook.tpa import tpa_comm_bytes
+    from cpbook.dcp.tpa import tpa_comm_bytes
 
     for mode, tpa_mode, n in (
         ("no_cp", "standard", 1),

@@ -5,17 +5,14 @@ import random
 import pytest
 import torch
 
-from cpbook.attention import dense_attention, merge_attn_states
-from cpbook.comm import RankContext
-from cpbook.config import ConfigError, ParallelConfig
-from cpbook.dcp import (
-    correct_attn_out,
-    decode_comm_bytes,
-    gqa_decode_rank,
-    shard_kv_cache,
-)
-from cpbook.groups import RankGrid
-from cpbook.launch import run
+from cpbook.core.attention import dense_attention, merge_attn_states
+from cpbook.core.config import ConfigError, ParallelConfig
+from cpbook.core.context import RankContext
+from cpbook.core.groups import RankGrid
+from cpbook.core.launch import run
+from cpbook.dcp.decode import correct_attn_out, decode_comm_bytes
+from cpbook.demos.ch03_decode import gqa_decode_rank
+from cpbook.kv.paged import shard_kv_cache
 from tests.rank_fns import in_sequence
 
 
@@ -138,7 +135,7 @@ def test_float32_inputs():
 def test_article_example_under_torchrun():
     """Both combine backends on the article's 6 ranks, one torchrun launch."""
     calls = [
-        ("cpbook.dcp:gqa_decode_rank", dict(seq_lens=(48, 5, 2), dcp_comm_backend=b))
+        ("cpbook.demos.ch03_decode:gqa_decode_rank", dict(seq_lens=(48, 5, 2), dcp_comm_backend=b))
         for b in ("ag_rs", "a2a")
     ]
     res = run(in_sequence, 6, "torchrun", dict(calls=calls), report=False)

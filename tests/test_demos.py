@@ -64,7 +64,7 @@ def test_params_are_parsed_against_the_signature():
 def test_demo_help_lists_the_parameters(capsys):
     assert main(["demo", "pcp", "--help"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("pcp (chapter 4, cpbook.pcp:pcp_prefill_rank)")
+    assert out.startswith("pcp (chapter 4, cpbook.demos.ch04_pcp:pcp_prefill_rank)")
     assert "seq_lens" in out and "tensor_parallel_size" in out
 
 

@@ -1,4 +1,4 @@
-"""cpbook.dynamic: the Router's thresholds, its defaults and the rules it enforces."""
+"""cpbook.dynamic.router: the Router's thresholds, its defaults and the rules it enforces."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from cpbook import costmodel as cm
-from cpbook.dynamic import Router, cp_line, valid_cp_size
+from cpbook.dynamic.router import Router, cp_line, valid_cp_size
 
 DSV3, H200 = cm.MODELS["DeepSeek-V3"], cm.GPUS["H200"]
 

@@ -1,4 +1,4 @@
-"""cpbook.engine: token-exact greedy serving on one rank and on TP x DCP x PCP grids."""
+"""cpbook.engine.engine: token-exact greedy serving on one rank and on TP x DCP x PCP grids."""
 
 from __future__ import annotations
 
@@ -7,20 +7,23 @@ import json
 import pytest
 import torch
 
-from cpbook.comm import RankContext, SimWorld
-from cpbook.config import ConfigError
-from cpbook.engine import (
-    Engine,
-    engine_config,
+from cpbook.core.backends import SimWorld
+from cpbook.core.config import ConfigError
+from cpbook.core.context import RankContext
+from cpbook.core.launch import run
+from cpbook.demos.ch09_engine import (
     grid_runs,
-    make_prompts,
     max_concurrent_long_requests,
     serve_grid_rank,
+)
+from cpbook.engine.engine import (
+    Engine,
+    engine_config,
+    make_prompts,
     serve_rank,
     valid_grid,
 )
-from cpbook.launch import run
-from cpbook.models import TinyModel, reference_generate
+from cpbook.engine.models import TinyModel, reference_generate
 
 WORK = dict(num_requests=6, max_new_tokens=6)
 SMALL = dict(num_requests=4, max_new_tokens=4)

@@ -209,7 +209,7 @@ def test_real_nbval_ignores_the_pngs_and_compares_the_rest(tmp_path):
 
 
 def test_chapter_explorers_default_states():
-    from cpbook.dcp import decode_comm_bytes
+    from cpbook.dcp.decode import decode_comm_bytes
     from cpbook.widgets.dcp import comm_explorer
     from cpbook.widgets.kvcache import layout_explorer
     from cpbook.widgets.memory import kv_explorer

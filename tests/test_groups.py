@@ -2,9 +2,9 @@
 
 import pytest
 
-from cpbook.config import ConfigError, ParallelConfig
-from cpbook.groups import RankGrid
-from cpbook.launch import run
+from cpbook.core.config import ConfigError, ParallelConfig
+from cpbook.core.groups import RankGrid
+from cpbook.core.launch import run
 from tests.rank_fns import grid_groups
 
 

@@ -1,4 +1,4 @@
-"""cpbook.kvcache and cpbook.kvmanager: vLLM's slot mapping, the paged store, the allocator."""
+"""cpbook.kv.layout and cpbook.kv.manager: vLLM's slot mapping, the paged store, the allocator."""
 
 from __future__ import annotations
 
@@ -7,19 +7,19 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cpbook.kvcache import (
+from cpbook.core.launch import run
+from cpbook.demos.ch02_kvcache import kvcache_rank
+from cpbook.kv.layout import (
     PAD_SLOT_ID,
-    PagedKVCache,
     block_fill,
-    kvcache_rank,
     local_positions,
     local_seq_len,
     num_virtual_blocks,
-    owner_rank,
     slot_mapping,
-    transfer_plan,
+    token_owner,
 )
-from cpbook.launch import run
+from cpbook.kv.paged import PagedKVCache
+from cpbook.kv.transfer import transfer_plan
 
 PROPERTY = settings(max_examples=500, deadline=None)
 
@@ -49,9 +49,9 @@ def test_vllm_hand_example():
 
 
 def test_article_table_and_decode_tokens():
-    owners = owner_rank(torch.arange(20), dcp_size=4, interleave=4)
+    owners = token_owner(torch.arange(20), dcp_size=4, interleave=4)
     assert owners.tolist() == [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4 + [0] * 4
-    assert owner_rank([20, 27], 4, 4).tolist() == [1, 2]
+    assert token_owner([20, 27], 4, 4).tolist() == [1, 2]
     # D20 sits at offset 4 of its block on rank 1: slot 16*b + 4, never 384 with block size 16.
     for b in range(64):
         assert slot_mapping([20], [b], 16, 4, 1, 4).item() == 16 * b + 4 != 384
@@ -85,7 +85,7 @@ def test_every_token_owned_by_exactly_one_rank(layout):
     pos, table = torch.arange(n), _table(n, bs, dcp, n)
     slots = torch.stack([slot_mapping(pos, table, bs, dcp, r, inter) for r in range(dcp)])
     assert ((slots != PAD_SLOT_ID).sum(0) == 1).all()
-    assert torch.equal((slots != PAD_SLOT_ID).long().argmax(0), owner_rank(pos, dcp, inter))
+    assert torch.equal((slots != PAD_SLOT_ID).long().argmax(0), token_owner(pos, dcp, inter))
 
 
 @given(layouts())
@@ -169,7 +169,7 @@ def test_write_then_read_reconstructs_exactly(layout, mla):
         (lambda: slot_mapping([0.5], [0], 16, 4, 0, 1), "integer-positions"),
         (lambda: local_seq_len(-1, 4, 0, 1), "seq-len-non-negative"),
         (lambda: local_seq_len(10, 4, -1, 1), "dcp-rank-in-range"),
-        (lambda: owner_rank([1], 0, 1), "positive-sizes"),
+        (lambda: token_owner([1], 0, 1), "positive-sizes"),
         (
             lambda: PagedKVCache(2, 16, 1, 4).write(
                 torch.zeros(1, 1, 4), torch.zeros(1, 1, 4), torch.tensor([32])

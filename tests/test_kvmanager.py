@@ -1,4 +1,4 @@
-"""cpbook.kvmanager: the virtual-block allocator, prefix caching, running out of blocks."""
+"""cpbook.kv.manager: the virtual-block allocator, prefix caching, running out of blocks."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cpbook.config import ParallelConfig
-from cpbook.kvcache import num_virtual_blocks
-from cpbook.kvmanager import AllocationError, KVCacheManager
+from cpbook.core.config import ParallelConfig
+from cpbook.kv.layout import num_virtual_blocks
+from cpbook.kv.manager import AllocationError, KVCacheManager
 from tests.test_kvcache import layouts
 
 PROPERTY = settings(max_examples=500, deadline=None)

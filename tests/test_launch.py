@@ -4,8 +4,8 @@ import time
 
 import pytest
 
-from cpbook.attention import merge_rank
-from cpbook.launch import run
+from cpbook.core.launch import run
+from cpbook.demos.ch01_merge import merge_rank
 from tests.rank_fns import echo_timeout, fail_on_rank
 
 

@@ -1,4 +1,4 @@
-"""cpbook.migration: a running request moved from CP = N to CP = M decodes on exactly."""
+"""cpbook.dynamic.migration: a running request moved from CP = N to CP = M decodes on exactly."""
 
 from __future__ import annotations
 
@@ -6,9 +6,10 @@ import random
 
 import pytest
 
-from cpbook.kvcache import local_seq_len
-from cpbook.launch import run
-from cpbook.migration import migration_bytes, migration_plan, migration_rank
+from cpbook.core.launch import run
+from cpbook.demos.ch07_migration import migration_rank
+from cpbook.dynamic.migration import migration_bytes, migration_plan
+from cpbook.kv.layout import local_seq_len
 
 rng = random.Random(7)
 CASES = (

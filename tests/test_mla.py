@@ -6,20 +6,12 @@ import random
 import pytest
 import torch
 
-from cpbook.attention import dense_attention
-from cpbook.config import ConfigError
-from cpbook.launch import run
-from cpbook.mla import (
-    TinyMLA,
-    context_chunk_len,
-    context_gather_bytes,
-    crossover_context_len,
-    kv_move_bytes,
-    mla_context_rank,
-    mla_decode_rank,
-    q_move_bytes,
-    reorg_kvcache,
-)
+from cpbook.core.attention import dense_attention
+from cpbook.core.config import ConfigError
+from cpbook.core.launch import run
+from cpbook.dcp.mla import TinyMLA, crossover_context_len, kv_move_bytes, q_move_bytes
+from cpbook.demos.ch03_decode import mla_context_rank, mla_decode_rank
+from cpbook.kv.gather import context_chunk_len, context_gather_bytes, reorg_kvcache
 from tests.rank_fns import in_sequence
 
 
@@ -161,8 +153,8 @@ def test_mla_under_torchrun():
         workspace_size=16,
     )
     calls = [
-        ("cpbook.mla:mla_decode_rank", dict(seq_lens=(40, 5, 2))),
-        ("cpbook.mla:mla_context_rank", ctx_kw),
+        ("cpbook.demos.ch03_decode:mla_decode_rank", dict(seq_lens=(40, 5, 2))),
+        ("cpbook.demos.ch03_decode:mla_context_rank", ctx_kw),
     ]
     res = run(in_sequence, 4, "torchrun", dict(calls=calls), report=False)
     for per_rank, trace in zip(res, res.traces):

@@ -1,24 +1,24 @@
-"""cpbook.models: the tiny decoders, their TP slices and the single-device reference."""
+"""cpbook.engine.models: the tiny decoders, their TP slices and the single-device reference."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from cpbook.attention import dense_attention
-from cpbook.config import ConfigError
-from cpbook.models import MODELS, TinyModel, reference_generate
+from cpbook.core.attention import dense_attention
+from cpbook.core.config import ConfigError
+from cpbook.engine.models import ENGINE_MODELS, TinyModel, reference_generate
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-@pytest.fixture(scope="module", params=sorted(MODELS))
+@pytest.fixture(scope="module", params=sorted(ENGINE_MODELS))
 def model(request) -> TinyModel:
     return TinyModel.from_name(request.param, seed=0)
 
 
 def test_shapes_from_the_issue():
-    gqa, mla = MODELS["tiny-gqa"], MODELS["tiny-mla"]
+    gqa, mla = ENGINE_MODELS["tiny-gqa"], ENGINE_MODELS["tiny-mla"]
     assert (gqa.num_attention_heads, gqa.num_key_value_heads, gqa.use_mla) == (8, 2, False)
     assert (mla.num_attention_heads, mla.num_key_value_heads, mla.use_mla) == (8, 1, True)
     assert mla.kv_cache_dim == mla.kv_lora_rank + mla.qk_rope_head_dim

@@ -7,19 +7,18 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cpbook.attention import dense_attention, rope
-from cpbook.groups import RankGrid
-from cpbook.launch import run
-from cpbook.pcp import (
+from cpbook.core.attention import dense_attention, rope
+from cpbook.core.groups import RankGrid
+from cpbook.core.launch import run
+from cpbook.demos.ch04_pcp import pcp_prefill_rank
+from cpbook.pcp.prefill import (
     pcp_comm_bytes,
     pcp_local_attention,
-    pcp_prefill_rank,
     pcp_restore_bytes,
     pcp_shard,
 )
-from cpbook.timing import pcp_prefill_timing
-from cpbook.zigzag import (
-    LAYOUTS,
+from cpbook.pcp.zigzag import (
+    PARTITION_LAYOUTS,
     PCPPartition,
     causal_pairs,
     causal_work,
@@ -27,6 +26,7 @@ from cpbook.zigzag import (
     pcp_partition,
     zigzag_partition,
 )
+from cpbook.timing import pcp_prefill_timing
 
 
 # ------------------------------------------------------------------ the article's examples
@@ -56,7 +56,7 @@ lens_st = st.lists(st.integers(1, 96), min_size=1, max_size=3)
 
 
 @settings(max_examples=600, deadline=None)
-@given(lens=lens_st, pcp=st.integers(1, 8), layout=st.sampled_from(LAYOUTS))
+@given(lens=lens_st, pcp=st.integers(1, 8), layout=st.sampled_from(PARTITION_LAYOUTS))
 def test_partition_properties(lens, pcp, layout):
     part = pcp_partition(lens, pcp, layout)
     offs = [0]
@@ -158,7 +158,7 @@ def test_rope_depends_on_relative_position_only():
     )
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", PARTITION_LAYOUTS)
 @pytest.mark.parametrize("lens,pcp", [((37, 64), 2), ((13,), 3), ((1, 9, 30), 4)])
 def test_local_attention_matches_dense(layout, lens, pcp):
     """All ranks' attention to the full, ordered keys vs dense."""
@@ -187,7 +187,7 @@ def _check(res):
         assert r["comm"] == r["expected"] and r["restore_comm"] == r["restore_expected"]
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", PARTITION_LAYOUTS)
 @pytest.mark.parametrize(
     "world,tp,lens",
     [(2, 1, (37, 64)), (3, 1, (50, 7, 1)), (4, 1, (1, 23)), (4, 2, (45, 16)), (8, 2, (31, 5))],

@@ -4,9 +4,10 @@ reject bad input before communicating, and Meta's rule picks the mode it should.
 import pytest
 import torch
 
-from cpbook.launch import run
-from cpbook.ring import ring_attention, ring_prefill_rank
-from cpbook.ring_plan import RingLayout, choose_ring_mode
+from cpbook.core.launch import run
+from cpbook.demos.ch05_chunked import ring_prefill_rank
+from cpbook.pcp.ring import ring_attention
+from cpbook.pcp.ring_plan import RingLayout, choose_ring_mode
 
 # (pcp, tp, seq_lens, context_lens, q heads, kv heads, interleave)
 CASES = [

@@ -1,12 +1,12 @@
-"""cpbook.scheduler: continuous batching invariants, with a stand-in model (no tensors)."""
+"""cpbook.engine.scheduler: continuous batching invariants, with a stand-in model (no tensors)."""
 
 from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cpbook.kvmanager import KVCacheManager
-from cpbook.scheduler import Request, Scheduler
+from cpbook.engine.scheduler import Request, Scheduler
+from cpbook.kv.manager import KVCacheManager
 
 VOCAB = 50
 

@@ -1,4 +1,4 @@
-"""cpbook.simulator: deterministic, conserves requests and tokens, policies behave as routed."""
+"""cpbook.dynamic.simulator: deterministic, conserves requests and tokens, policies behave as routed."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cpbook.dynamic import Router
-from cpbook.simulator import POLICIES, Cluster, make_workload, simulate
+from cpbook.dynamic.router import Router
+from cpbook.dynamic.simulator import POLICIES, Cluster, make_workload, simulate
 
 CLUSTER = Cluster()
 

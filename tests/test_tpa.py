@@ -1,12 +1,14 @@
-"""cpbook.tpa and the TPA rules of cpbook.config: exact blocks, one all-gather fewer."""
+"""cpbook.dcp.tpa and the TPA rules of cpbook.core.config: exact blocks, one all-gather fewer."""
 
 from __future__ import annotations
 
 import pytest
 
-from cpbook.config import ConfigError, ParallelConfig
-from cpbook.launch import run
-from cpbook.tpa import attention_kv_heads, q_proj_heads, tpa_config, tpa_costs, tpa_rank
+from cpbook.core.config import ConfigError, ParallelConfig
+from cpbook.core.heads import attention_kv_heads, q_proj_heads, tpa_config
+from cpbook.core.launch import run
+from cpbook.dcp.tpa import tpa_costs
+from cpbook.demos.ch06_tpa import tpa_rank
 from tests.rank_fns import in_sequence
 
 LAYOUTS = [  # (attention, tp, dcp, q heads, kv heads, modes)
@@ -92,7 +94,7 @@ def test_heads_and_costs():
 def test_tpa_under_torchrun():
     """GQA and MLA TPA on 4 processes, one torchrun launch."""
     calls = [
-        ("cpbook.tpa:tpa_rank", _kw(a, 4, 4, 8, 2 if a == "gqa" else 1, "tpa", seq_lens=(21, 3)))
+        ("cpbook.demos.ch06_tpa:tpa_rank", _kw(a, 4, 4, 8, 2 if a == "gqa" else 1, "tpa", seq_lens=(21, 3)))
         for a in ("gqa", "mla")
     ]
     res = run(in_sequence, 4, "torchrun", dict(calls=calls), report=False)

@@ -9,7 +9,7 @@ and throughput of whole layouts), :mod:`.calibration` (α, β and throughput of 
 here, so ``from cpbook import costmodel as cm; cm.X`` keeps working.
 """
 
-from .decode import (
+from cpbook.costmodel.decode import (
     COLLECTIVES,
     DECODE_MODES,
     DEFAULT_HBM_EFFICIENCY,
@@ -18,7 +18,7 @@ from .decode import (
     decode_break_even,
     decode_layer_time,
 )
-from .latency import (
+from cpbook.costmodel.latency import (
     DEFAULT_MFU,
     DecodeTime,
     PrefillTime,
@@ -30,7 +30,7 @@ from .latency import (
     tpot_break_even,
     ttft,
 )
-from .memory import (
+from cpbook.costmodel.memory import (
     Layout,
     kv_budget_bytes_per_gpu,
     kv_bytes_for_context,
@@ -46,8 +46,8 @@ from .memory import (
     parallel_config,
     weight_bytes_per_gpu,
 )
-from .recommend import Recommendation, Workload, recommend
-from .specs import (
+from cpbook.costmodel.recommend import Recommendation, Workload, recommend
+from cpbook.costmodel.specs import (
     DEFAULT_ACTIVATION_RESERVE_BYTES,
     DEFAULT_GPU_MEMORY_UTILIZATION,
     FP8_DS_MLA_BYTES_PER_TOKEN_PER_LAYER,

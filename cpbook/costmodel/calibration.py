@@ -8,23 +8,27 @@ A CPU run of one step costs, on the slowest rank,
 
 with the compute terms (FLOPs, bytes read) stretched by ``max(worst rank, all ranks / cores) /
 worst rank`` when ranks share cores; a rank waiting in a collective leaves its core to others.
-Every count comes from the mechanism modules' own formulas (:func:`cpbook.pcp.pcp_comm_bytes`,
-:func:`cpbook.chunked_plan.chunked_comm_bytes`, :func:`cpbook.tpa.tpa_comm_bytes`,
-:func:`cpbook.tpa.tpa_costs`); the five constants are fitted by non-negative least squares on
-relative error.  No clock is read here: the times are the stored ``bench/results`` files.
+Every count comes from the mechanism modules' own formulas (:func:`cpbook.pcp.prefill.pcp_comm_bytes`,
+:func:`cpbook.pcp.chunked_plan.chunked_comm_bytes`, :func:`cpbook.dcp.tpa.tpa_comm_bytes`,
+:func:`cpbook.dcp.tpa.tpa_costs`); the five constants are fitted by non-negative least squares on
+relative error.  No clock is read here: the times are the stored runs in :mod:`cpbook.data`.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
+from cpbook.core.heads import tpa_config
+from cpbook.data import stored_rows, stored_text
+from cpbook.dcp.tpa import tpa_comm_bytes, tpa_costs
+from cpbook.pcp.chunked_plan import chunked_comm_bytes
+from cpbook.pcp.prefill import pcp_comm_bytes
+
 FEATURES = ("calls", "bytes_sent", "prefill_flops", "decode_flops", "bytes_read")
 COMPUTE = ("prefill_flops", "decode_flops", "bytes_read")  # the terms that need a core
-RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 
 
 @dataclass(frozen=True)
@@ -78,7 +82,6 @@ def _calls(calls: Sequence[tuple[str, int]]) -> tuple[int, int]:
 
 def pcp_points(rows: Sequence[dict], cores: int = 2) -> list[Point]:
     """``pcp_prefill.json`` rows: one-process SDPA, zigzag and contiguous PCP (MHA, fp32)."""
-    from ..pcp import pcp_comm_bytes
 
     out = []
     for r in rows:
@@ -109,7 +112,6 @@ def pcp_points(rows: Sequence[dict], cores: int = 2) -> list[Point]:
 
 def chunked_points(rows: Sequence[dict]) -> list[Point]:
     """``chunked_prefill.jsonl`` rows (2 ranks, pcp = dcp = 2, 8 Q heads, 1 KV head, d 64)."""
-    from ..chunked_plan import chunked_comm_bytes
 
     out = []
     for r in rows:
@@ -145,7 +147,6 @@ def chunked_points(rows: Sequence[dict]) -> list[Point]:
 
 def decode_points(rows: Sequence[dict]) -> list[Point]:
     """``decode_step.json`` rows: tp = ranks, 16 Q heads, 1 KV head, d 128, hidden 1024, fp32."""
-    from ..tpa import tpa_comm_bytes, tpa_config, tpa_costs
 
     out = []
     for r in rows:
@@ -198,17 +199,13 @@ def decode_points(rows: Sequence[dict]) -> list[Point]:
     return out
 
 
-def load_points(results: Path = RESULTS, cores: int = 2) -> list[Point]:
+def load_points(results: Path | None = None, cores: int = 2) -> list[Point]:
     """Every stored measurement: ``pcp_prefill.json``, ``chunked_prefill.jsonl``,
-    ``decode_step.json`` (one JSON object per line, or a list)."""
+    ``decode_step.json``, from the package's copies (:mod:`cpbook.data`) or from the folder
+    ``results`` holding files of those names."""
 
     def rows(name: str) -> list[dict]:
-        text = (results / name).read_text().strip()
-        return (
-            json.loads(text)
-            if text.startswith("[")
-            else [json.loads(ln) for ln in text.splitlines() if ln.strip()]
-        )
+        return stored_rows(stored_text(name) if results is None else (results / name).read_text())
 
     return (
         decode_points(rows("decode_step.json"))

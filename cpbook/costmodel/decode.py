@@ -5,9 +5,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..config import ParallelConfig
-from .memory import kv_bytes_per_token, parallel_config
-from .specs import LINKS, GPUSpec, LinkSpec, ModelSpec
+from cpbook.core.config import ParallelConfig
+from cpbook.core.heads import attention_kv_heads, tpa_config
+from cpbook.costmodel.memory import kv_bytes_per_token, parallel_config
+from cpbook.costmodel.specs import LINKS, GPUSpec, LinkSpec, ModelSpec
+from cpbook.dcp.tpa import tpa_comm_bytes, tpa_costs
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 
@@ -60,7 +62,6 @@ class DecodeLayerTime:
 
 
 def _decode_config(model: ModelSpec, mode: str, tp: int, dcp: int) -> ParallelConfig:
-    from ..tpa import tpa_config
 
     if mode not in DECODE_MODES:
         raise ValueError(f"[decode-mode] requires mode in {DECODE_MODES}; got mode={mode!r}")
@@ -88,9 +89,8 @@ def decode_attention_calls(
     act_bytes: int = 2,
 ) -> tuple[tuple[str, int, int], ...]:
     """One layer's decode-attention collectives on one GPU of ``cfg``, as
-    ``(op, group_size, bytes_per_rank)``: :func:`cpbook.tpa.tpa_comm_bytes` (standard or TPA)
+    ``(op, group_size, bytes_per_rank)``: :func:`cpbook.dcp.tpa.tpa_comm_bytes` (standard or TPA)
     with MLA's latent widths or GQA's head dim, all-reduces over TP and the rest over DCP."""
-    from ..tpa import tpa_comm_bytes
 
     if model.use_mla:
         q_dim, out_dim = model.kv_lora_rank + model.qk_rope_head_dim, model.kv_lora_rank
@@ -135,12 +135,11 @@ def decode_layer_time(
     * ``dcp_tpa``: the same without the query all-gather (``tensor_parallel_size_attention``
       for GQA, ``dcp_q_replicate`` for MLA), plus reading ``dcp - 1`` more ``q_proj`` shards.
 
-    The collectives and their bytes are :func:`cpbook.tpa.tpa_comm_bytes` (activations of
-    ``act_bytes``), the extra weights :func:`cpbook.tpa.tpa_costs`; the KV heads a GPU holds
-    come from :func:`cpbook.tpa.attention_kv_heads`.  Every term is linear in
+    The collectives and their bytes are :func:`cpbook.dcp.tpa.tpa_comm_bytes` (activations of
+    ``act_bytes``), the extra weights :func:`cpbook.dcp.tpa.tpa_costs`; the KV heads a GPU holds
+    come from :func:`cpbook.core.heads.attention_kv_heads`.  Every term is linear in
     ``context_tokens``, so :func:`decode_break_even` solves for the crossing exactly.
     """
-    from ..tpa import attention_kv_heads, tpa_costs
 
     if not 0 < hbm_efficiency <= 1:
         raise ValueError(

@@ -4,15 +4,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .decode import DEFAULT_HBM_EFFICIENCY, collective_time, decode_attention_calls
-from .memory import (
+from cpbook.costmodel.decode import (
+    DEFAULT_HBM_EFFICIENCY,
+    collective_time,
+    decode_attention_calls,
+)
+from cpbook.costmodel.memory import (
     Layout,
     kv_bytes_per_token_per_gpu,
     layout_kv_bytes_per_token,
     layout_weight_bytes,
     weight_bytes_per_gpu,
 )
-from .specs import GPUSpec, LinkSpec, ModelSpec, link_of
+from cpbook.costmodel.specs import GPUSpec, LinkSpec, ModelSpec, link_of
+from cpbook.dcp.tpa import tpa_costs
+from cpbook.pcp.prefill import pcp_comm_bytes, pcp_restore_bytes
+from cpbook.pcp.ring_plan import ring_comm_bytes
+from cpbook.pcp.zigzag import padded_len
 
 
 def prefill_flops(model: ModelSpec, tokens: int) -> tuple[float, float]:
@@ -95,16 +103,13 @@ def ttft(
     DCP adds nothing to a fresh prefill (every rank computes its heads over the whole prompt
     and keeps its share of the cache), DP none either (one replica serves the request).  PCP
     splits the tokens zigzag over ``pcp`` ranks: ``cp_comm="allgather"`` is vLLM's K/V
-    all-gather before attention (:func:`cpbook.pcp.pcp_comm_bytes`, not overlapped),
-    ``"ring"`` Meta's pass-KV ring (:func:`cpbook.ring_plan.ring_comm_bytes`), each step
+    all-gather before attention (:func:`cpbook.pcp.prefill.pcp_comm_bytes`, not overlapped),
+    ``"ring"`` Meta's pass-KV ring (:func:`cpbook.pcp.ring_plan.ring_comm_bytes`), each step
     hidden behind that step's attention.  ``link`` is TP's, ``cp_link`` the CP group's
     (defaults: the GPU's scale-up link).  MoE models count active parameters only; attention
     FLOPs are :func:`prefill_flops`'s (for MLA, ``head_dim`` 192 for QK and PV alike: about
     20 % above the 128-wide PV product).
     """
-    from ..pcp import pcp_comm_bytes, pcp_restore_bytes
-    from ..ring_plan import ring_comm_bytes
-    from ..zigzag import padded_len
 
     _tokens(prompt_tokens)
     if not 0 < mfu <= 1:
@@ -198,11 +203,10 @@ def tpot(
 
     Per GPU: its weight shard (MoE: only the experts the batch touches), its share of the KV
     (:func:`~cpbook.costmodel.memory.layout_kv_bytes_per_token`), and per layer the
-    collectives of :func:`cpbook.tpa.tpa_comm_bytes` (DCP's query all-gather unless TPA, the
+    collectives of :func:`cpbook.dcp.tpa.tpa_comm_bytes` (DCP's query all-gather unless TPA, the
     combine, the ``o_proj`` all-reduce) plus the MLP's all-reduce.  Expert-parallel all-to-alls
     are not modelled.
     """
-    from ..tpa import tpa_costs
 
     _tokens(context_tokens, "context_tokens")
     _tokens(batch, "batch")

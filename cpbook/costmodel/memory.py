@@ -1,7 +1,7 @@
 """Memory: weights and KV cache per GPU, the longest request and the largest batch that fit.
 
 Every function raises ``ValueError`` for a configuration vLLM rejects (through
-:class:`cpbook.config.ParallelConfig`) or for a model that does not fit.
+:class:`cpbook.core.config.ParallelConfig`) or for a model that does not fit.
 """
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ import math
 from dataclasses import dataclass
 from fractions import Fraction
 
-from ..config import ParallelConfig
-from .specs import (
+from cpbook.core.config import ParallelConfig
+from cpbook.core.heads import attention_kv_heads, tpa_config
+from cpbook.costmodel.specs import (
     DEFAULT_ACTIVATION_RESERVE_BYTES,
     DEFAULT_GPU_MEMORY_UTILIZATION,
     FP8_DS_MLA_BYTES_PER_TOKEN_PER_LAYER,
@@ -23,7 +24,7 @@ from .specs import (
 
 
 def parallel_config(model: ModelSpec, tp: int = 1, dcp: int = 1) -> ParallelConfig:
-    """The model's attention under TP × DCP, validated by :class:`~cpbook.config.ParallelConfig`.
+    """The model's attention under TP × DCP, validated by :class:`~cpbook.core.config.ParallelConfig`.
 
     One source of truth for vLLM's rules: an invalid layout raises ``ConfigError`` (a
     ``ValueError``) naming the violated rule and the values.
@@ -217,7 +218,6 @@ class Layout:
 
     def config(self, model: ModelSpec) -> ParallelConfig:
         """One replica's attention layout, validated by vLLM's rules (ValueError if invalid)."""
-        from ..tpa import tpa_config
 
         if self.dp < 1:
             raise ValueError(f"[positive-sizes] requires dp >= 1; got dp={self.dp}")
@@ -243,12 +243,11 @@ def layout_weight_bytes(model: ModelSpec, layout: Layout) -> float:
 def layout_kv_bytes_per_token(model: ModelSpec, layout: Layout, kv_dtype: str = "bf16") -> float:
     """KV bytes one GPU stores per token of a request under ``layout``.
 
-    The GPU's KV heads are :func:`cpbook.tpa.attention_kv_heads` of its replica's configuration
+    The GPU's KV heads are :func:`cpbook.core.heads.attention_kv_heads` of its replica's configuration
     (TP heads, or TPA's attention shard); DCP divides the tokens by ``dcp``.  PCP alone does not
     shard the cache: vLLM all-gathers K/V over the PCP group before writing it, so every PCP
     rank keeps the request's full cache unless ``dcp`` spans the PCP ranks.
     """
-    from ..tpa import attention_kv_heads
 
     cfg = layout.config(model)
     heads = attention_kv_heads(cfg, 0)

@@ -11,9 +11,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .latency import DecodeTime, PrefillTime, tpot, ttft
-from .memory import Layout, layout_kv_budget, layout_max_context, max_concurrency
-from .specs import DEFAULT_GPU_MEMORY_UTILIZATION, GPUSpec, ModelSpec, get_gpu, get_model
+from cpbook.costmodel.latency import DecodeTime, PrefillTime, tpot, ttft
+from cpbook.costmodel.memory import (
+    Layout,
+    layout_kv_budget,
+    layout_max_context,
+    max_concurrency,
+)
+from cpbook.costmodel.specs import (
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    GPUSpec,
+    ModelSpec,
+    get_gpu,
+    get_model,
+)
 
 #: the article's "short" requests and the concurrency per GPU we call "very concurrent"
 SHORT_CONTEXT_TOKENS = 32 * 1024

@@ -2,8 +2,8 @@
 moves.
 
 The ownership figures take one request: ``context_len`` cached tokens, DCP-interleaved
-(:func:`cpbook.kvcache.owner_rank`), then a chunk of ``chunk_len`` new tokens split zigzag over
-PCP (:func:`cpbook.zigzag.zigzag_partition`), on ``tp = 1`` and ``dcp = pcp``: rank ``r`` is
+(:func:`cpbook.kv.layout.token_owner`), then a chunk of ``chunk_len`` new tokens split zigzag over
+PCP (:func:`cpbook.pcp.zigzag.zigzag_partition`), on ``tp = 1`` and ``dcp = pcp``: rank ``r`` is
 PCP rank ``r`` and DCP rank ``r``, so one colour per rank says who holds a token.
 """
 
@@ -15,9 +15,9 @@ import matplotlib.colors as mcolors
 import numpy as np
 from matplotlib.patches import Patch, Rectangle
 
-from ..kvcache import owner_rank
-from ..zigzag import zigzag_partition
-from . import PALETTE, figure, rank_color
+from cpbook.kv.layout import token_owner
+from cpbook.pcp.zigzag import zigzag_partition
+from cpbook.viz import PALETTE, figure, rank_color
 
 __all__ = ["STRATEGY_COLORS", "holders", "ownership_figure", "strategies_figure", "bytes_figure",
            "ring_figure"]
@@ -43,7 +43,7 @@ def holders(context_len: int, chunk_len: int, ranks: int, interleave: int) -> np
     for the chunk (whose queries live on the same rank).  Shape ``[context_len + chunk_len]``."""
     own = np.empty(context_len + chunk_len, dtype=int)
     if context_len:
-        own[:context_len] = owner_rank(range(context_len), ranks, interleave).numpy()
+        own[:context_len] = token_owner(range(context_len), ranks, interleave).numpy()
     for r, toks in enumerate(zigzag_partition(chunk_len, ranks).rank_tokens):
         for t in toks:
             if t < chunk_len:

@@ -9,7 +9,7 @@ from typing import Any, Mapping, Sequence
 from matplotlib.patches import Rectangle
 from matplotlib.ticker import NullLocator
 
-from . import PALETTE, figure, rank_color
+from cpbook.viz import PALETTE, figure, rank_color
 
 __all__ = ["gqa_dataflow", "combine_traffic", "reorg_layout", "move_q_or_kv"]
 
@@ -53,7 +53,7 @@ def _plain_log_axis(axis, ticks: Sequence[int]) -> None:
 def gqa_dataflow(results: Sequence[Mapping[str, Any]], group: Sequence[int], seq_len: int):
     """The decode step of one DCP group, one column per rank, from a real run's results.
 
-    ``results[r]`` is :func:`cpbook.dcp.gqa_decode_rank`'s dict for global rank ``r`` (one
+    ``results[r]`` is :func:`cpbook.demos.ch03_decode.gqa_decode_rank`'s dict for global rank ``r`` (one
     request of ``seq_len`` tokens); ``group`` lists the DCP group's global ranks.  Drawn for
     a page about 7.5 inches wide: data units are roughly inches.
     """

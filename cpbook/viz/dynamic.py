@@ -2,9 +2,9 @@
 after, the four policies' throughput–latency frontier, and how the CP break-even length moves
 with TPA and with the batch that shares one set of collectives.
 
-Every function draws numbers the chapter computed (a :class:`~cpbook.dynamic.Router`, the
-per-rank results of :func:`cpbook.migration.migration_rank`, :func:`cpbook.simulator.sweep`,
-:func:`cpbook.dynamic.Router.modelled`) and returns the ``Figure``.
+Every function draws numbers the chapter computed (a :class:`~cpbook.dynamic.router.Router`, the
+per-rank results of :func:`cpbook.demos.ch07_migration.migration_rank`, :func:`cpbook.dynamic.simulator.sweep`,
+:func:`cpbook.dynamic.router.Router.modelled`) and returns the ``Figure``.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import numpy as np
 from matplotlib.colors import ListedColormap
 from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter, NullLocator
 
-from . import PALETTE, figure, rank_color
-from . import legible as _legible
-from . import tokens_label as _tokens
+from cpbook.viz import PALETTE, figure, rank_color
+from cpbook.viz import legible as _legible
+from cpbook.viz import tokens_label as _tokens
 
 __all__ = ["routing_figure", "migration_figure", "frontier_figure", "crossover_figure"]
 

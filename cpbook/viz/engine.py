@@ -1,6 +1,6 @@
 """Figures of chapter 9: what one engine step batches, and a run's step timeline.
 
-Both take :class:`cpbook.engine.StepRecord` lists from a real run (``Engine.history``).
+Both take :class:`cpbook.engine.engine.StepRecord` lists from a real run (``Engine.history``).
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Mapping, Sequence
 
 from matplotlib.patches import Patch, Rectangle
 
-from . import PALETTE, figure
+from cpbook.viz import PALETTE, figure
 
 __all__ = ["KIND_COLORS", "step_batch_figure", "timeline_figure"]
 

@@ -7,8 +7,10 @@ from typing import Sequence
 import torch
 from matplotlib.patches import Rectangle
 
-from ..kvcache import PagedKVCache, local_positions, num_virtual_blocks, owner_rank, transfer_plan
-from . import figure, rank_color
+from cpbook.kv.layout import local_positions, num_virtual_blocks, token_owner
+from cpbook.kv.paged import PagedKVCache
+from cpbook.kv.transfer import transfer_plan
+from cpbook.viz import figure, rank_color
 
 __all__ = ["ownership_figure", "transfer_figure", "waste_figure", "memory_figure"]
 
@@ -77,7 +79,7 @@ def ownership_figure(
         0.5,
     )  # drawn height of one row of slots (cells + slot numbers); space between ranks
     rank_h = srows * gap + rgap
-    owners = owner_rank(torch.arange(seq_len), dcp_size, interleave).tolist()
+    owners = token_owner(torch.arange(seq_len), dcp_size, interleave).tolist()
     # cell: inches per drawn cell; fonts stay >= 9 pt when the page shrinks the figure to ~85 %
     labels, fs, cell = seq_len <= 512, 10.5, 0.35
     width = max(w, sw + 0.3 * max(sw // block_size - 1, 0))  # a small gap between physical blocks
@@ -253,7 +255,7 @@ def waste_figure(
 
 def memory_figure(usage: Sequence[dict], seq_len: int):
     """Tokens of KV each GPU holds for one request: without DCP (every GPU all) vs ``usage``
-    (from :meth:`cpbook.kvmanager.KVCacheManager.rank_usage`)."""
+    (from :meth:`cpbook.kv.manager.KVCacheManager.rank_usage`)."""
     n = len(usage)
     fig, ax = figure(figsize=(6, 3.2))
     xs = range(n)

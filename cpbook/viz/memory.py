@@ -10,8 +10,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ..config import ConfigError
-from ..costmodel import (
+from cpbook.core.config import ConfigError
+from cpbook.costmodel import (
     GB,
     GPUS,
     MODELS,
@@ -20,7 +20,7 @@ from ..costmodel import (
     kv_bytes_per_token_per_gpu,
     max_context_tokens,
 )
-from . import PALETTE, figure
+from cpbook.viz import PALETTE, figure
 
 __all__ = ["kv_memory_vs_context", "per_gpu_kv_bars", "max_context_bars", "rejection_reason"]
 

@@ -9,9 +9,9 @@ import matplotlib.colors as mcolors
 import numpy as np
 from matplotlib.patches import Arc, Patch, Rectangle
 
-from ..groups import RankGrid
-from ..zigzag import PCPPartition, causal_work, pcp_partition
-from . import PALETTE, figure, rank_color
+from cpbook.core.groups import RankGrid
+from cpbook.pcp.zigzag import PCPPartition, causal_work, pcp_partition
+from cpbook.viz import PALETTE, figure, rank_color
 
 __all__ = [
     "causal_ownership_figure",

@@ -11,8 +11,8 @@ from typing import Mapping, Sequence
 
 from matplotlib.ticker import FuncFormatter
 
-from .. import costmodel as cm
-from . import PALETTE, figure
+from cpbook import costmodel as cm
+from cpbook.viz import PALETTE, figure
 
 __all__ = ["capacity_boundary", "layouts_vs_context", "parity"]
 

@@ -13,10 +13,10 @@ from typing import Any, Callable, Mapping, Sequence
 from matplotlib.patches import FancyBboxPatch
 from matplotlib.ticker import FuncFormatter, NullLocator
 
-from .. import costmodel as cm
-from . import PALETTE, figure
-from . import legible as _legible
-from . import tokens_label as _tokens
+from cpbook import costmodel as cm
+from cpbook.viz import PALETTE, figure
+from cpbook.viz import legible as _legible
+from cpbook.viz import tokens_label as _tokens
 
 __all__ = ["tpa_dataflow", "measured_decode", "modelled_decode", "break_even_sensitivity"]
 
@@ -55,7 +55,7 @@ def _box(ax, x, y, w, h, color, text, dashed=False):
 def tpa_dataflow(std: Mapping[str, Any], tpa: Mapping[str, Any], tp: int, dcp: int):
     """The block on one rank, standard DCP (left) and TPA (right), from two real runs.
 
-    ``std`` / ``tpa`` are rank 0's :func:`cpbook.tpa.tpa_rank` results (same problem, the two
+    ``std`` / ``tpa`` are rank 0's :func:`cpbook.demos.ch06_tpa.tpa_rank` results (same problem, the two
     modes); shapes and traced bytes are printed in the boxes.  Drawn for a page column about
     7 inches wide: data units are roughly inches.
     """

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cpbook.chunked_plan import chunked_comm_bytes
+from cpbook.pcp.chunked_plan import chunked_comm_bytes
 from cpbook.widgets.bars import GREEN, PURPLE, bar_chart
 from cpbook.widgets.explorer import Control, Explorer, explorer, pre
 

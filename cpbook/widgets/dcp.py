@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import html
 
-from ..dcp import decode_comm_bytes
-from .explorer import Control, Explorer
+from cpbook.dcp.decode import decode_comm_bytes
+from cpbook.widgets.explorer import Control, Explorer
 
 __all__ = ["comm_bars_html", "comm_explorer"]
 
@@ -32,7 +32,7 @@ def comm_bars_html(
     elem_bytes: int = 2,
     scale: float | None = None,
 ) -> str:
-    """One bar per collective (bytes one rank sends, formula of ``cpbook.dcp``), then the KV
+    """One bar per collective (bytes one rank sends, formula of ``cpbook.dcp.decode``), then the KV
     bytes the rank reads (one KV head, ``context`` tokens per request split ``dcp`` ways).
     Bar lengths are relative to ``scale`` bytes (default: the longest bar of this state)."""
     calls = decode_comm_bytes(

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from ..dynamic import Router
-from ..simulator import Cluster, make_workload, simulate
-from .explorer import Control, Explorer, pre
+from cpbook.dynamic.router import Router
+from cpbook.dynamic.simulator import Cluster, make_workload, simulate
+from cpbook.widgets.explorer import Control, Explorer, pre
 
 __all__ = ["routing_explorer"]
 
@@ -25,7 +25,7 @@ def routing_explorer(
     **value,
 ) -> Explorer:
     """Threshold (``None``: the modelled one) × arrival rate: every state simulated up front
-    (:func:`cpbook.simulator.simulate`, ``num_requests`` requests, HTML only)."""
+    (:func:`cpbook.dynamic.simulator.simulate`, ``num_requests`` requests, HTML only)."""
     cluster = cluster or Cluster()
     cap = cluster.capacity_tokens()
     loads = {rate: make_workload(num_requests, rate, seed=seed) for rate in rates}

@@ -1,7 +1,7 @@
 """Chapter 9 explorer: the step timeline of a real engine run under a chosen token budget and
 KV-cache size, drawn as an HTML grid (one row per request, one cell per engine step).
 
-Every state is a real :class:`cpbook.engine.Engine` run on one inline rank; its readout also
+Every state is a real :class:`cpbook.engine.engine.Engine` run on one inline rank; its readout also
 says whether every request's greedy tokens equal the float64 reference's.
 """
 
@@ -10,10 +10,10 @@ from __future__ import annotations
 import html
 from typing import Sequence
 
-from ..engine import Engine, engine_config, make_prompts
-from ..models import TinyModel, reference_generate
-from ..viz.engine import KIND_COLORS
-from .explorer import Explorer, explorer, pre
+from cpbook.engine.engine import Engine, engine_config, make_prompts
+from cpbook.engine.models import TinyModel, reference_generate
+from cpbook.viz.engine import KIND_COLORS
+from cpbook.widgets.explorer import Explorer, explorer, pre
 
 __all__ = ["run_with_arrivals", "timeline_html", "timeline_explorer"]
 

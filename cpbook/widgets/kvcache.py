@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from ..kvcache import num_virtual_blocks, owner_rank, slot_mapping
-from ..viz import rank_color
-from .explorer import Control, Explorer, pre
+from cpbook.kv.layout import num_virtual_blocks, slot_mapping, token_owner
+from cpbook.viz import rank_color
+from cpbook.widgets.explorer import Control, Explorer, pre
 
 __all__ = ["layout_explorer", "layout_html", "slot_summary"]
 
@@ -42,7 +42,7 @@ def slot_summary(
         )
     for p in (20, 27):
         if p < seq_len:
-            r = int(owner_rank(torch.tensor([p]), dcp_size, interleave))
+            r = int(token_owner(torch.tensor([p]), dcp_size, interleave))
             s = slot_mapping([p], block_table, block_size, dcp_size, r, interleave).item()
             lines.append(f"D{p} -> rank {r}, slot {s}")
     return "\n".join(lines)
@@ -82,7 +82,7 @@ def layout_html(
 ) -> str:
     """The ownership grid (tokens coloured by owner rank) and each rank's physical slots with
     the token stored in each, as HTML: the picture of ``viz.kvcache.ownership_figure``."""
-    owners = owner_rank(torch.arange(seq_len), dcp_size, interleave).tolist()
+    owners = token_owner(torch.arange(seq_len), dcp_size, interleave).tolist()
     width = min(16, block_size * dcp_size)
     out = [
         _STYLE,

@@ -3,7 +3,7 @@ it fits the per-GPU KV budget (TP = 8 on one node of H200s by default)."""
 
 from __future__ import annotations
 
-from ..costmodel import (
+from cpbook.costmodel import (
     GB,
     GPUS,
     MODELS,
@@ -11,7 +11,7 @@ from ..costmodel import (
     kv_bytes_per_token_per_gpu,
     max_context_tokens,
 )
-from .explorer import Control, Explorer, pre
+from cpbook.widgets.explorer import Control, Explorer, pre
 
 __all__ = ["CONTEXTS", "kv_capacity_html", "kv_explorer"]
 

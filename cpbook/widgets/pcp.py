@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from cpbook.pcp.zigzag import PARTITION_LAYOUTS, causal_work, pcp_partition
 from cpbook.widgets.bars import BLUE, GREEN, ORANGE, bar_chart
 from cpbook.widgets.explorer import Control, Explorer, explorer, pre
-from cpbook.zigzag import LAYOUTS, causal_work, pcp_partition
 
 __all__ = ["PCP_SIZES", "SEQ_LENS", "work_readout", "work_explorer"]
 
@@ -33,11 +33,11 @@ def work_explorer() -> Explorer:
     """Split × PCP size × prompt length: 48 precomputed states of :func:`work_readout`."""
     return explorer(
         work_readout,
-        {"layout": Control(LAYOUTS, label="split"),
+        {"layout": Control(PARTITION_LAYOUTS, label="split"),
          "pcp": Control(PCP_SIZES, label="PCP size"),
          "seq_len": Control(SEQ_LENS, names=[f"{n:,}" for n in SEQ_LENS],
                             label="prompt tokens")},
         value={"layout": "contiguous", "pcp": 4, "seq_len": 1000},
-        caption="Exact causal work per rank, counted by cpbook.zigzag.causal_work. "
+        caption="Exact causal work per rank, counted by cpbook.pcp.zigzag.causal_work. "
                 "Short prompts show the padding's cost; long ones the limits 2 - 1/K "
                 "(contiguous) and 1 (zigzag, striped).")

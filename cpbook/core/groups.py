@@ -1,0 +1,160 @@
+"""The rank grid: world = PCP × TP (TP innermost), and the TP, PCP and DCP groups as rank lists.
+
+vLLM builds every group from one tensor of global ranks (``initialize_model_parallel`` in
+``vllm/distributed/parallel_state.py``); we keep only the PCP and TP axes (no DP, PP):
+
+* TP groups are the rows: ranks ``[p*tp, ..., p*tp + tp - 1]`` for each PCP slice ``p``.
+* PCP groups are the columns: one TP rank across all PCP slices (stride ``tp``).
+* DCP groups depend on the vLLM version (``layout``):
+
+  - ``"v0.14"`` (v0.11 and v0.14): ``all_ranks.reshape(-1, dcp)``, contiguous chunks of each
+    TP group, ``dcp_rank = tp_rank % dcp``.  TP=8, DCP=4 → ``[0,1,2,3], [4,5,6,7]``.
+  - ``"current"`` (v0.33, ``_build_dcp_group_ranks``): transpose (PCP, TP) to (TP, PCP), then
+    ``reshape(-1, dcp)``.  Identical for PCP = 1; for PCP > 1 a DCP group spans PCP first:
+    TP=2, PCP=2, DCP=2 → ``[[0,2],[1,3]]`` (= the PCP groups), DCP=4 → ``[[0,2,1,3]]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cpbook.core.comm import Group
+from cpbook.core.config import ConfigError, ParallelConfig, check_positive
+from cpbook.core.context import RankContext
+
+__all__ = ['GRID_LAYOUTS', 'RankCoords', 'RankGrid', 'ParallelGroups', 'make_groups']
+
+
+
+GRID_LAYOUTS = ("v0.14", "current")
+
+
+@dataclass(frozen=True)
+class RankCoords:
+    """Where one global rank sits: its PCP slice, its TP rank and its rank in its DCP group."""
+
+    rank: int
+    pcp_rank: int
+    tp_rank: int
+    dcp_rank: int
+
+
+@dataclass(frozen=True)
+class RankGrid:
+    """Rank lists of every group for a (tp, pcp, dcp) layout; no communication involved."""
+
+    tensor_parallel_size: int
+    prefill_context_parallel_size: int = 1
+    decode_context_parallel_size: int = 1
+    layout: str = "current"
+
+    @classmethod
+    def from_config(cls, config: ParallelConfig, layout: str = "current") -> "RankGrid":
+        return cls(config.tp, config.pcp, config.dcp, layout)
+
+    def __post_init__(self) -> None:
+        tp, pcp, dcp = (
+            self.tensor_parallel_size,
+            self.prefill_context_parallel_size,
+            self.decode_context_parallel_size,
+        )
+        check_positive(
+            tensor_parallel_size=tp,
+            prefill_context_parallel_size=pcp,
+            decode_context_parallel_size=dcp,
+        )
+        if self.layout not in GRID_LAYOUTS:
+            raise ConfigError("grid-layout", f"layout in {GRID_LAYOUTS}", layout=self.layout)
+        if (tp * pcp) % dcp:
+            raise ConfigError(
+                "grid-dcp-divides-world",
+                "(tp * pcp) % dcp == 0",
+                tensor_parallel_size=tp,
+                prefill_context_parallel_size=pcp,
+                decode_context_parallel_size=dcp,
+            )
+        if self.layout == "v0.14" and tp % dcp:
+            raise ConfigError(
+                "tp-divisible-by-dcp",
+                "tp % dcp == 0 (v0.14 keeps DCP inside TP)",
+                tensor_parallel_size=tp,
+                decode_context_parallel_size=dcp,
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.prefill_context_parallel_size
+
+    def _grid(self) -> torch.Tensor:
+        return torch.arange(self.world_size).reshape(
+            self.prefill_context_parallel_size, self.tensor_parallel_size
+        )
+
+    def tp_groups(self) -> list[list[int]]:
+        return self._grid().tolist()
+
+    def pcp_groups(self) -> list[list[int]]:
+        return self._grid().T.tolist()
+
+    def dcp_groups(self) -> list[list[int]]:
+        g = self._grid()
+        if self.layout == "current":
+            g = g.T
+        return g.reshape(-1, self.decode_context_parallel_size).tolist()
+
+    def groups(self, kind: str) -> list[list[int]]:
+        """``kind`` in {"tp", "pcp", "dcp", "world"}."""
+        if kind == "world":
+            return [list(range(self.world_size))]
+        table = {"tp": self.tp_groups, "pcp": self.pcp_groups, "dcp": self.dcp_groups}
+        if kind not in table:
+            raise ValueError(
+                f"[group-kind] requires kind in ('tp', 'pcp', 'dcp', 'world'); got kind={kind!r}"
+            )
+        return table[kind]()
+
+    def group_of(self, kind: str, rank: int) -> list[int]:
+        """The rank list of the ``kind`` group that contains global ``rank``."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(
+                f"[rank-in-world] requires 0 <= rank < {self.world_size}; got rank={rank}"
+            )
+        return next(g for g in self.groups(kind) if rank in g)
+
+    def coords(self, rank: int) -> RankCoords:
+        tp = self.tensor_parallel_size
+        dcp_group = self.group_of("dcp", rank)
+        return RankCoords(rank, rank // tp, rank % tp, dcp_group.index(rank))
+
+
+@dataclass
+class ParallelGroups:
+    """This rank's communicators for one grid: ``tp``, ``pcp``, ``dcp`` and ``world``."""
+
+    grid: RankGrid
+    coords: RankCoords
+    world: "Group"
+    tp: "Group"
+    pcp: "Group"
+    dcp: "Group"
+
+
+def make_groups(
+    ctx: "RankContext", grid: RankGrid | ParallelConfig, layout: str = "current"
+) -> ParallelGroups:
+    """Create every group of ``grid`` on all ranks (collective: every rank must call it)."""
+    if isinstance(grid, ParallelConfig):
+        grid = RankGrid.from_config(grid, layout)
+    if grid.world_size != ctx.world_size:
+        raise ConfigError(
+            "grid-matches-world",
+            "tp * pcp == world_size",
+            grid_world_size=grid.world_size,
+            world_size=ctx.world_size,
+        )
+    made = {kind: ctx.new_group(grid.groups(kind), kind) for kind in ("tp", "pcp", "dcp")}
+    return ParallelGroups(
+        grid, grid.coords(ctx.rank), ctx.world, made["tp"], made["pcp"], made["dcp"]
+    )

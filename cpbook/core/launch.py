@@ -1,0 +1,363 @@
+"""Run one per-rank function on N ranks: inline (simulated, one thread per rank) or under torchrun.
+
+``run(fn, world_size, backend="inline" | "torchrun", fn_kwargs={...})`` calls
+``fn(ctx, **fn_kwargs)`` on
+every rank, where ``ctx`` is a :class:`cpbook.core.context.RankContext`, and returns the per-rank
+return values in rank order.  The *same* ``fn`` runs on both backends; that is the book's
+central promise.
+
+torchrun backend: ``python -m torch.distributed.run --standalone --nproc-per-node N`` in a
+subprocess (``OMP_NUM_THREADS`` set, ``PYTHONPATH`` passed through plus the current folder).
+Workers import ``fn`` by its module path, so ``fn`` must live in an importable module, not in a
+notebook.  NCCL is used when at least ``world_size`` CUDA GPUs are visible, gloo otherwise.
+Results travel back through files (``torch.save``); each rank's stdout is captured and printed
+by the parent in rank order, so the report is deterministic.  When a rank raises, torchrun
+stops the job and :func:`run` raises ``RuntimeError`` carrying that rank's traceback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import importlib
+import io
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from cpbook.core.backends import SimWorld
+from cpbook.core.comm import DEFAULT_TIMEOUT_S, CommAborted, Trace
+from cpbook.core.context import RankContext
+
+__all__ = ['run', 'RankResults', 'pick_backend', 'format_report']
+
+class RankResults(list):
+    """Per-rank return values (a list, rank order) plus each rank's trace and stdout."""
+
+    def __init__(
+        self,
+        values: Sequence[Any],
+        traces: Sequence[Trace],
+        stdout: Sequence[str],
+        backend: str,
+        dist_backend: str,
+    ) -> None:
+        super().__init__(values)
+        self.traces, self.stdout = list(traces), list(stdout)
+        self.backend, self.dist_backend = backend, dist_backend
+
+    def report(self) -> str:
+        return format_report(self.backend, self.dist_backend, self.stdout, self.traces)
+
+
+def format_report(
+    backend: str, dist_backend: str, stdout: Sequence[str], traces: Sequence[Trace]
+) -> str:
+    """Deterministic text: each rank's printed lines, then its traffic per (op, group)."""
+    head = f"{backend}: {len(traces)} ranks" + (
+        f", {dist_backend}" if backend == "torchrun" else ""
+    )
+    lines = [head]
+    for r, out in enumerate(stdout):
+        lines += [f"[rank {r}] {line}" for line in out.splitlines()]
+    for r, tr in enumerate(traces):
+        parts = [
+            f"{op}[{g}] x{c}: sent {s:,} B, recv {v:,} B"
+            for (op, g), (c, s, v) in tr.summary().items()
+        ]
+        lines.append(f"rank {r} comm: " + ("; ".join(parts) if parts else "none"))
+    return "\n".join(lines)
+
+
+def pick_backend(world_size: int, nproc_per_node: int | None = None) -> str:
+    """``"nccl"`` when at least ``nproc_per_node`` (default ``world_size``) GPUs are visible."""
+    need = nproc_per_node or world_size
+    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= need else "gloo"
+
+
+def run(
+    fn: Callable[..., Any],
+    world_size: int,
+    backend: str = "inline",
+    fn_kwargs: Mapping[str, Any] | None = None,
+    *,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    dist_backend: str | None = None,
+    threads: int = 1,
+    torchrun_args: Sequence[str] = (),
+    job_timeout: float = 900.0,
+    report: bool = True,
+) -> RankResults:
+    """Run ``fn(ctx, **fn_kwargs)`` on ``world_size`` ranks and return the per-rank results.
+
+    ``fn_kwargs`` are the per-rank function's own arguments, kept apart from the launcher's
+    options, so a per-rank function may take a parameter called ``timeout`` or ``threads``.
+    ``timeout`` bounds every collective; ``job_timeout`` bounds a whole torchrun job; ``threads``
+    is each torchrun worker's ``OMP_NUM_THREADS``.  Extra ``torchrun_args`` (``--nnodes=2``,
+    ``--rdzv-endpoint=host:port``, ``--node-rank=0`` ...) replace ``--standalone`` when they
+    configure a rendezvous.  With ``report=True`` the deterministic report is printed.
+    """
+    kwargs = dict(fn_kwargs or {})
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"[world-size] requires a positive integer world_size; got {world_size!r}")
+    if backend == "inline":
+        res = _run_inline(fn, world_size, timeout, kwargs)
+    elif backend == "torchrun":
+        res = _run_torchrun(
+            fn,
+            world_size,
+            timeout,
+            dist_backend or pick_backend(world_size),
+            threads,
+            list(torchrun_args),
+            job_timeout,
+            kwargs,
+        )
+    else:
+        raise ValueError(
+            f"[launch-backend] requires backend in ('inline', 'torchrun'); got {backend!r}"
+        )
+    if report:
+        print(res.report())
+    return res
+
+
+# ------------------------------------------------------------------------------------------
+# inline: one thread per simulated rank
+# ------------------------------------------------------------------------------------------
+class _PerThreadStdout(io.TextIOBase):
+    """Routes ``print`` from rank threads into per-rank buffers; other threads pass through."""
+
+    def __init__(self, fallback) -> None:
+        self.fallback, self.local = fallback, threading.local()
+
+    def write(self, s: str) -> int:
+        buf = getattr(self.local, "buf", None)
+        return (buf or self.fallback).write(s)
+
+    def flush(self) -> None:
+        self.fallback.flush()
+
+
+def _run_inline(fn, world_size: int, timeout: float, kwargs: dict) -> RankResults:
+    sim = SimWorld(world_size, timeout)
+    ctxs = [
+        RankContext(r, world_size, "inline", torch.device("cpu"), timeout, sim=sim)
+        for r in range(world_size)
+    ]
+    values: list[Any] = [None] * world_size
+    bufs = [io.StringIO() for _ in range(world_size)]
+    errors: list[tuple[float, int, BaseException, str]] = []
+    proxy = _PerThreadStdout(sys.stdout)
+
+    def body(r: int) -> None:
+        proxy.local.buf = bufs[r]
+        try:
+            values[r] = fn(ctxs[r], **kwargs)
+        except BaseException as e:  # noqa: BLE001 - reported to the caller below
+            errors.append((time.monotonic(), r, e, traceback.format_exc()))
+            sim.abort()
+
+    threads = [
+        threading.Thread(target=body, args=(r,), name=f"cpbook-rank{r}", daemon=True)
+        for r in range(world_size)
+    ]
+    old = sys.stdout
+    sys.stdout = proxy
+    try:
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 4 * timeout + 60
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+    finally:
+        sys.stdout = old
+    if any(t.is_alive() for t in threads):
+        sim.abort()
+        raise RuntimeError(
+            f"inline run of {fn.__name__} did not finish within {4 * timeout + 60:g} s"
+        )
+    if errors:
+        errors.sort(key=lambda e: (isinstance(e[2], CommAborted), e[0]))
+        _, r, e, tb = errors[0]
+        raise RuntimeError(f"rank {r} of {world_size} failed in {fn.__name__}:\n{tb}") from e
+    return RankResults(
+        values, [c.trace for c in ctxs], [b.getvalue() for b in bufs], "inline", "threads"
+    )
+
+
+# ------------------------------------------------------------------------------------------
+# torchrun: real processes
+# ------------------------------------------------------------------------------------------
+def _fn_path(fn) -> str:
+    mod, qual = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
+    if not mod or mod == "__main__" or "<locals>" in qual:
+        raise ValueError(
+            f"[importable-fn] torchrun workers import fn by module path; "
+            f"{getattr(fn, '__name__', fn)!r} lives in {mod!r} ({qual}). "
+            "Define it in a module (e.g. cpbook) instead of a notebook cell."
+        )
+    return f"{mod}:{qual}"
+
+
+def _run_torchrun(
+    fn, world_size, timeout, dist_backend, threads, extra, job_timeout, kwargs
+) -> RankResults:
+    rendezvous = any(
+        a.split("=")[0]
+        in ("--nnodes", "--rdzv-endpoint", "--rdzv_endpoint", "--master-addr", "--master_addr")
+        for a in extra
+    )
+    with tempfile.TemporaryDirectory(prefix="cpbook-run-") as tmp:
+        torch.save(
+            {
+                "fn": _fn_path(fn),
+                "kwargs": kwargs,
+                "timeout": timeout,
+                "dist_backend": dist_backend,
+            },
+            Path(tmp, "payload.pt"),
+        )
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            *([] if rendezvous else ["--standalone"]),
+            f"--nproc-per-node={world_size}",
+            *extra,
+            "-m",
+            "cpbook.core.launch",
+            tmp,
+        ]
+        env = dict(
+            os.environ,
+            OMP_NUM_THREADS=str(threads),
+            PYTHONPATH=os.pathsep.join(
+                p for p in [os.getcwd(), os.environ.get("PYTHONPATH", "")] if p
+            ),
+        )
+        proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
+        try:
+            out, err = proc.communicate(timeout=job_timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            raise RuntimeError(
+                f"torchrun job for {fn.__name__} exceeded {job_timeout:g} s; stderr tail:\n"
+                f"{err[-3000:]}"
+            ) from None
+        fails = sorted(Path(tmp).glob("error_rank*.txt"), key=lambda p: p.stat().st_mtime_ns)
+        if fails:
+            firsts = [p for p in fails if "CommAborted" not in p.read_text()] or fails
+            rank = firsts[0].stem.removeprefix("error_rank")
+            raise RuntimeError(
+                f"rank {rank} of {world_size} failed in {fn.__name__} under torchrun:\n"
+                f"{firsts[0].read_text()}"
+            )
+        files = {
+            int(p.stem.removeprefix("result_rank")): p for p in Path(tmp).glob("result_rank*.pt")
+        }
+        if proc.returncode != 0 or not files:
+            raise RuntimeError(
+                f"torchrun exited with code {proc.returncode} and no rank reported an "
+                f"error; stderr tail:\n{err[-3000:]}\nstdout tail:\n{out[-2000:]}"
+            )
+        # Ranks on other nodes (multi-node runs) leave their results there: None here.
+        empty = {"value": None, "trace": Trace(), "stdout": ""}
+        got = [
+            torch.load(files[r], weights_only=False) if r in files else empty
+            for r in range(max(files) + 1 if rendezvous else world_size)
+        ]
+    return RankResults(
+        [g["value"] for g in got],
+        [g["trace"] for g in got],
+        [g["stdout"] for g in got],
+        "torchrun",
+        dist_backend,
+    )
+
+
+def _to_cpu(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu()
+    if isinstance(x, (list, tuple)) and type(x) in (list, tuple):
+        return type(x)(_to_cpu(v) for v in x)
+    if isinstance(x, dict):
+        return {k: _to_cpu(v) for k, v in x.items()}
+    return x
+
+
+def worker_context(dist_backend: str, timeout: float) -> RankContext:
+    """Initialise ``torch.distributed`` from torchrun's environment; build this rank's context."""
+    import torch.distributed as dist
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    device = torch.device("cpu")
+    if dist_backend == "nccl":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        dist_backend,
+        timeout=datetime.timedelta(seconds=timeout),
+        **({"device_id": device} if dist_backend == "nccl" else {}),
+    )
+    return RankContext(rank, world, dist_backend, device, timeout)
+
+
+def worker_run(fn, kwargs: dict, ctx: RankContext) -> dict:
+    """Run ``fn`` on this rank with stdout captured; returns ``{"value", "trace", "stdout"}``."""
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        value = fn(ctx, **kwargs)
+    return {"value": _to_cpu(value), "trace": ctx.trace, "stdout": buf.getvalue()}
+
+
+def gather_results(mine: dict, ctx: RankContext) -> list[dict] | None:
+    """Collect every rank's :func:`worker_run` result on rank 0 (one extra collective)."""
+    import torch.distributed as dist
+
+    gathered = [None] * ctx.world_size if ctx.rank == 0 else None
+    dist.gather_object(mine, gathered, dst=0)
+    return gathered
+
+
+def _worker_main(tmp: str) -> None:
+    """A torchrun worker: run the payload's function, leave a result or an error file."""
+    payload = torch.load(Path(tmp, "payload.pt"), weights_only=False)
+    mod, qual = payload["fn"].split(":")
+    fn = importlib.import_module(mod)
+    for part in qual.split("."):
+        fn = getattr(fn, part)
+    rank = int(os.environ["RANK"])
+    try:
+        ctx = worker_context(payload["dist_backend"], payload["timeout"])
+        mine = worker_run(fn, payload["kwargs"], ctx)
+    except BaseException:  # noqa: BLE001 - the parent raises it with this traceback
+        Path(tmp, f"error_rank{rank}.txt").write_text(traceback.format_exc())
+        sys.stdout.flush()
+        os._exit(1)
+    torch.save(mine, Path(tmp, f"rank{rank}.tmp"))
+    os.replace(Path(tmp, f"rank{rank}.tmp"), Path(tmp, f"result_rank{rank}.pt"))
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _worker_main(sys.argv[1])

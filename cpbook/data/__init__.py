@@ -1,0 +1,32 @@
+"""The stored measurements the package reads, shipped inside it as package data.
+
+Three CPU runs of this book's benches (2-core machine, gloo): ``decode_step.json``
+(``bench/decode_step.py``, chapter 6's break-even, behind :meth:`cpbook.dynamic.router.Router.measured`),
+``pcp_prefill.json`` (``bench/pcp_prefill.py``, chapter 4) and ``chunked_prefill.jsonl``
+(``bench/chunked_prefill.py``, chapter 5); :mod:`cpbook.costmodel.calibration` fits on all three.
+They are read with :mod:`importlib.resources`, so an installed wheel works outside the checkout.
+"""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+
+__all__ = ["STORED", "stored_text", "stored_rows"]
+
+STORED = ("decode_step.json", "pcp_prefill.json", "chunked_prefill.jsonl")
+
+
+def stored_text(name: str) -> str:
+    """The text of stored run ``name`` (one of :data:`STORED`)."""
+    if name not in STORED:
+        raise ValueError(f"[stored-run] requires one of {STORED}; got {name!r}")
+    return resources.files(__name__).joinpath(name).read_text()
+
+
+def stored_rows(text: str) -> list[dict]:
+    """The rows of a stored run's text: a JSON list, or one JSON object per line."""
+    text = text.strip()
+    if text.startswith("["):
+        return json.loads(text)
+    return [json.loads(line) for line in text.splitlines() if line.strip()]

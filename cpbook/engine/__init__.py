@@ -1,0 +1,3 @@
+"""Layer 4, the mini serving engine: tiny GQA/MLA decoders and their dense reference
+(:mod:`.models`), the scheduler (:mod:`.scheduler`), the per-step model runner under
+TP × DCP × PCP (:mod:`.runner`) and the engine with ``serve_rank`` (:mod:`.engine`)."""

@@ -1,0 +1,239 @@
+"""The mini serving engine: scheduler + model runner + paged KV, on one rank or a TP×DCP×PCP grid.
+
+:class:`Engine` is vLLM's ``LLMEngine`` in miniature.  Every rank of the grid builds the same
+engine (same model weights from the seed, same deterministic
+:class:`~cpbook.engine.scheduler.Scheduler`) and its own :class:`~cpbook.engine.runner.ModelRunner`; a step
+is ``schedule -> execute -> update``.  ``generate`` is greedy; the step API (``add_request``,
+``step``) shows each step's batch.  :func:`serve_rank` is the per-rank function behind
+``python -m cpbook serve`` and the chapter's grids; :func:`serve_grid_rank` runs several
+configurations in one launch (one torchrun start for all of a world size).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from cpbook.core.backends import SimWorld
+from cpbook.core.config import ConfigError, ParallelConfig
+from cpbook.core.context import RankContext
+from cpbook.core.groups import make_groups
+from cpbook.engine.models import ENGINE_MODELS, TinyModel
+from cpbook.engine.runner import ModelRunner
+from cpbook.engine.scheduler import Request, Scheduler, SchedulerOutput
+from cpbook.kv.manager import KVCacheManager
+
+__all__ = ['engine_config', 'single_rank_context', 'Engine', 'StepRecord', 'RequestOutput', 'make_prompts', 'valid_grid', 'serve_rank']
+
+def engine_config(model: str, tensor_parallel_size: int = 1,
+                  decode_context_parallel_size: int = 1, prefill_context_parallel_size: int = 1,
+                  *, block_size: int = 4, cp_kv_cache_interleave_size: int = 1,
+                  dcp_comm_backend: str = "ag_rs") -> ParallelConfig:
+    """The validated :class:`~cpbook.core.config.ParallelConfig` of ``model`` on a TP×DCP×PCP grid
+    (raises :class:`~cpbook.core.config.ConfigError` naming the rule)."""
+    if model not in ENGINE_MODELS:
+        raise ConfigError("known-model", f"model in {sorted(ENGINE_MODELS)}", model=model)
+    mc = ENGINE_MODELS[model]
+    return ParallelConfig(
+        tensor_parallel_size=tensor_parallel_size,
+        decode_context_parallel_size=decode_context_parallel_size,
+        prefill_context_parallel_size=prefill_context_parallel_size,
+        cp_kv_cache_interleave_size=cp_kv_cache_interleave_size, block_size=block_size,
+        num_q_heads=mc.num_attention_heads, num_kv_heads=mc.num_key_value_heads,
+        head_dim=mc.qk_head_dim, use_mla=mc.use_mla, dcp_comm_backend=dcp_comm_backend)
+
+
+def valid_grid(model: str, tps: Sequence[int] = (1, 2, 4), dcps: Sequence[int] = (1, 2, 4),
+               pcps: Sequence[int] = (1, 2), max_world: int = 8) -> list[tuple[int, int, int]]:
+    """Every ``(tp, dcp, pcp)`` of the given sizes that ``model`` accepts, ``tp*pcp <=
+    max_world``, ordered by world size."""
+    out = []
+    for tp in tps:
+        for pcp in pcps:
+            for dcp in dcps:
+                if tp * pcp > max_world:
+                    continue
+                try:
+                    engine_config(model, tp, dcp, pcp)
+                except ConfigError:
+                    continue
+                out.append((tp, dcp, pcp))
+    return sorted(out, key=lambda c: (c[0] * c[2], c))
+
+
+def single_rank_context() -> RankContext:
+    """A one-rank inline context, for an engine used directly (no launcher)."""
+    return RankContext(0, 1, "inline", torch.device("cpu"), sim=SimWorld(1))
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What one step did: ``chunks`` = ``(request_id, kind, start, num_tokens)``."""
+
+    step: int
+    chunks: tuple[tuple[str, str, int, int], ...]
+    admitted: tuple[str, ...]
+    preempted: tuple[str, ...]
+    finished: tuple[str, ...]
+    num_batched_tokens: int
+    num_free_blocks: int
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """A request's result: its greedy tokens, or ``error`` (then ``tokens`` is empty)."""
+
+    request_id: str
+    prompt_len: int
+    tokens: tuple[int, ...]
+    error: str | None
+    preemptions: int
+    prefix_hit_tokens: int
+
+
+class Engine:
+    """Greedy generation with continuous batching, chunked prefill, prefix caching, preemption.
+
+    ``Engine(model, parallel_config=None, num_kv_blocks=64, *, ctx=None, ...)``: ``model`` is a
+    name of :data:`cpbook.engine.models.ENGINE_MODELS` (weights from ``seed``) or a :class:`TinyModel`;
+    ``num_kv_blocks`` physical blocks per rank (= block ids of the DCP group); ``ctx`` this
+    rank's context (default: a single inline rank).  Every rank of ``ctx``'s world must build
+    the engine with the same arguments and drive it the same way.
+    """
+
+    def __init__(self, model: str | TinyModel, parallel_config: ParallelConfig | None = None,
+                 num_kv_blocks: int = 64, *, ctx: RankContext | None = None,
+                 max_num_batched_tokens: int = 32, max_num_seqs: int = 8,
+                 enable_prefix_caching: bool = True, strategy: str = "auto",
+                 workspace_size: int = 64, seed: int = 0, dtype: str = "float64") -> None:
+        if isinstance(model, str):
+            model = TinyModel.from_name(model, seed, getattr(torch, dtype))
+        mc = model.config
+        cfg = parallel_config or engine_config(mc.name)
+        if (cfg.num_q_heads, cfg.num_kv_heads, cfg.use_mla) != (
+                mc.num_attention_heads, mc.num_key_value_heads, mc.use_mla):
+            raise ConfigError("config-matches-model", "the parallel config's heads == the model's",
+                              config=(cfg.num_q_heads, cfg.num_kv_heads, cfg.use_mla),
+                              model=(mc.num_attention_heads, mc.num_key_value_heads, mc.use_mla))
+        self.ctx = ctx or single_rank_context()
+        self.model, self.config = model, cfg
+        self.groups = make_groups(self.ctx, cfg)  # raises grid-matches-world before collectives
+        self.kv = KVCacheManager.from_config(cfg, num_kv_blocks, enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, max_num_batched_tokens, max_num_seqs)
+        self.runner = ModelRunner(model, cfg, self.groups, num_kv_blocks, strategy=strategy,
+                                  workspace_size=workspace_size)
+        self.logits: dict[str, list[torch.Tensor]] = {}
+        self.history: list[StepRecord] = []
+        self._next_id = 0
+
+    def add_request(self, prompt: Sequence[int], max_new_tokens: int,
+                    request_id: str | None = None) -> str:
+        """Queue a prompt; returns its id.  A request too long for the cache fails alone."""
+        rid = request_id if request_id is not None else str(self._next_id)
+        self._next_id += 1
+        bad = [t for t in prompt if not 0 <= int(t) < self.model.config.vocab_size]
+        if bad:
+            raise ConfigError("tokens-in-vocab", "0 <= token < vocab_size",
+                              token=bad[0], vocab_size=self.model.config.vocab_size)
+        self.scheduler.add_request(Request(rid, [int(t) for t in prompt], max_new_tokens))
+        self.logits[rid] = []
+        return rid
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def step(self) -> StepRecord:
+        """Schedule, run and update one step; returns what happened."""
+        out: SchedulerOutput = self.scheduler.schedule()
+        sampled = {}
+        if out.chunks:
+            sampled, rows = self.runner.execute(out)
+            for rid, row in rows.items():
+                self.logits[rid].append(row)
+        finished = self.scheduler.update(out, sampled)
+        rec = StepRecord(out.step,
+                         tuple((c.request_id, c.kind, c.start, c.num_tokens) for c in out.chunks),
+                         out.admitted, out.preempted, tuple(r.request_id for r in finished),
+                         out.num_batched_tokens, self.kv.num_free_blocks)
+        self.history.append(rec)
+        return rec
+
+    def output(self, request_id: str) -> RequestOutput:
+        r = self.scheduler.requests[request_id]
+        return RequestOutput(r.request_id, len(r.prompt), tuple(r.output), r.error,
+                             r.preemptions, r.prefix_hit_tokens)
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                 max_steps: int = 10_000) -> list[RequestOutput]:
+        """Greedy-generate ``max_new_tokens`` for every prompt (all queued at once)."""
+        ids = [self.add_request(p, max_new_tokens) for p in prompts]
+        for _ in range(max_steps):
+            if not self.has_unfinished:
+                break
+            self.step()
+        else:
+            raise RuntimeError(f"[engine-progress] requires finishing within {max_steps} steps")
+        return [self.output(i) for i in ids]
+
+    @property
+    def prefix_hit_tokens(self) -> int:
+        return self.kv.stats["hit_tokens"]
+
+
+def make_prompts(num_requests: int, seed: int = 0, vocab_size: int = 96,
+                 shared_prefix_len: int = 24, max_len: int = 48) -> list[list[int]]:
+    """Deterministic prompts: mixed lengths (up to ``max_len``, some longer than one chunk of
+    32 tokens); every third request starts with one shared prefix of ``shared_prefix_len``."""
+    gen = torch.Generator().manual_seed(seed)
+    shared = torch.randint(vocab_size, (shared_prefix_len,), generator=gen).tolist()
+    out = []
+    for i in range(num_requests):
+        n = int(torch.randint(3, max_len + 1, (1,), generator=gen))
+        body = torch.randint(vocab_size, (n,), generator=gen).tolist()
+        out.append(shared + body[: max(n - shared_prefix_len, 1)] if i % 3 == 0 else body)
+    return out
+
+
+def serve_rank(ctx: RankContext, *, model: str = "tiny-gqa", tensor_parallel_size: int = 1,
+               decode_context_parallel_size: int = 1, prefill_context_parallel_size: int = 1,
+               dcp_comm_backend: str = "ag_rs", num_requests: int = 6, max_new_tokens: int = 8,
+               num_kv_blocks: int = 20, block_size: int = 4, cp_kv_cache_interleave_size: int = 1,
+               max_num_batched_tokens: int = 32, max_num_seqs: int = 8, strategy: str = "auto",
+               seed: int = 0, dtype: str = "float64") -> dict[str, Any]:
+    """Serve :func:`make_prompts` (``num_requests``, ``seed``) greedily on this rank of the grid.
+
+    The configuration is validated (and the grid checked against the world size) before any
+    collective.  Returns per-request ``tokens`` and the ``logits`` rows they came from, the
+    step count, prefix-cache hits, preemptions, the prefill strategies used and this rank's
+    traced ``comm`` (:func:`cpbook.timing.serve_timing` adds the wall time).  Exactness is
+    checked by the caller against :func:`cpbook.engine.models.reference_generate` (a whole engine run
+    has no closed-form byte count, so there is no ``expected`` list).
+    """
+    cfg = engine_config(model, tensor_parallel_size, decode_context_parallel_size,
+                        prefill_context_parallel_size, block_size=block_size,
+                        cp_kv_cache_interleave_size=cp_kv_cache_interleave_size,
+                        dcp_comm_backend=dcp_comm_backend)
+    first = len(ctx.trace)
+    eng = Engine(model, cfg, num_kv_blocks, ctx=ctx, max_num_batched_tokens=max_num_batched_tokens,
+                 max_num_seqs=max_num_seqs, strategy=strategy, seed=seed, dtype=dtype)
+    prompts = make_prompts(num_requests, seed, eng.model.config.vocab_size)
+    outs = eng.generate(prompts, max_new_tokens)
+    c = eng.groups.coords
+    print(f"{model} tp {cfg.tp} dcp {cfg.dcp} pcp {cfg.pcp}, rank {ctx.rank} (tp {c.tp_rank}, "
+          f"pcp {c.pcp_rank}, dcp {c.dcp_rank}): {len(eng.history)} steps, "
+          f"{eng.scheduler.num_preemptions} preemptions, {eng.prefix_hit_tokens} prefix-hit "
+          f"tokens; request 0 -> {list(outs[0].tokens)}")
+    return {
+        "model": model, "tp": cfg.tp, "dcp": cfg.dcp, "pcp": cfg.pcp, "rank": ctx.rank,
+        "prompts": prompts, "tokens": [list(o.tokens) for o in outs],
+        "errors": [o.error for o in outs],
+        "logits": [torch.stack(eng.logits[o.request_id]) if eng.logits[o.request_id] else None
+                   for o in outs],
+        "dcp_comm_backend": dcp_comm_backend, "steps": len(eng.history),
+        "prefix_hit_tokens": eng.prefix_hit_tokens,
+        "preemptions": eng.scheduler.num_preemptions, "strategies": dict(eng.runner.strategies),
+        "history": eng.history, "comm": [(r.op, r.bytes_sent) for r in ctx.trace[first:]],
+    }

@@ -1,0 +1,232 @@
+"""Tiny decoders for the mini engine: a Llama-style GQA model and a DeepSeek-style MLA model.
+
+``tiny-gqa``: RMSNorm, RoPE, GQA attention (8 query heads, 2 KV heads), SwiGLU MLP.
+``tiny-mla``: the same blocks with MLA attention (8 heads over one latent KV per token: ``kv_c``
+of ``kv_lora_rank`` values, RMS-normed, plus a decoupled RoPE key ``k_pe`` shared by the heads).
+Weights are drawn from a seed; a small vocabulary; greedy decoding is not degenerate.
+
+Every projection is written once, on a *slice* of heads (or MLP columns), so the same code is
+the single-device model (all heads) and one TP rank's share (its heads; the partial outputs are
+summed by an all-reduce over TP).  :func:`reference_generate` is the single-device reference:
+one float64 forward per token over a contiguous (not paged) KV cache, MLA in its MHA form.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from cpbook.core.attention import dense_attention, rope
+from cpbook.core.config import ConfigError
+from cpbook.dcp.mla import TinyMLA
+
+__all__ = ['ModelConfig', 'ENGINE_MODELS', 'TinyModel', 'reference_forward', 'reference_generate']
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shapes of a tiny decoder (HF/vLLM names)."""
+
+    name: str
+    vocab_size: int = 96
+    hidden_size: int = 64
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 8
+    num_key_value_heads: int = 2
+    head_dim: int = 16
+    intermediate_size: int = 128
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    use_mla: bool = False
+    kv_lora_rank: int = 32
+    qk_nope_head_dim: int = 16
+    qk_rope_head_dim: int = 8
+    v_head_dim: int = 16
+    o_proj_gain: float = 1.0  # larger: attention weighs more than the last token (less repetition)
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Width of one query head (MLA: ``nope + rope``)."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.use_mla else self.head_dim
+
+    @property
+    def out_head_dim(self) -> int:
+        """Width of one head's attention output."""
+        return self.v_head_dim if self.use_mla else self.head_dim
+
+    @property
+    def kv_cache_dim(self) -> int:
+        """Values per cached row: ``head_dim`` (K and V rows per KV head) or MLA's ``C + R``."""
+        return self.kv_lora_rank + self.qk_rope_head_dim if self.use_mla else self.head_dim
+
+
+ENGINE_MODELS: dict[str, ModelConfig] = {
+    "tiny-gqa": ModelConfig("tiny-gqa", o_proj_gain=3.0),
+    "tiny-mla": ModelConfig("tiny-mla", num_key_value_heads=1, use_mla=True),
+}
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+@dataclass
+class TinyModel:
+    """Weights of one tiny decoder.  ``layers[i]`` maps weight names to tensors.
+
+    Shapes (``H`` hidden, ``n``/``k`` query/KV heads, ``D`` head dim, ``I`` MLP width):
+    GQA ``wq [H, n, D]``, ``wk``/``wv [H, k, D]``; MLA ``wq [H, n, Dn+R]``, ``w_dkv [H, C]``,
+    ``w_kr [H, R]`` and a :class:`~cpbook.dcp.mla.TinyMLA` (``W_UK``, ``W_UV``); both ``wo [n, Dv,
+    H]``, ``w_gate``/``w_up [H, I]``, ``w_down [I, H]``.
+    """
+
+    config: ModelConfig
+    embed: torch.Tensor
+    lm_head: torch.Tensor
+    final_norm: torch.Tensor
+    layers: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    mla: list[TinyMLA] = field(default_factory=list)
+
+    @classmethod
+    def from_name(cls, name: str, seed: int = 0, dtype: torch.dtype = torch.float64,
+                  **overrides: object) -> "TinyModel":
+        """The model ``name`` (a key of :data:`ENGINE_MODELS`) with weights drawn from ``seed``."""
+        if name not in ENGINE_MODELS:
+            raise ConfigError("known-model", f"model in {sorted(ENGINE_MODELS)}", model=name)
+        cfg = replace(ENGINE_MODELS[name], **overrides)
+        gen = torch.Generator().manual_seed(seed)
+
+        def w(*shape: int, fan_in: int, gain: float = 1.0) -> torch.Tensor:
+            x = torch.randn(*shape, generator=gen, dtype=torch.float64) * gain / math.sqrt(fan_in)
+            return x.to(dtype)
+
+        H, n, k = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
+        layers, mlas = [], []
+        for _ in range(cfg.num_hidden_layers):
+            lw = {"attn_norm": torch.ones(H, dtype=dtype), "mlp_norm": torch.ones(H, dtype=dtype)}
+            if cfg.use_mla:
+                lw.update(wq=w(H, n, cfg.qk_head_dim, fan_in=H), w_dkv=w(H, cfg.kv_lora_rank,
+                          fan_in=H), w_kr=w(H, cfg.qk_rope_head_dim, fan_in=H),
+                          kv_norm=torch.ones(cfg.kv_lora_rank, dtype=dtype))
+                m = TinyMLA.random(n, cfg.kv_lora_rank, cfg.qk_nope_head_dim,
+                                   cfg.qk_rope_head_dim, cfg.v_head_dim,
+                                   int(torch.randint(1 << 30, (1,), generator=gen)), dtype)
+                mlas.append(m)
+            else:
+                lw.update(wq=w(H, n, cfg.head_dim, fan_in=H), wk=w(H, k, cfg.head_dim, fan_in=H),
+                          wv=w(H, k, cfg.head_dim, fan_in=H))
+            lw.update(wo=w(n, cfg.out_head_dim, H, fan_in=n * cfg.out_head_dim,
+                           gain=cfg.o_proj_gain),
+                      w_gate=w(H, cfg.intermediate_size, fan_in=H),
+                      w_up=w(H, cfg.intermediate_size, fan_in=H),
+                      w_down=w(cfg.intermediate_size, H, fan_in=cfg.intermediate_size))
+            layers.append(lw)
+        embed = w(cfg.vocab_size, H, fan_in=1)
+        lm_head = w(H, cfg.vocab_size, fan_in=H, gain=4.0)
+        return cls(cfg, embed, lm_head, torch.ones(H, dtype=dtype), layers, mlas)
+
+    # -- the blocks, on a slice of heads / MLP columns ------------------------------------
+    def attn_input(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """RMSNorm before attention: ``[T, H] -> [T, H]``."""
+        return _rms(x, self.layers[layer]["attn_norm"], self.config.rms_norm_eps)
+
+    def qkv(self, layer: int, h: torch.Tensor, positions: torch.Tensor, heads: slice,
+            kv_heads: slice) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Projections of the normed rows ``h [T, H]`` at ``positions [T]``, RoPE applied.
+
+        GQA: ``q [T, h, D]``, ``k``/``v [T, k, D]`` for ``heads``/``kv_heads``.  MLA: the
+        absorbed latent query ``q [T, h, C+R]`` (``[q_nope W_UK, q_pe]``), the cache row
+        ``k [T, 1, C+R]`` (``[norm(kv_c), rope(k_pe)]``) and ``v = None``.
+        """
+        lw, cfg = self.layers[layer], self.config
+        if not cfg.use_mla:
+            q = torch.einsum("th,hnd->tnd", h, lw["wq"][:, heads])
+            k = torch.einsum("th,hnd->tnd", h, lw["wk"][:, kv_heads])
+            v = torch.einsum("th,hnd->tnd", h, lw["wv"][:, kv_heads])
+            return rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta), v
+        q, latent = self.mla_q_and_latent(layer, h, positions, heads)
+        q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
+        return self.mla[layer].absorb_q(q_nope, q_pe, heads), latent[:, None], None
+
+    def mla_q_and_latent(self, layer: int, h: torch.Tensor, positions: torch.Tensor,
+                         heads: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
+        """MLA's MHA-form query ``[q_nope, rope(q_pe)]`` (``[T, h, Dn+R]``) and cache row
+        ``[norm(kv_c), rope(k_pe)]`` (``[T, C+R]``)."""
+        lw, cfg = self.layers[layer], self.config
+        q = torch.einsum("th,hnd->tnd", h, lw["wq"][:, heads])
+        q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
+        kv_c = _rms(h @ lw["w_dkv"], lw["kv_norm"], cfg.rms_norm_eps)
+        k_pe = rope((h @ lw["w_kr"])[:, None], positions, cfg.rope_theta)[:, 0]
+        return (torch.cat([q_nope, rope(q_pe, positions, cfg.rope_theta)], dim=-1),
+                torch.cat([kv_c, k_pe], dim=-1))
+
+    def attn_scale(self, layer: int) -> float | None:
+        """Softmax scale (``None``: ``1/sqrt(head_dim)``; MLA: the MHA form's scale)."""
+        return self.mla[layer].scale if self.config.use_mla else None
+
+    def o_proj(self, layer: int, attn: torch.Tensor, heads: slice) -> torch.Tensor:
+        """``attn [T, h, ·] -> [T, H]``: this slice's part of the output projection (MLA: the
+        latent output goes through ``W_UV`` first).  Summing over all head slices is exact."""
+        if self.config.use_mla:
+            attn = self.mla[layer].v_up_proj(attn, heads)
+        return torch.einsum("tnd,ndh->th", attn, self.layers[layer]["wo"][heads])
+
+    def mlp(self, layer: int, x: torch.Tensor, cols: slice) -> torch.Tensor:
+        """RMSNorm then SwiGLU on MLP columns ``cols`` (``[T, H] -> [T, H]``, a partial sum)."""
+        lw = self.layers[layer]
+        h = _rms(x, lw["mlp_norm"], self.config.rms_norm_eps)
+        g = torch.nn.functional.silu(h @ lw["w_gate"][:, cols]) * (h @ lw["w_up"][:, cols])
+        return g @ lw["w_down"][cols]
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Final RMSNorm and LM head: ``[T, H] -> [T, vocab_size]``."""
+        return _rms(x, self.final_norm, self.config.rms_norm_eps) @ self.lm_head
+
+
+def reference_forward(model: TinyModel, token_ids: list[int], start: int,
+                      cache: list[list[torch.Tensor]]) -> torch.Tensor:
+    """One single-device forward of ``token_ids`` at positions ``start, start+1, ...`` over a
+    contiguous KV cache (``cache[layer]``: ``[K, V]`` or MLA's ``[latent]``, ``start`` rows
+    long, extended in place).  Causal; MLA in its MHA form.  Returns logits ``[T, vocab]``."""
+    cfg = model.config
+    every = slice(None)
+    pos = torch.arange(start, start + len(token_ids))
+    x = model.embed[torch.tensor(token_ids)]
+    for layer in range(cfg.num_hidden_layers):
+        h = model.attn_input(layer, x)
+        if cfg.use_mla:
+            q, lat = model.mla_q_and_latent(layer, h, pos)
+            cache[layer] = [torch.cat(cache[layer] + [lat])]
+            kk, vv = model.mla[layer].expand_kv(cache[layer][0], every)
+            a = dense_attention(q, kk, vv, causal=True, q_offset=start,
+                                scale=model.mla[layer].scale)[0]
+            x = x + torch.einsum("tnd,ndh->th", a, model.layers[layer]["wo"])
+        else:
+            q, k, v = model.qkv(layer, h, pos, every, every)
+            if cache[layer]:
+                k, v = torch.cat([cache[layer][0], k]), torch.cat([cache[layer][1], v])
+            cache[layer] = [k, v]
+            a = dense_attention(q, k, v, causal=True, q_offset=start)[0]
+            x = x + model.o_proj(layer, a, every)
+        x = x + model.mlp(layer, x, every)
+    return model.logits(x)
+
+
+def reference_generate(model: TinyModel, prompt: list[int], max_new_tokens: int,
+                       return_logits: bool = False):
+    """Greedy tokens of ``prompt`` on one device: a full prefill, then one token per forward
+    (:func:`reference_forward`, contiguous KV cache, no paging or batching), in the model's
+    dtype.  Returns the ``max_new_tokens`` new tokens, and with ``return_logits`` also the
+    logits row ``[vocab]`` each was picked from."""
+    cache: list[list[torch.Tensor]] = [[] for _ in range(model.config.num_hidden_layers)]
+    tokens, out, rows = list(prompt), [], []
+    step, start = list(prompt), 0
+    while len(out) < max_new_tokens:
+        logits = reference_forward(model, step, start, cache)[-1]
+        out.append(int(logits.argmax()))
+        rows.append(logits)
+        start = len(tokens)
+        tokens.append(out[-1])
+        step = [out[-1]]
+    return (out, torch.stack(rows)) if return_logits else out

@@ -1,0 +1,166 @@
+"""The mini engine's model runner: one rank's share of a tiny model and its paged KV cache.
+
+One :meth:`ModelRunner.execute` call runs one engine step (a
+:class:`~cpbook.engine.scheduler.SchedulerOutput`) on this rank of a TP × PCP × DCP grid, the same
+code inline and under torchrun (vLLM's ``GPUModelRunner.execute_model``):
+
+* **TP**: this rank's query heads (``q_heads_of``), KV heads (``kv_heads_of``; MLA:
+  the one latent) and MLP columns; the partial attention-output and MLP projections are summed
+  by an all-reduce over the TP group.
+* **Decode rows** (one token per request; every PCP rank holds all of them): the new K/V is
+  written through the DCP slot mapping, then :func:`cpbook.dcp.decode.dcp_decode_attention` over the
+  DCP group (AllGather Q, attention over the local shard, ``ag_rs`` or ``a2a`` combine).  MLA
+  runs the same function on its absorbed latent queries against the cached latents.
+* **Prefill rows** (whole or chunked prompts): split zigzag over the PCP group
+  (:mod:`cpbook.pcp.zigzag`), attended by :func:`cpbook.pcp.chunked.chunked_prefill_attention` (context
+  from the paged cache, AllGather-Q or AllGather-KV picked by the selector), then the new K/V is
+  all-gathered over PCP and written through the slot mapping.
+* **Sampling**: greedy, on the last row of every request whose chunk reaches its last token;
+  rank 0's tokens are shared with every rank (one all-gather), as vLLM's driver broadcasts.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+from cpbook.core.config import ParallelConfig
+from cpbook.core.groups import ParallelGroups
+from cpbook.core.heads import kv_heads_of, q_heads_of
+from cpbook.dcp.decode import dcp_decode_attention, local_attention
+from cpbook.engine.models import TinyModel
+from cpbook.engine.scheduler import ScheduledChunk, SchedulerOutput
+from cpbook.kv.paged import PagedKVCache
+from cpbook.pcp.chunked import ContextShard, chunked_prefill_attention
+from cpbook.pcp.prefill import pcp_restore, pcp_shard
+from cpbook.pcp.zigzag import PCPMetadata, zigzag_partition
+
+__all__ = ['ModelRunner']
+
+class ModelRunner:
+    """This rank's heads, MLP columns and per-layer :class:`~cpbook.kv.paged.PagedKVCache`
+    (``num_blocks`` physical blocks of ``block_size`` slots, DCP layout of ``config``)."""
+
+    def __init__(self, model: TinyModel, config: ParallelConfig, groups: ParallelGroups,
+                 num_blocks: int, *, strategy: str = "auto", workspace_size: int = 64) -> None:
+        mc, c = model.config, groups.coords
+        self.model, self.config, self.groups = model, config, groups
+        self.strategy, self.workspace_size = strategy, workspace_size
+        self.heads = q_heads_of(config, c.tp_rank)
+        self.kv_heads = kv_heads_of(config, c.tp_rank)
+        inter, tp = mc.intermediate_size, config.tp
+        self.cols = slice(c.tp_rank * inter // tp, (c.tp_rank + 1) * inter // tp)
+        nkv = self.kv_heads.stop - self.kv_heads.start
+        self.caches = [
+            PagedKVCache(num_blocks, config.block_size, nkv, mc.kv_cache_dim,
+                         0 if mc.use_mla else None, dcp_size=config.dcp, dcp_rank=c.dcp_rank,
+                         interleave=config.interleave, dtype=model.embed.dtype)
+            for _ in range(mc.num_hidden_layers)
+        ]
+        self.strategies: Counter[str] = Counter()
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _tp_sum(self, t: torch.Tensor) -> torch.Tensor:
+        return self.groups.tp.all_reduce(t) if self.groups.tp.size > 1 else t
+
+    def _restore(self, t: torch.Tensor, meta: PCPMetadata) -> torch.Tensor:
+        """Every prefill row of the step in sequence order (all-gather over PCP if > 1)."""
+        if self.groups.pcp.size == 1:
+            return t.index_select(0, meta.restore_index)
+        return pcp_restore(t, meta, self.groups.pcp)
+
+    def _value_view(self, k: torch.Tensor, v: torch.Tensor | None) -> torch.Tensor:
+        return k[..., : self.model.config.kv_lora_rank] if v is None else v
+
+    # -- attention ----------------------------------------------------------------------------
+    def _decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
+                chunks: list[ScheduledChunk]) -> torch.Tensor:
+        cache = self.caches[layer]
+        slots = torch.cat([cache.slot_mapping([c.start], c.block_table) for c in chunks])
+        cache.write(k, v, slots)
+        ks, vs = [], []
+        for c in chunks:
+            kk, vv, _ = cache.read(c.block_table, c.start + 1)
+            ks.append(kk)
+            vs.append(self._value_view(kk, vv))
+        grp, scale = self.groups.dcp, self.model.attn_scale(layer)
+        if grp.size == 1:
+            return local_attention(q, ks, vs, scale)[0]
+        if ks[0].shape[1] > 1:  # gathered heads come in DCP blocks: tile the KV heads to match
+            ks = [x.repeat(1, grp.size, 1) for x in ks]
+            vs = [x.repeat(1, grp.size, 1) for x in vs]
+        return dcp_decode_attention(q, ks, vs, grp, self.config.dcp_comm_backend, scale)
+
+    def _prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
+                 chunks: list[ScheduledChunk], meta: PCPMetadata) -> torch.Tensor:
+        cache, cfg = self.caches[layer], self.config
+        keys, values = [], []
+        for c in chunks:
+            kk, vv, _ = cache.read(c.block_table, c.start)
+            keys.append(kk)
+            values.append(vv)
+        mla = self.model.config.use_mla
+        context = ContextShard(tuple(c.start for c in chunks), tuple(keys),
+                               None if mla else tuple(values), cfg.dcp,
+                               self.groups.coords.dcp_rank, cfg.interleave,
+                               self.model.config.kv_lora_rank if mla else None)
+        stats: dict = {}
+        out, _ = chunked_prefill_attention(
+            q, k, v, context, meta, self.groups, strategy=self.strategy,
+            workspace_size=self.workspace_size, dcp_comm_backend=cfg.dcp_comm_backend,
+            scale=self.model.attn_scale(layer), stats=stats)
+        self.strategies[stats["strategy"]] += 1
+        d = k.shape[-1]
+        new = self._restore(k if v is None else torch.cat([k, v], dim=-1), meta)  # one gather
+        new_k, new_v = (new, None) if v is None else (new[..., :d], new[..., d:])
+        slots = torch.cat([cache.slot_mapping(torch.arange(c.start, c.start + c.num_tokens),
+                                              c.block_table) for c in chunks])
+        cache.write(new_k, new_v, slots)
+        return out
+
+    # -- one step -----------------------------------------------------------------------------
+    def execute(self, out: SchedulerOutput) -> tuple[dict[str, int], dict[str, torch.Tensor]]:
+        """Run the step; returns the greedy token and its logits row for every sampling chunk."""
+        model, groups = self.model, self.groups
+        dec = [c for c in out.chunks if c.kind == "decode"]
+        pre = [c for c in out.chunks if c.kind != "decode"]
+        nd = len(dec)
+        ids = [torch.tensor([c.token_ids[0] for c in dec], dtype=torch.long)]
+        pos = [torch.tensor([c.start for c in dec], dtype=torch.long)]
+        meta = None
+        if pre:
+            meta = zigzag_partition([c.num_tokens for c in pre], self.config.pcp).metadata(
+                groups.coords.pcp_rank)
+            flat = torch.tensor([t for c in pre for t in c.token_ids], dtype=torch.long)
+            ids.append(pcp_shard(flat, meta))
+            starts = torch.tensor([c.start for c in pre], dtype=torch.long)
+            pos.append(meta.positions + starts[meta.request_ids])
+        ids_t, pos_t = torch.cat(ids), torch.cat(pos)
+        x = model.embed[ids_t]
+        for layer in range(model.config.num_hidden_layers):
+            h = model.attn_input(layer, x)
+            q, k, v = model.qkv(layer, h, pos_t, self.heads, self.kv_heads)
+            parts = []
+            if dec:
+                parts.append(self._decode(layer, q[:nd], k[:nd], None if v is None else v[:nd],
+                                          dec))
+            if pre:
+                parts.append(self._prefill(layer, q[nd:], k[nd:], None if v is None else v[nd:],
+                                           pre, meta))
+            attn = torch.cat(parts)
+            x = x + self._tp_sum(model.o_proj(layer, attn, self.heads))
+            x = x + self._tp_sum(model.mlp(layer, x, self.cols))
+        names, rows = [c.request_id for c in dec], [x[:nd]]
+        if pre and any(c.sample for c in pre):
+            seq = self._restore(x[nd:], meta)
+            ends = torch.tensor(meta.cu_seq_lens[1:]) - 1
+            keep = [j for j, c in enumerate(pre) if c.sample]
+            names += [pre[j].request_id for j in keep]
+            rows.append(seq[ends[keep]])
+        logits = model.logits(torch.cat(rows))
+        tokens = logits.argmax(dim=-1)
+        if groups.world.size > 1:  # everyone continues with rank 0's tokens
+            tokens = groups.world.all_gather(tokens[None], dim=0)[0]
+        return ({n: int(t) for n, t in zip(names, tokens)},
+                {n: row for n, row in zip(names, logits)})

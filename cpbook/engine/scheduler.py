@@ -1,0 +1,226 @@
+"""The mini engine's scheduler: continuous batching, chunked prefill, prefix caching, preemption.
+
+One :meth:`Scheduler.schedule` call builds one engine step, in vLLM V1's order
+(``vllm/v1/core/sched/scheduler.py``): first the *running* requests (a decode token each, or the
+next chunk of an unfinished prefill), then *waiting* requests in arrival order, while the
+step's token budget (``max_num_batched_tokens``), the sequence cap (``max_num_seqs``) and the
+free KV blocks last.  Blocks come from :class:`~cpbook.kv.manager.KVCacheManager` (virtual
+blocks of ``block_size * dcp`` tokens, prefix caching).  Simplifications, stated:
+
+* a request's whole prompt gets its blocks when it is admitted (vLLM allocates chunk by chunk),
+  then one block at a time as it decodes;
+* a cached prefix block is reused only once its K/V has been written (vLLM caches a block only
+  when it is full of computed tokens); a request whose prefix is still being computed waits;
+* when a running request needs a block and none is free, the most recently admitted running
+  request is preempted: its blocks are freed and it goes back to the head of the queue, to be
+  recomputed (vLLM's ``RECOMPUTE``) — its prompt and the tokens it already produced;
+* a request that could never fit (prompt + ``max_new_tokens`` over the whole cache) fails alone,
+  with an error naming the rule; every other request is served.
+
+The scheduler is pure Python and deterministic: every rank runs the same one and reaches the
+same decision without communicating (vLLM schedules on one process and broadcasts instead).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from cpbook.core.config import ConfigError, check_positive
+from cpbook.kv.layout import num_virtual_blocks
+from cpbook.kv.manager import AllocationError, KVCacheManager
+
+__all__ = ['Request', 'ScheduledChunk', 'SchedulerOutput', 'Scheduler']
+
+@dataclass
+class Request:
+    """One generation request and its progress (vLLM's ``Request``)."""
+
+    request_id: str
+    prompt: list[int]
+    max_new_tokens: int
+    output: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: str = "waiting"  # waiting | running | finished | error
+    error: str | None = None
+    prefill_done: bool = False
+    preemptions: int = 0
+    prefix_hit_tokens: int = 0
+
+    @property
+    def all_tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """Tokens ``[start, start + num_tokens)`` of one request in this step.
+
+    ``kind``: ``"decode"`` (one new token after a finished prefill), ``"prefill"`` (the whole
+    remaining prompt in one chunk) or ``"chunked_prefill"`` (a part of it).  ``sample``: the
+    chunk ends at the request's last token, so its last row yields the next token.
+    """
+
+    request_id: str
+    kind: str
+    start: int
+    token_ids: tuple[int, ...]
+    block_table: tuple[int, ...]
+    sample: bool
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """One step: decode chunks first, then prefill chunks (vLLM's batch reorder)."""
+
+    step: int
+    chunks: tuple[ScheduledChunk, ...]
+    admitted: tuple[str, ...]
+    preempted: tuple[str, ...]
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+class Scheduler:
+    """FCFS continuous batching over one :class:`KVCacheManager` (the DCP group's block ids)."""
+
+    def __init__(self, kv_manager: KVCacheManager, max_num_batched_tokens: int = 32,
+                 max_num_seqs: int = 8) -> None:
+        check_positive(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs)
+        self.kv = kv_manager
+        self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.written: set[int] = set()  # block ids whose whole virtual block holds computed K/V
+        self.step_count = 0
+        self.num_preemptions = 0
+
+    # -- requests ---------------------------------------------------------------------------
+    def add_request(self, request: Request) -> Request:
+        """Queue ``request``; one that can never fit the cache is failed at once (status
+        ``"error"``, rule ``request-fits-cache``), the others are unaffected."""
+        if request.request_id in self.requests:
+            raise ConfigError("new-request-id", "a request id not already added",
+                              request_id=request.request_id)
+        check_positive(prompt_len=len(request.prompt), max_new_tokens=request.max_new_tokens)
+        self.requests[request.request_id] = request
+        total = len(request.prompt) + request.max_new_tokens
+        need = num_virtual_blocks(total, self.kv.block_size, self.kv.dcp_size)
+        if need > self.kv.num_blocks:
+            request.status = "error"
+            request.error = str(AllocationError(
+                "request-fits-cache", "prompt + max_new_tokens within the whole KV cache",
+                request_id=request.request_id, tokens=total, blocks_needed=need,
+                num_blocks=self.kv.num_blocks))
+            return request
+        self.waiting.append(request)
+        return request
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step ---------------------------------------------------------------------------
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        blocks = self.kv.block_table(req.request_id).tolist()
+        self.kv.free(req.request_id)
+        self.kv.uncache([b for b in blocks if b not in self.written and not self.kv.ref_cnt[b]])
+        req.status, req.num_computed_tokens, req.prefill_done = "waiting", 0, False
+        req.preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _grow(self, req: Request, upto: int) -> None:
+        """Make the manager hold ``upto`` tokens of ``req`` (raises AllocationError)."""
+        have = self.kv.num_tokens(req.request_id)
+        if upto > have:
+            new = self.kv.append(req.request_id, upto - have, req.all_tokens[have:upto])
+            self.written.difference_update(new)
+
+    def _chunk(self, req: Request, n: int) -> ScheduledChunk:
+        start = req.num_computed_tokens
+        end = start + n
+        kind = ("decode" if req.prefill_done else
+                "prefill" if end == req.num_tokens and start == req.prefix_hit_tokens
+                else "chunked_prefill")
+        return ScheduledChunk(req.request_id, kind, start, tuple(req.all_tokens[start:end]),
+                              tuple(self.kv.block_table(req.request_id).tolist()),
+                              end == req.num_tokens)
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's chunks within the token budget; admit, and preempt if needed."""
+        budget, chunks, preempted, admitted = self.max_num_batched_tokens, [], [], []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while True:
+                try:
+                    self._grow(req, req.num_computed_tokens + n)
+                    break
+                except AllocationError:
+                    victim = self.running[-1]
+                    self._preempt(victim)
+                    preempted.append(victim.request_id)
+                    if victim is req:
+                        break
+            if req.status != "running":
+                continue
+            chunks.append(self._chunk(req, n))
+            budget -= n
+            i += 1
+        while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
+               and not preempted):  # vLLM admits nobody in a step that preempted
+            req = self.waiting[0]
+            tokens = req.all_tokens
+            if any(b not in self.written for b in self.kv.cached_prefix(tokens)):
+                break  # its cached prefix is still being computed: wait for it
+            try:
+                hit = self.kv.allocate(req.request_id, len(tokens), tokens)
+            except AllocationError:
+                break
+            self.written.difference_update(
+                self.kv.block_table(req.request_id).tolist()[hit.num_blocks:])
+            self.waiting.popleft()
+            req.status, req.num_computed_tokens = "running", hit.num_tokens
+            req.prefix_hit_tokens = hit.num_tokens
+            self.running.append(req)
+            admitted.append(req.request_id)
+            n = min(len(tokens) - hit.num_tokens, budget)
+            chunks.append(self._chunk(req, n))
+            budget -= n
+        self.step_count += 1
+        chunks.sort(key=lambda c: c.kind != "decode")
+        return SchedulerOutput(self.step_count, tuple(chunks), tuple(admitted), tuple(preempted))
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance every scheduled request by its chunk, append its sampled token; returns the
+        requests that finished this step (their blocks are freed)."""
+        finished = []
+        vb = self.kv.virtual_block_size
+        for c in out.chunks:
+            req = self.requests[c.request_id]
+            req.num_computed_tokens = c.start + c.num_tokens
+            self.written.update(c.block_table[: req.num_computed_tokens // vb])
+            if not c.sample:
+                continue
+            req.prefill_done = True
+            req.output.append(sampled[c.request_id])
+            if len(req.output) >= req.max_new_tokens:
+                req.status = "finished"
+                self.running.remove(req)
+                self.kv.free(req.request_id)
+                finished.append(req)
+        return finished

@@ -1,0 +1,165 @@
+"""What each chunked-prefill strategy sends, and the selector that picks one (no tensors here).
+
+:mod:`cpbook.pcp.chunked` runs AllGather-Q and AllGather-KV; this module predicts, exactly, the
+bytes each rank sends per layer and picks the cheaper strategy with a link model.  Notation:
+``R`` local chunk rows per PCP rank (zigzag padding included: ``Σ_i padded(T_i) / P``), ``h``
+query heads and ``k`` KV heads per rank, ``D``/``Dv`` key/value widths, ``e`` bytes per element,
+``N = dcp``, ``P = pcp``, ``G`` the attention group (``N`` ranks if ``N > 1``, else ``P``),
+``W = k·(D+Dv)`` the width of one gathered K/V row (``k·D`` for MLA, whose latent value is the
+first ``Dv`` columns of the key).  Calls on one-rank groups are skipped (zero bytes, no call):
+
+==============  ==========================  =====  ========================================
+strategy        call (in order)             group  bytes sent per rank
+==============  ==========================  =====  ========================================
+allgather_q     all_gather Q                G      ``R·h·D·e·(G−1)``
+                a2a: all_to_all out|LSE     G      ``R·h·(Dv+1)·e·(G−1)``
+                ag_rs: all_gather LSE       G      ``R·G·h·e·(G−1)``
+                ag_rs: reduce_scatter out   G      ``R·h·Dv·e·(G−1)``
+allgather_kv    all_gather new K/V          PCP    ``R·W·e·(P−1)``
+                all_gather, each piece      DCP    ``Σ_i rows₀(i)·W·e·(N−1)``
+==============  ==========================  =====  ========================================
+
+``rows₀(i)`` is rank 0's share of request ``i``'s context piece (every rank pads to it); the
+pieces are ``workspace_size // requests`` tokens, a multiple of ``N·interleave``
+(:func:`cpbook.kv.gather.context_gather_bytes`), and sum to ``≈ C_i / N``.  So AllGather-Q's bytes
+grow with the chunk and the query heads and never with the context; AllGather-KV's grow with
+the context and the KV heads.  With ``dcp = 1`` the context is already everywhere and
+AllGather-KV moves only the chunk's K/V, which never costs more than moving Q and outputs.
+
+The selector prices a call list as ``calls·α + bytes·β`` (a link's latency and inverse
+bandwidth) and takes the cheaper; ties go to AllGather-KV (no combine afterwards).  Both
+strategies do the same attention FLOPs, so the link decides.  The defaults :data:`ALPHA_S` and
+:data:`BETA_S_PER_BYTE` were fitted by ``bench/chunked_prefill.py --calibrate`` on this book's
+machine (2 gloo ranks, one thread each); pass your link's values elsewhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from cpbook.core.config import ConfigError, ParallelConfig
+from cpbook.core.heads import kv_heads_of
+from cpbook.dcp.decode import COMM_BACKENDS
+from cpbook.kv.gather import context_gather_bytes
+from cpbook.pcp.zigzag import padded_len
+
+__all__ = ['STRATEGIES', 'ALPHA_S', 'BETA_S_PER_BYTE', 'comm_plan', 'chunked_comm_bytes', 'StrategyChoice', 'select_strategy', 'choose_strategy']
+
+STRATEGIES = ("allgather_q", "allgather_kv")
+
+
+# gloo, 2 ranks × 1 thread on the book's 2-core CPU, ``bench/chunked_prefill.py --calibrate``
+# (30 Nov 2026, quiet machine: all_gather 0.59 ms + 1.8 ns/B, all_to_all 0.55 ms + 2.2 ns/B;
+# under other jobs' load the fits rose to 0.7–2 ms and 2–8 ns/B)
+ALPHA_S = 6.0e-4  # s per call
+
+
+BETA_S_PER_BYTE = 2.0e-9  # s per byte sent by a rank
+
+
+def _strategy(strategy: str) -> None:
+    if strategy not in STRATEGIES:
+        raise ConfigError("chunked-strategy", f"strategy in {STRATEGIES}", strategy=strategy)
+
+
+def comm_plan(strategy: str, context_lens: Sequence[int], query_lens: Sequence[int], *,
+              q_heads: int, kv_heads: int, head_dim: int, v_head_dim: int, latent: bool,
+              pcp: int, dcp: int, interleave: int, workspace_size: int, dtype_bytes: int,
+              dcp_comm_backend: str = "a2a") -> list[tuple[str, int]]:
+    """The table above from per-rank sizes (``q_heads`` = ``h``, ``kv_heads`` = ``k``)."""
+    _strategy(strategy)
+    if dcp_comm_backend not in COMM_BACKENDS:
+        raise ConfigError("comm-backend", "dcp_comm_backend in {'ag_rs', 'a2a'}",
+                          dcp_comm_backend=dcp_comm_backend)
+    e, h, g = dtype_bytes, q_heads, dcp if dcp > 1 else pcp
+    r = sum(padded_len(t, pcp) for t in query_lens) // pcp
+    if strategy == "allgather_q":
+        if g == 1:
+            return []
+        gather_q = ("all_gather", r * h * head_dim * e * (g - 1))
+        if dcp_comm_backend == "a2a":
+            return [gather_q, ("all_to_all", r * h * (v_head_dim + 1) * e * (g - 1))]
+        return [gather_q, ("all_gather", r * g * h * e * (g - 1)),
+                ("reduce_scatter", r * h * v_head_dim * e * (g - 1))]
+    width = kv_heads * (head_dim if latent else head_dim + v_head_dim)
+    calls = [("all_gather", r * width * e * (pcp - 1))] if pcp > 1 else []
+    if dcp > 1:
+        calls += [("all_gather", b) for b in context_gather_bytes(
+            list(context_lens), workspace_size, dcp, interleave, width, e)]
+    return calls
+
+
+def chunked_comm_bytes(strategy: str, context_lens: Sequence[int], query_lens: Sequence[int], *,
+                       num_q_heads: int, num_kv_heads: int, head_dim: int, workspace_size: int,
+                       tensor_parallel_size: int = 1, prefill_context_parallel_size: int = 1,
+                       decode_context_parallel_size: int = 1, v_head_dim: int | None = None,
+                       use_mla: bool = False, cp_kv_cache_interleave_size: int = 1,
+                       dtype_bytes: int = 8,
+                       dcp_comm_backend: str = "a2a") -> list[tuple[str, int]]:
+    """``[(op, bytes sent per rank), ...]`` of one layer of ``strategy`` in call order, for the
+    model's head counts (the same on every rank).  The configuration is validated first
+    (:class:`~cpbook.core.config.ParallelConfig`); ``use_mla`` means a latent cache without values."""
+    _strategy(strategy)
+    il = cp_kv_cache_interleave_size
+    cfg = ParallelConfig(tensor_parallel_size=tensor_parallel_size, block_size=il,
+                         prefill_context_parallel_size=prefill_context_parallel_size,
+                         decode_context_parallel_size=decode_context_parallel_size,
+                         cp_kv_cache_interleave_size=il, num_q_heads=num_q_heads,
+                         num_kv_heads=num_kv_heads, head_dim=head_dim, use_mla=use_mla,
+                         dcp_comm_backend=dcp_comm_backend)
+    kv = kv_heads_of(cfg, 0)
+    return comm_plan(strategy, context_lens, query_lens, q_heads=cfg.q_heads_per_rank,
+                     kv_heads=kv.stop - kv.start, head_dim=head_dim,
+                     v_head_dim=v_head_dim or head_dim, latent=use_mla, pcp=cfg.pcp, dcp=cfg.dcp,
+                     interleave=il, workspace_size=workspace_size, dtype_bytes=dtype_bytes,
+                     dcp_comm_backend=dcp_comm_backend)
+
+
+@dataclass(frozen=True)
+class StrategyChoice:
+    """The selector's answer: the strategy, and per strategy its calls, bytes and seconds."""
+
+    strategy: str
+    calls: dict[str, int]
+    bytes: dict[str, int]
+    seconds: dict[str, float]
+    alpha: float
+    beta: float
+
+
+def select_strategy(plans: Mapping[str, Sequence[tuple[str, int]]], alpha: float | None = None,
+                    beta: float | None = None) -> StrategyChoice:
+    """Price each strategy's call list as ``calls·α + bytes·β``; the cheaper wins (ties: KV)."""
+    a = ALPHA_S if alpha is None else alpha
+    b = BETA_S_PER_BYTE if beta is None else beta
+    sent = {st: sum(x for _, x in plans[st]) for st in STRATEGIES}
+    secs = {st: len(plans[st]) * a + sent[st] * b for st in STRATEGIES}
+    best = min(STRATEGIES[::-1], key=secs.get)
+    return StrategyChoice(best, {st: len(plans[st]) for st in STRATEGIES}, sent, secs, a, b)
+
+
+def choose_strategy(batch_tokens: int | Sequence[int], context_tokens: int | Sequence[int],
+                    num_q_heads: int, num_kv_heads: int, head_dim: int, dtype_bytes: int,
+                    pcp: int, dcp: int, *, tp: int = 1, v_head_dim: int | None = None,
+                    use_mla: bool = False, interleave: int = 1, workspace_size: int = 16384,
+                    dcp_comm_backend: str = "a2a", alpha: float | None = None,
+                    beta: float | None = None) -> StrategyChoice:
+    """AllGather-Q or AllGather-KV for one layer, by :func:`select_strategy` on exact bytes.
+
+    ``batch_tokens`` / ``context_tokens``: one request's chunk and context lengths, or one per
+    request.  ``alpha`` (s per call) and ``beta`` (s per byte) default to :data:`ALPHA_S` and
+    :data:`BETA_S_PER_BYTE`.
+    """
+    ts = [batch_tokens] if isinstance(batch_tokens, int) else list(batch_tokens)
+    cs = [context_tokens] if isinstance(context_tokens, int) else list(context_tokens)
+    if len(ts) != len(cs):
+        raise ConfigError("one-context-per-request", "as many context lengths as chunks",
+                          batch_tokens=batch_tokens, context_tokens=context_tokens)
+    plans = {st: chunked_comm_bytes(
+        st, cs, ts, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        workspace_size=workspace_size, tensor_parallel_size=tp, prefill_context_parallel_size=pcp,
+        decode_context_parallel_size=dcp, v_head_dim=v_head_dim, use_mla=use_mla,
+        cp_kv_cache_interleave_size=interleave, dtype_bytes=dtype_bytes,
+        dcp_comm_backend=dcp_comm_backend) for st in STRATEGIES}
+    return select_strategy(plans, alpha, beta)
