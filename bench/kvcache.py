@@ -19,35 +19,35 @@ from cpbook.kv.transfer import transfer_plan
 
 
 def bench_slot_mapping(
-    tokens: int, block_size: int, dcp_size: int, interleave: int, repeats: int
+    tokens: int, block_size: int, dcp: int, interleave: int, repeats: int
 ) -> dict:
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(0)
-    table = torch.randperm(2 * num_virtual_blocks(tokens, block_size, dcp_size), generator=gen)
+    table = torch.randperm(2 * num_virtual_blocks(tokens, block_size, dcp), generator=gen)
     positions = torch.arange(tokens)
     times = []
     for _ in range(repeats + 1):  # the first run warms up
         t0 = time.perf_counter()
-        slots = slot_mapping(positions, table, block_size, dcp_size, 1, interleave)
+        slots = slot_mapping(positions, table, block_size, dcp, 1, interleave)
         times.append((time.perf_counter() - t0) * 1e3)
-    assert int((slots >= 0).sum()) == tokens // dcp_size
+    assert int((slots >= 0).sum()) == tokens // dcp
     return {
         "name": "slot_mapping",
         "tokens": tokens,
         "ms": round(statistics.median(times[1:]), 2),
         "threads": torch.get_num_threads(),
         "block_size": block_size,
-        "dcp_size": dcp_size,
+        "dcp": dcp,
         "interleave": interleave,
         "repeats": repeats,
     }
 
 
 def waste_table(
-    lengths: list[int], block_size: int, dcp_size: int, interleaves: list[int]
+    lengths: list[int], block_size: int, dcp: int, interleaves: list[int]
 ) -> list[dict]:
     return [
-        {"name": "transfer_waste"} | transfer_plan(n, block_size, dcp_size, i).as_dict()
+        {"name": "transfer_waste"} | transfer_plan(n, block_size, dcp, i).as_dict()
         for n in lengths
         for i in interleaves
     ]
@@ -62,9 +62,9 @@ def main() -> None:
     p.add_argument("--dcp-size", type=int, default=4)
     p.add_argument("--interleave", type=int, default=1)
     a = p.parse_args()
-    rows = [bench_slot_mapping(a.tokens, a.block_size, a.dcp_size, a.interleave, a.repeats)]
+    rows = [bench_slot_mapping(a.tokens, a.block_size, a.dcp, a.interleave, a.repeats)]
     rows += waste_table(
-        [16, 100, 1000, 5000, 33000, 131000], a.block_size, a.dcp_size, [1, 4, a.block_size]
+        [16, 100, 1000, 5000, 33000, 131000], a.block_size, a.dcp, [1, 4, a.block_size]
     )
     for row in rows:
         if a.json:

@@ -205,11 +205,12 @@ def chunked_prefill_timing(
 
     def method(strategy: str) -> Callable[[], Any]:
         def call() -> Any:  # ends at a barrier: the layer is done when every rank is
-            first = len(ctx.trace)
-            res = chunked_prefill_attention(
-                ql, kl, vl, context, meta, groups, strategy=strategy, workspace_size=workspace_size
-            )
-            sent[strategy] = sum(r.bytes_sent for r in ctx.trace[first:])
+            with ctx.traced() as comm:
+                res = chunked_prefill_attention(
+                    ql, kl, vl, context, meta, groups, strategy=strategy,
+                    workspace_size=workspace_size,
+                )
+            sent[strategy] = sum(b for _, b in comm)
             ctx.world.barrier()
             return res
 

@@ -131,7 +131,7 @@ def test_bytes_scale_as_the_article_says():
     """Q-side bytes never grow with the context; KV-side bytes grow with it; the selector
     gathers KV for long chunks on short contexts and Q for short chunks on long contexts."""
     kw = dict(num_q_heads=8, num_kv_heads=1, head_dim=64, workspace_size=16384,
-              prefill_context_parallel_size=2, decode_context_parallel_size=2, dtype_bytes=2)
+              prefill_context_parallel_size=2, decode_context_parallel_size=2, elem_bytes=2)
     q = [sum(b for _, b in chunked_comm_bytes("allgather_q", [c], [1024], **kw))
          for c in (0, 4096, 65536)]
     kv = [sum(b for _, b in chunked_comm_bytes("allgather_kv", [c], [1024], **kw))

@@ -57,6 +57,7 @@ def test_trace_bytes_follow_the_table():
     assert tr.summary()[("sendrecv", "world")] == (1, b, b)
 
 
+@pytest.mark.torchrun
 def test_torchrun_matches_inline_data_and_traces():
     inline = run(every_collective, 3, report=False)
     real = run(every_collective, 3, backend="torchrun", report=False)
@@ -76,6 +77,7 @@ def test_inline_timeout_raises_instead_of_hanging():
     assert time.monotonic() - t0 < 10
 
 
+@pytest.mark.torchrun
 def test_torchrun_timeout_raises_instead_of_hanging():
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match="rank 0 of 2 failed"):

@@ -214,7 +214,7 @@ def test_chapter_explorers_default_states():
     from cpbook.widgets.kvcache import layout_explorer
     from cpbook.widgets.memory import kv_explorer
 
-    layout = layout_explorer(interleave=4, dcp_size=4)
+    layout = layout_explorer(interleave=4, dcp=4)
     shown = visible_panel(layout.to_html())
     assert "D20 -&gt; rank 1, slot 84" in shown and "D27 -&gt; rank 2, slot 87" in shown
     assert len(layout.panels) == len(layout.states) == 10

@@ -26,7 +26,7 @@ PROPERTY = settings(max_examples=500, deadline=None)
 
 @st.composite
 def layouts(draw, max_len: int = 300):
-    """(dcp_size, interleave, block_size, seq_len, dcp_rank) with interleave | block_size."""
+    """(dcp, interleave, block_size, seq_len, dcp_rank) with interleave | block_size."""
     block_size = draw(st.sampled_from([1, 2, 4, 8, 16, 32]))
     interleave = draw(st.sampled_from([d for d in (1, 2, 4, 8, 16, 32) if block_size % d == 0]))
     dcp = draw(st.integers(1, 8))
@@ -42,14 +42,14 @@ def _table(seq_len: int, block_size: int, dcp: int, seed: int) -> torch.Tensor:
 def test_vllm_hand_example():
     """tests/v1/worker/test_block_table_slot_mapping.py: dcp 2, rank 1, blocks [5, 6], B 16."""
     slots = slot_mapping(
-        torch.arange(64), [5, 6], block_size=16, dcp_size=2, dcp_rank=1, interleave=1
+        torch.arange(64), [5, 6], block_size=16, dcp=2, dcp_rank=1, interleave=1
     )
     assert slots[[1, 3, 5, 33]].tolist() == [80, 81, 82, 96]
     assert (slots[0::2] == PAD_SLOT_ID).all()
 
 
 def test_article_table_and_decode_tokens():
-    owners = token_owner(torch.arange(20), dcp_size=4, interleave=4)
+    owners = token_owner(torch.arange(20), dcp=4, interleave=4)
     assert owners.tolist() == [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4 + [0] * 4
     assert token_owner([20, 27], 4, 4).tolist() == [1, 2]
     # D20 sits at offset 4 of its block on rank 1: slot 16*b + 4, never 384 with block size 16.
@@ -114,7 +114,7 @@ def test_slots_unique_dense_and_inside_request_blocks(layout):
     assert mine.unique().numel() == mine.numel()
     assert torch.isin(torch.div(mine, bs, rounding_mode="floor"), table).all()
     cache = PagedKVCache(
-        int(table.max()) + 1 if n else 1, bs, 1, 1, dcp_size=dcp, dcp_rank=r, interleave=inter
+        int(table.max()) + 1 if n else 1, bs, 1, 1, dcp=dcp, dcp_rank=r, interleave=inter
     )
     assert torch.equal(
         mine, cache.local_slots(table, n)
@@ -141,7 +141,7 @@ def test_write_then_read_reconstructs_exactly(layout, mla):
     )
     for r in range(dcp):
         cache = PagedKVCache(
-            num_blocks, bs, heads, dim, 0 if mla else 4, dcp_size=dcp, dcp_rank=r, interleave=inter
+            num_blocks, bs, heads, dim, 0 if mla else 4, dcp=dcp, dcp_rank=r, interleave=inter
         )
         assert cache.write(k, v, cache.slot_mapping(torch.arange(n), table)) == local_seq_len(
             n, dcp, r, inter

@@ -11,7 +11,7 @@ from cpbook.core.config import ConfigError
 from cpbook.core.launch import run
 from cpbook.dcp.mla import TinyMLA, crossover_context_len, kv_move_bytes, q_move_bytes
 from cpbook.demos.ch03_decode import mla_context_rank, mla_decode_rank
-from cpbook.kv.gather import context_chunk_len, context_gather_bytes, reorg_kvcache
+from cpbook.kv.gather import context_chunk_len, context_gather_comm_bytes, reorg_kvcache
 from tests.rank_fns import in_sequence
 
 
@@ -129,7 +129,7 @@ def test_measured_crossover_matches_formula():
                 report=False,
             )[0]["comm"]
         )
-        assert kv == sum(context_gather_bytes((ctx_len,), 256, 4, 1, 40))
+        assert kv == sum(b for _, b in context_gather_comm_bytes((ctx_len,), 256, 4, 1, 40))
         if kv > q_bytes:
             measured = ctx_len
             break

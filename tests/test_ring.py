@@ -224,7 +224,7 @@ def test_meta_rule_boundaries():
     assert choose_ring_mode(4096, 0, 8, 8) == "pass_q"  # MHA: a Q block is half a K/V block
     assert choose_ring_mode(1, 10**6, 64, 8) == "pass_q"  # decode
     # Algorithm 5: C = 8e14 FLOP/s, BW = 5e10 B/s, N = 4, e = 2 -> Eq. (2) hides from T = 4000
-    hw = dict(pcp_size=4, dtype_bytes=2, peak_flops=8e14, bandwidth=5e10)
+    hw = dict(pcp=4, elem_bytes=2, peak_flops=8e14, bandwidth=5e10)
     assert choose_ring_mode(4000, 10**9, 128, 8, **hw) == "pass_kv"
     assert choose_ring_mode(3999, 10**9, 128, 8, **hw) == "pass_q"  # 4e-6 < 2.5e-5 (Eq. 5)
     # the All2All charge lowers the miss-rate line from 12.5 % to 12.5 % - T/32000

@@ -73,8 +73,12 @@ and MLA's query replication ``dcp_q_replicate`` (PRs #45964, #50382, merged):
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Any, Protocol
 
-__all__ = ['ConfigError', 'ParallelConfig', 'check_positive', 'check_interleave']
+__all__ = [
+    "AttentionShaped",
+    "COMM_BACKENDS",
+    "check_comm_backend",'ConfigError', 'ParallelConfig', 'check_positive', 'check_interleave']
 
 class ConfigError(ValueError):
     """A configuration rule is violated.  ``rule`` names it; the message gives the values."""
@@ -93,6 +97,19 @@ def check_positive(**sizes: object) -> None:
             raise ConfigError("positive-sizes", f"{name} to be a positive integer", **{name: v})
 
 
+COMM_BACKENDS = ("ag_rs", "a2a")
+
+
+def check_comm_backend(dcp_comm_backend: str) -> None:
+    """Rule ``comm-backend``: ``dcp_comm_backend`` is one of :data:`COMM_BACKENDS`."""
+    if dcp_comm_backend not in COMM_BACKENDS:
+        raise ConfigError(
+            "comm-backend",
+            "dcp_comm_backend in {'ag_rs', 'a2a'}",
+            dcp_comm_backend=dcp_comm_backend,
+        )
+
+
 def check_interleave(block_size: int, interleave: int) -> None:
     """The interleave rules: ``interleave <= block_size`` and ``block_size % interleave == 0``."""
     if block_size < interleave:
@@ -109,6 +126,16 @@ def check_interleave(block_size: int, interleave: int) -> None:
             block_size=block_size,
             cp_kv_cache_interleave_size=interleave,
         )
+
+
+class AttentionShaped(Protocol):
+    """A model description that knows its attention shape: the engine's
+    :class:`~cpbook.engine.models.ModelConfig` and the cost model's
+    :class:`~cpbook.costmodel.specs.ModelSpec`."""
+
+    @property
+    def attention_shape(self) -> dict[str, Any]:
+        """``num_q_heads``, ``num_kv_heads``, ``head_dim`` and ``use_mla``."""
 
 
 @dataclass(frozen=True)
@@ -131,6 +158,13 @@ class ParallelConfig:
     dcp_comm_backend: str = "ag_rs"
     tensor_parallel_size_attention: int | None = None
     dcp_q_replicate: bool = False
+
+    @classmethod
+    def for_model(cls, model: AttentionShaped, **layout: Any) -> ParallelConfig:
+        """The one way to build a config from a model: its attention shape (``num_q_heads``,
+        ``num_kv_heads``, ``head_dim``, ``use_mla`` from ``model.attention_shape``) plus the
+        layout's vLLM-named sizes in ``layout``; validated like any other."""
+        return cls(**model.attention_shape, **layout)
 
     # -- convenient short names (read-only) --------------------------------------------
     @property
@@ -187,12 +221,7 @@ class ParallelConfig:
         )
         tp, dcp, pcp = self.tp, self.dcp, self.pcp
         q, kv = self.num_q_heads, self.num_kv_heads
-        if self.dcp_comm_backend not in ("ag_rs", "a2a"):
-            raise ConfigError(
-                "comm-backend",
-                "dcp_comm_backend in {'ag_rs', 'a2a'}",
-                dcp_comm_backend=self.dcp_comm_backend,
-            )
+        check_comm_backend(self.dcp_comm_backend)
         if self.use_mla and kv != 1:
             raise ConfigError(
                 "mla-single-latent",

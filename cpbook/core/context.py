@@ -7,6 +7,8 @@ and under ``torchrun`` (:class:`~cpbook.core.backends.TorchGroup`); only the con
 from __future__ import annotations
 
 import datetime
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -36,6 +38,17 @@ class RankContext:
     trace: Trace = field(default_factory=Trace)
     sim: SimWorld | None = None
     _cache: dict = field(default_factory=dict, repr=False)
+
+    @contextmanager
+    def traced(self) -> Iterator[list[tuple[str, int]]]:
+        """``with ctx.traced() as comm:`` — on leaving the block, ``comm`` holds
+        ``(op, bytes_sent)`` of every call this rank made inside it, in call order: the traced
+        side of a mechanism's ``*_comm_bytes`` formula."""
+        first, calls = len(self.trace), []
+        try:
+            yield calls
+        finally:
+            calls.extend((r.op, r.bytes_sent) for r in self.trace[first:])
 
     @property
     def world(self) -> Group:

@@ -43,7 +43,6 @@ from cpbook.costmodel.memory import (
     layout_weight_bytes,
     max_concurrency,
     max_context_tokens,
-    parallel_config,
     weight_bytes_per_gpu,
 )
 from cpbook.costmodel.recommend import Recommendation, Workload, recommend
@@ -112,7 +111,6 @@ __all__ = [
     "link_of",
     "max_concurrency",
     "max_context_tokens",
-    "parallel_config",
     "prefill_flops",
     "weight_bytes_per_gpu",
 ]

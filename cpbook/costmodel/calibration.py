@@ -129,7 +129,7 @@ def chunked_points(rows: Sequence[dict]) -> list[Point]:
                 workspace_size=16384,
                 prefill_context_parallel_size=2,
                 decode_context_parallel_size=2,
-                dtype_bytes=4,
+                elem_bytes=4,
             )
         )
         flops = 4 * 8 * 64 * t * (c + t / 2) / 2

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from cpbook.core.config import ParallelConfig
 from cpbook.core.heads import attention_kv_heads, tpa_config
-from cpbook.costmodel.memory import kv_bytes_per_token, parallel_config
+from cpbook.costmodel.memory import kv_bytes_per_token
 from cpbook.costmodel.specs import LINKS, GPUSpec, LinkSpec, ModelSpec
 from cpbook.dcp.tpa import tpa_comm_bytes, tpa_costs
 
@@ -66,17 +66,14 @@ def _decode_config(model: ModelSpec, mode: str, tp: int, dcp: int) -> ParallelCo
     if mode not in DECODE_MODES:
         raise ValueError(f"[decode-mode] requires mode in {DECODE_MODES}; got mode={mode!r}")
     if mode == "no_cp":
-        return parallel_config(model, tp, 1)
+        return ParallelConfig.for_model(model, tensor_parallel_size=tp, decode_context_parallel_size=1)
     if mode == "dcp":
-        return parallel_config(model, tp, dcp)
+        return ParallelConfig.for_model(model, tensor_parallel_size=tp, decode_context_parallel_size=dcp)
     return tpa_config(
         "tpa",
         tensor_parallel_size=tp,
         decode_context_parallel_size=dcp,
-        num_q_heads=model.num_q_heads,
-        num_kv_heads=model.num_kv_heads,
-        head_dim=model.head_dim,
-        use_mla=model.use_mla,
+        **model.attention_shape,
     )
 
 

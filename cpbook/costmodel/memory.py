@@ -23,22 +23,6 @@ from cpbook.costmodel.specs import (
 )
 
 
-def parallel_config(model: ModelSpec, tp: int = 1, dcp: int = 1) -> ParallelConfig:
-    """The model's attention under TP × DCP, validated by :class:`~cpbook.core.config.ParallelConfig`.
-
-    One source of truth for vLLM's rules: an invalid layout raises ``ConfigError`` (a
-    ``ValueError``) naming the violated rule and the values.
-    """
-    return ParallelConfig(
-        tensor_parallel_size=tp,
-        decode_context_parallel_size=dcp,
-        num_q_heads=model.num_q_heads,
-        num_kv_heads=model.num_kv_heads,
-        head_dim=model.head_dim,
-        use_mla=model.use_mla,
-    )
-
-
 def kv_bytes_per_token(model: ModelSpec, kv_dtype: str = "bf16") -> int:
     """Bytes of KV cache one token occupies, summed over all layers (one copy).
 
@@ -73,7 +57,7 @@ def kv_replication(model: ModelSpec, tp: int) -> int:
     GQA: ``tp // num_kv_heads`` when ``tp > num_kv_heads``, else 1 (heads are
     split, nothing is copied). MLA: ``tp`` (every rank keeps the full latent).
     """
-    parallel_config(model, tp)
+    ParallelConfig.for_model(model, tensor_parallel_size=tp)
     if model.use_mla:
         return tp
     return tp // model.num_kv_heads if tp > model.num_kv_heads else 1
@@ -89,7 +73,7 @@ def kv_bytes_per_token_per_gpu(
     changing the heads, so the result is exactly the ``dcp=1`` value / ``dcp``.
     Raises ValueError for configurations vLLM rejects.
     """
-    parallel_config(model, tp, dcp)
+    ParallelConfig.for_model(model, tensor_parallel_size=tp, decode_context_parallel_size=dcp)
     total = kv_bytes_per_token(model, kv_dtype)
     if model.use_mla:
         heads_share = Fraction(1)
@@ -105,7 +89,7 @@ def weight_bytes_per_gpu(model: ModelSpec, tp: int, ep_size: int | None = None) 
     ``ep_size`` GPUs instead of ``tp``.  Ignores tensors replicated across TP ranks (norms, and
     embeddings in some setups): a lower bound good to a few percent.
     """
-    parallel_config(model, tp)
+    ParallelConfig.for_model(model, tensor_parallel_size=tp)
     experts = model.expert_params if ep_size else 0.0
     dense = (model.num_params - experts) / tp + (experts / ep_size if ep_size else 0.0)
     return dense * model.weight_bytes_per_param
@@ -226,10 +210,7 @@ class Layout:
             tensor_parallel_size=self.tp,
             decode_context_parallel_size=self.dcp,
             prefill_context_parallel_size=self.pcp,
-            num_q_heads=model.num_q_heads,
-            num_kv_heads=model.num_kv_heads,
-            head_dim=model.head_dim,
-            use_mla=model.use_mla,
+            **model.attention_shape,
         )
 
 

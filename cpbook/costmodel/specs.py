@@ -20,6 +20,7 @@ Conventions
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 GB = 10**9  #: decimal gigabyte, as on vendor datasheets
 GIB = 2**30  #: binary gibibyte, as in ``torch.cuda.mem_get_info`` style reports
@@ -72,6 +73,12 @@ class ModelSpec:
     q_lora_rank: int = 0  #: MLA: input width of ``q_b_proj``, the sharded query projection
     active_params: float = 0.0  #: MoE: parameters used per token (0: dense, all of them)
     expert_params: float = 0.0  #: MoE: parameters in routed experts (shardable by EP)
+
+    @property
+    def attention_shape(self) -> dict[str, Any]:
+        """What :meth:`~cpbook.core.config.ParallelConfig.for_model` reads."""
+        return dict(num_q_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads,
+                    head_dim=self.head_dim, use_mla=self.use_mla)
 
     @property
     def params_per_token(self) -> float:

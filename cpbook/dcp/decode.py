@@ -38,11 +38,10 @@ import torch
 
 from cpbook.core.attention import attention_with_lse, merge_attn_states
 from cpbook.core.comm import Group
-from cpbook.core.config import ConfigError
+from cpbook.core.config import check_comm_backend
 
-__all__ = ['COMM_BACKENDS', 'correct_attn_out', 'cp_lse_ag_out_rs', 'dcp_a2a_lse_reduce', 'dcp_combine', 'local_attention', 'dcp_decode_attention', 'decode_comm_bytes']
+__all__ = ['correct_attn_out', 'cp_lse_ag_out_rs', 'dcp_a2a_lse_reduce', 'dcp_combine', 'local_attention', 'dcp_decode_attention', 'decode_comm_bytes']
 
-COMM_BACKENDS = ("ag_rs", "a2a")
 
 
 # ------------------------------------------------------------------------------------------
@@ -112,12 +111,7 @@ def dcp_combine(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Dispatch to :func:`cp_lse_ag_out_rs` (``"ag_rs"``) or :func:`dcp_a2a_lse_reduce`
     (``"a2a"``)."""
-    if dcp_comm_backend not in COMM_BACKENDS:
-        raise ConfigError(
-            "comm-backend",
-            "dcp_comm_backend in {'ag_rs', 'a2a'}",
-            dcp_comm_backend=dcp_comm_backend,
-        )
+    check_comm_backend(dcp_comm_backend)
     fn = cp_lse_ag_out_rs if dcp_comm_backend == "ag_rs" else dcp_a2a_lse_reduce
     return fn(out, lse, group, return_lse)
 
@@ -189,6 +183,7 @@ def decode_comm_bytes(
     elem_bytes: int = 8,
 ) -> list[tuple[str, int]]:
     """The module docstring's formulas: ``[(op, bytes sent per rank), ...]`` in call order."""
+    check_comm_backend(dcp_comm_backend)
     b, h, n, e = num_reqs, heads_per_rank, dcp, elem_bytes
     calls = [("all_gather", b * h * q_dim * e * (n - 1))]
     if dcp_comm_backend == "ag_rs":
@@ -196,8 +191,4 @@ def decode_comm_bytes(
             ("all_gather", b * n * h * e * (n - 1)),
             ("reduce_scatter", b * h * out_dim * e * (n - 1)),
         ]
-    if dcp_comm_backend == "a2a":
-        return calls + [("all_to_all", b * h * (out_dim + 1) * e * (n - 1))]
-    raise ConfigError(
-        "comm-backend", "dcp_comm_backend in {'ag_rs', 'a2a'}", dcp_comm_backend=dcp_comm_backend
-    )
+    return calls + [("all_to_all", b * h * (out_dim + 1) * e * (n - 1))]

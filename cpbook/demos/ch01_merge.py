@@ -57,10 +57,9 @@ def merge_rank(
     lo, hi = (int(mine[0]), int(mine[-1]) + 1) if len(mine) else (0, 0)
     q, k, v = qa.to(dev, dt), ka[lo:hi].to(dev, dt), va[lo:hi].to(dev, dt)
     out, lse = attention_with_lse(q, k, v)
-    first = len(ctx.trace)
-    outs = ctx.world.all_gather(out[None], dim=0)  # [world, Tq, H, D]
-    lses = ctx.world.all_gather(lse[None].double(), dim=0)  # [world, Tq, H]
-    comm = [(r.op, r.bytes_sent) for r in ctx.trace[first:]]
+    with ctx.traced() as comm:
+        outs = ctx.world.all_gather(out[None], dim=0)  # [world, Tq, H, D]
+        lses = ctx.world.all_gather(lse[None].double(), dim=0)  # [world, Tq, H]
     merged, merged_lse = merge_attn_states(list(outs), list(lses))
     ref, ref_lse = dense_attention(qa, ka, va)
     err = max(

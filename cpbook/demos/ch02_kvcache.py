@@ -24,16 +24,16 @@ def kvcache_problem(
     head_dim: int,
     num_blocks: int,
     block_size: int,
-    dcp_size: int,
+    dcp: int,
     seed: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Float64 ``k, v [seq_len, H, D]`` and a shuffled block table of
-    ``ceil(seq_len / (block_size * dcp_size))`` distinct ids below ``num_blocks``, from ``seed``."""
+    ``ceil(seq_len / (block_size * dcp))`` distinct ids below ``num_blocks``, from ``seed``."""
     gen = torch.Generator().manual_seed(seed)
     k = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen, dtype=torch.float64)
     v = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen, dtype=torch.float64)
     table = torch.randperm(num_blocks, generator=gen)[
-        : num_virtual_blocks(seq_len, block_size, dcp_size)
+        : num_virtual_blocks(seq_len, block_size, dcp)
     ]
     return k, v, table
 
@@ -68,7 +68,7 @@ def kvcache_rank(
         block_size,
         num_kv_heads,
         head_dim,
-        dcp_size=n,
+        dcp=n,
         dcp_rank=r,
         interleave=interleave,
         dtype=k.dtype,
@@ -78,11 +78,10 @@ def kvcache_rank(
         k.to(ctx.device), v.to(ctx.device), cache.slot_mapping(torch.arange(seq_len), table)
     )
     lk, lv, pos = cache.read(table, seq_len)
-    first = len(ctx.trace)
-    all_k, sizes = group.all_gather_v(lk, dim=0)
-    all_v, _ = group.all_gather_v(lv, dim=0)
-    all_pos, _ = group.all_gather_v(pos.to(ctx.device), dim=0)
-    comm = [(rec.op, rec.bytes_sent) for rec in ctx.trace[first:]]
+    with ctx.traced() as comm:
+        all_k, sizes = group.all_gather_v(lk, dim=0)
+        all_v, _ = group.all_gather_v(lv, dim=0)
+        all_pos, _ = group.all_gather_v(pos.to(ctx.device), dim=0)
     all_pos = all_pos.cpu()
     once = bool((torch.bincount(all_pos, minlength=seq_len) == 1).all()) and sum(sizes) == seq_len
     full_k, full_v = torch.empty_like(k), torch.empty_like(v)

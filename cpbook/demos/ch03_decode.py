@@ -16,7 +16,7 @@ from cpbook.core.groups import make_groups
 from cpbook.core.heads import kv_heads_of, q_heads_of
 from cpbook.dcp.decode import dcp_decode_attention, decode_comm_bytes
 from cpbook.dcp.mla import TinyMLA, mla_context_attention, mla_decode_attention
-from cpbook.kv.gather import context_gather_bytes
+from cpbook.kv.gather import context_gather_comm_bytes
 from cpbook.kv.paged import shard_kv_cache
 
 __all__ = ['gqa_decode_problem', 'gqa_decode_rank', 'mla_problem', 'mla_decode_rank', 'mla_context_rank']
@@ -94,16 +94,16 @@ def gqa_decode_rank(
         cfg.interleave,
         ctx.device,
     )
-    first, shapes = len(ctx.trace), {}
-    out = dcp_decode_attention(
-        q[:, qh].to(ctx.device),
-        [k for k, _, _ in local],
-        [v for _, v, _ in local],
-        groups.dcp,
-        dcp_comm_backend,
-        shapes=shapes,
-    )
-    step = [(r.op, r.bytes_sent) for r in ctx.trace[first:]]
+    shapes = {}
+    with ctx.traced() as step:
+        out = dcp_decode_attention(
+            q[:, qh].to(ctx.device),
+            [k for k, _, _ in local],
+            [v for _, v, _ in local],
+            groups.dcp,
+            dcp_comm_backend,
+            shapes=shapes,
+        )
     ref = torch.cat(
         [
             dense_attention(q[i : i + 1].double(), ks[i].double(), vs[i].double())[0]
@@ -264,18 +264,18 @@ def mla_decode_rank(
         cfg.interleave,
         ctx.device,
     )
-    first, shapes = len(ctx.trace), {}
-    out = mla_decode_attention(
-        torch.cat(qn)[:, heads].to(ctx.device),
-        torch.cat(qp)[:, heads].to(ctx.device),
-        [k[:, 0] for k, _, _ in local],
-        mla,
-        heads,
-        groups.dcp,
-        dcp_comm_backend,
-        shapes,
-    )
-    step = [(r.op, r.bytes_sent) for r in ctx.trace[first:]]
+    shapes = {}
+    with ctx.traced() as step:
+        out = mla_decode_attention(
+            torch.cat(qn)[:, heads].to(ctx.device),
+            torch.cat(qp)[:, heads].to(ctx.device),
+            [k[:, 0] for k, _, _ in local],
+            mla,
+            heads,
+            groups.dcp,
+            dcp_comm_backend,
+            shapes,
+        )
     ref = torch.cat(_reference(mla, qn, qp, lat, ctx_lens, heads))
     err = (out.cpu().double() - ref).abs().max().item()
     local_tokens = [int(k.shape[0]) for k, _, _ in local]
@@ -354,22 +354,22 @@ def mla_context_rank(
         cfg.interleave,
         ctx.device,
     )
-    first, stats = len(ctx.trace), {}
-    dev = ctx.device
-    outs = mla_context_attention(
-        [x[:, heads].to(dev) for x in qn],
-        [x[:, heads].to(dev) for x in qp],
-        [x[c:].to(dev) for x, c in zip(lat, context_lens)],
-        context_lens,
-        [k[:, 0] for k, _, _ in local],
-        mla,
-        heads,
-        groups.dcp,
-        cfg.interleave,
-        workspace_size,
-        stats,
-    )
-    step = [(r.op, r.bytes_sent) for r in ctx.trace[first:]]
+    stats = {}
+    with ctx.traced() as step:
+        dev = ctx.device
+        outs = mla_context_attention(
+            [x[:, heads].to(dev) for x in qn],
+            [x[:, heads].to(dev) for x in qp],
+            [x[c:].to(dev) for x, c in zip(lat, context_lens)],
+            context_lens,
+            [k[:, 0] for k, _, _ in local],
+            mla,
+            heads,
+            groups.dcp,
+            cfg.interleave,
+            workspace_size,
+            stats,
+        )
     ref = _reference(mla, qn, qp, lat, context_lens, heads)
     err = max((o.cpu().double() - r).abs().max().item() for o, r in zip(outs, ref))
     print(
@@ -385,15 +385,12 @@ def mla_context_rank(
         "max_abs_err": err,
         "stats": stats,
         "comm": step,
-        "expected": [
-            ("all_gather", b)
-            for b in context_gather_bytes(
-                context_lens,
-                workspace_size,
-                cfg.dcp,
-                cfg.interleave,
-                mla.latent_dim,
-                lat[0].element_size(),
-            )
-        ],
+        "expected": context_gather_comm_bytes(
+            context_lens,
+            workspace_size,
+            cfg.dcp,
+            cfg.interleave,
+            mla.latent_dim,
+            lat[0].element_size(),
+        ),
     }

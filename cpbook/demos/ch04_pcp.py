@@ -131,9 +131,8 @@ def pcp_prefill_rank(
     q_ref, k_ref, v_ref = qkv(x, torch.cat([torch.arange(n) for n in seq_lens]))
     meta = part.metadata(groups.coords.pcp_rank)
     q, k, v = qkv(pcp_shard(x, meta), meta.positions)
-    first = len(ctx.trace)
-    out, lse = pcp_prefill_attention(q, k, v, meta, groups.pcp)
-    comm = [(r.op, r.bytes_sent) for r in ctx.trace[first:]]
+    with ctx.traced() as comm:
+        out, lse = pcp_prefill_attention(q, k, v, meta, groups.pcp)
     ref_out, ref_lse = _reference(q_ref, k_ref, v_ref, meta)
     real = ~meta.is_padding
     err = (
@@ -144,9 +143,8 @@ def pcp_prefill_rank(
         if bool(real.any())
         else 0.0
     )
-    first = len(ctx.trace)
-    restored = pcp_restore(out, meta, groups.pcp)
-    restore_comm = [(r.op, r.bytes_sent) for r in ctx.trace[first:]]
+    with ctx.traced() as restore_comm:
+        restored = pcp_restore(out, meta, groups.pcp)
     placed = torch.equal(restored[meta.token_index[real]], out[real])
     work = part.work()[meta.pcp_rank]
     chunks = " ".join(f"r{s.request}[{s.start},{s.end})" for s in meta.segments[:8])

@@ -105,11 +105,11 @@ def chunked_prefill_rank(ctx: RankContext, *, context_lens: Sequence[int] = (40,
     q = chunk_rows(qs, qh, False)
     k = chunk_rows(ks, kvh, True)
     v = None if vs is None else chunk_rows(vs, kvh, True)
-    first, stats = len(ctx.trace), {}
-    out, lse = chunked_prefill_attention(q, k, v, context, meta, groups, strategy=strategy,
-                                         workspace_size=workspace_size, stats=stats,
-                                         dcp_comm_backend=dcp_comm_backend)
-    comm = [(r.op, r.bytes_sent) for r in ctx.trace[first:]]
+    stats = {}
+    with ctx.traced() as comm:
+        out, lse = chunked_prefill_attention(q, k, v, context, meta, groups, strategy=strategy,
+                                             workspace_size=workspace_size, stats=stats,
+                                             dcp_comm_backend=dcp_comm_backend)
     err, real = 0.0, 0
     for s in meta.segments:  # dense float64 reference for this rank's real rows and heads
         n, cl = max(0, min(s.end, query_lens[s.request]) - s.start), context_lens[s.request]
@@ -127,7 +127,7 @@ def chunked_prefill_rank(ctx: RankContext, *, context_lens: Sequence[int] = (40,
         num_kv_heads=num_kv_heads, head_dim=head_dim, workspace_size=workspace_size,
         tensor_parallel_size=cfg.tp, prefill_context_parallel_size=cfg.pcp,
         decode_context_parallel_size=cfg.dcp, v_head_dim=v_head_dim, use_mla=use_mla,
-        cp_kv_cache_interleave_size=cfg.interleave, dtype_bytes=q.element_size(),
+        cp_kv_cache_interleave_size=cfg.interleave, elem_bytes=q.element_size(),
         dcp_comm_backend=dcp_comm_backend)
     held = [int(x.shape[0]) for x in context.keys]
     sent = sum(b for _, b in comm)
@@ -219,10 +219,10 @@ def ring_prefill_rank(
     )
     pos = layout.context_positions(r)
     k_ctx, v_ctx = (torch.cat([t[p] for t, p in zip(ts, pos)])[:, kvh] for ts in (ks, vs))
-    first, stats = len(ctx.trace), {}
-    dq, dk, dv, dkc, dvc = (t.to(ctx.device) for t in (q, k, v, k_ctx, v_ctx))
-    out, lse = ring_attention(dq, dk, dv, layout, groups.pcp, mode, dkc, dvc, stats=stats)
-    comm = [(rec.op, rec.bytes_sent) for rec in ctx.trace[first:]]
+    stats = {}
+    with ctx.traced() as comm:
+        dq, dk, dv, dkc, dvc = (t.to(ctx.device) for t in (q, k, v, k_ctx, v_ctx))
+        out, lse = ring_attention(dq, dk, dv, layout, groups.pcp, mode, dkc, dvc, stats=stats)
     heads, inter = (qh.stop - qh.start, kvh.stop - kvh.start), cp_kv_cache_interleave_size
     expected = ring_comm_bytes(mode, *lens, *heads, head_dim, cfg.pcp, r, q.element_size(), inter)
     err = 0.0

@@ -52,7 +52,7 @@ def _cache(
         block_size,
         kv[0],
         kv[1],
-        dcp_size=size,
+        dcp=size,
         dcp_rank=rank,
         interleave=inter,
         dtype=dtype,
@@ -133,9 +133,8 @@ def migration_rank(
         new = (cache, new_mgr.block_table("req"))
     before = 0 if old is None else local_seq_len(seq_len, n_old, r, i_old)
     world = ctx.world
-    first = len(ctx.trace)
-    wrote = migrate_kv(world, seq_len, old, new, n_old, n_new, i_old, i_new)
-    comm = [(rec.op, rec.bytes_sent) for rec in ctx.trace[first:]]
+    with ctx.traced() as comm:
+        wrote = migrate_kv(world, seq_len, old, new, n_old, n_new, i_old, i_new)
     blocks_before = old_mgr.num_blocks - old_mgr.num_free_blocks
     blocks_after = new_mgr.num_blocks - new_mgr.num_free_blocks
     old_mgr.free("req")
@@ -161,9 +160,8 @@ def migration_rank(
                 cache.slot_mapping([p], table),
             )
             lk, lv, _ = cache.read(table, p + 1)
-            mark = len(ctx.trace)
-            out = dcp_decode_attention(q[s : s + 1, heads].to(ctx.device), [lk], [lv], grp)
-            decode_comm = [(rec.op, rec.bytes_sent) for rec in ctx.trace[mark:]]
+            with ctx.traced() as decode_comm:
+                out = dcp_decode_attention(q[s : s + 1, heads].to(ctx.device), [lk], [lv], grp)
             ref = dense_attention(q[s : s + 1].double(), k[: p + 1].double(), v[: p + 1].double())[
                 0
             ][:, heads]

@@ -39,7 +39,7 @@ from cpbook import costmodel as cm
 from cpbook.dynamic.migration import migration_plan
 from cpbook.dynamic.router import Router, cp_line
 
-__all__ = ['Workload', 'Cluster', 'POLICIES', 'make_workload', 'policy_router', 'simulate', 'sweep']
+__all__ = ['SimWorkload', 'Cluster', 'POLICIES', 'make_workload', 'policy_router', 'simulate', 'sweep']
 
 POLICIES = ("static_dp", "static_cp", "dynamic_cp", "dynamic_cp_tpa")
 
@@ -48,7 +48,7 @@ _NEVER = np.iinfo(np.int64).max // 2  # steps until a migration that never comes
 
 
 @dataclass(frozen=True)
-class Workload:
+class SimWorkload:
     """``n`` requests: arrival times (s), prompt and output lengths (tokens), arrival order."""
 
     arrival: np.ndarray
@@ -72,7 +72,7 @@ def make_workload(
     output_median: int = 400,
     max_output: int = 4_096,
     seed: int = 0,
-) -> Workload:
+) -> SimWorkload:
     """Poisson arrivals at ``rate`` req/s; prompts a mixture of two log-normals (a short body
     and a long tail of ``long_fraction``), outputs log-normal; all clipped, seeded."""
     rng = np.random.default_rng(seed)
@@ -81,7 +81,7 @@ def make_workload(
     median = np.where(is_long, long_median, short_median)
     prompt = np.clip(median * np.exp(sigma * rng.standard_normal(num_requests)), 16, max_prompt)
     output = np.clip(output_median * np.exp(0.7 * rng.standard_normal(num_requests)), 2, max_output)
-    return Workload(arrival, prompt.astype(np.int64), output.astype(np.int64))
+    return SimWorkload(arrival, prompt.astype(np.int64), output.astype(np.int64))
 
 
 @dataclass(frozen=True)
@@ -157,7 +157,7 @@ def policy_router(cluster: Cluster, policy: str) -> Router:
     raise ValueError(f"[policy] requires policy in {POLICIES}; got {policy!r}")
 
 
-def _prefill(cluster: Cluster, w: Workload, sizes: np.ndarray) -> np.ndarray:
+def _prefill(cluster: Cluster, w: SimWorkload, sizes: np.ndarray) -> np.ndarray:
     """Prefill end time of every request: FCFS on aligned groups of its size."""
     free_at = np.zeros(cluster.prefill_gpus)
     dur = cluster.prefill_s(w.prompt, sizes)
@@ -173,7 +173,7 @@ def _prefill(cluster: Cluster, w: Workload, sizes: np.ndarray) -> np.ndarray:
 
 def simulate(
     cluster: Cluster,
-    w: Workload,
+    w: SimWorkload,
     policy: str,
     router: Router | None = None,
     expected_output: int | None = None,

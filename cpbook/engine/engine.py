@@ -20,7 +20,7 @@ from cpbook.core.backends import SimWorld
 from cpbook.core.config import ConfigError, ParallelConfig
 from cpbook.core.context import RankContext
 from cpbook.core.groups import make_groups
-from cpbook.engine.models import ENGINE_MODELS, TinyModel
+from cpbook.engine.models import TinyModel, get_engine_model
 from cpbook.engine.runner import ModelRunner
 from cpbook.engine.scheduler import Request, Scheduler, SchedulerOutput
 from cpbook.kv.manager import KVCacheManager
@@ -31,18 +31,16 @@ def engine_config(model: str, tensor_parallel_size: int = 1,
                   decode_context_parallel_size: int = 1, prefill_context_parallel_size: int = 1,
                   *, block_size: int = 4, cp_kv_cache_interleave_size: int = 1,
                   dcp_comm_backend: str = "ag_rs") -> ParallelConfig:
-    """The validated :class:`~cpbook.core.config.ParallelConfig` of ``model`` on a TP×DCP×PCP grid
-    (raises :class:`~cpbook.core.config.ConfigError` naming the rule)."""
-    if model not in ENGINE_MODELS:
-        raise ConfigError("known-model", f"model in {sorted(ENGINE_MODELS)}", model=model)
-    mc = ENGINE_MODELS[model]
-    return ParallelConfig(
-        tensor_parallel_size=tensor_parallel_size,
+    """The validated :class:`~cpbook.core.config.ParallelConfig` of engine model ``model`` (a
+    name) on a TP×DCP×PCP grid: :meth:`~cpbook.core.config.ParallelConfig.for_model` of
+    :func:`~cpbook.engine.models.get_engine_model`.  Raises
+    :class:`~cpbook.core.config.ConfigError` naming the rule."""
+    return ParallelConfig.for_model(
+        get_engine_model(model), tensor_parallel_size=tensor_parallel_size,
         decode_context_parallel_size=decode_context_parallel_size,
         prefill_context_parallel_size=prefill_context_parallel_size,
         cp_kv_cache_interleave_size=cp_kv_cache_interleave_size, block_size=block_size,
-        num_q_heads=mc.num_attention_heads, num_kv_heads=mc.num_key_value_heads,
-        head_dim=mc.qk_head_dim, use_mla=mc.use_mla, dcp_comm_backend=dcp_comm_backend)
+        dcp_comm_backend=dcp_comm_backend)
 
 
 def valid_grid(model: str, tps: Sequence[int] = (1, 2, 4), dcps: Sequence[int] = (1, 2, 4),
@@ -96,34 +94,42 @@ class RequestOutput:
 class Engine:
     """Greedy generation with continuous batching, chunked prefill, prefix caching, preemption.
 
-    ``Engine(model, parallel_config=None, num_kv_blocks=64, *, ctx=None, ...)``: ``model`` is a
-    name of :data:`cpbook.engine.models.ENGINE_MODELS` (weights from ``seed``) or a :class:`TinyModel`;
+    ``Engine(model, num_kv_blocks=64, *, tensor_parallel_size=1, ..., ctx=None, ...)``, like
+    vLLM's ``LLM(model, tensor_parallel_size=...)``: ``model`` is a name of
+    :data:`cpbook.engine.models.ENGINE_MODELS` (weights from ``seed``) or a :class:`TinyModel`;
+    the layout's sizes take vLLM's names and the engine builds its
+    :class:`~cpbook.core.config.ParallelConfig` from the model
+    (:meth:`~cpbook.core.config.ParallelConfig.for_model`), so the two cannot disagree;
     ``num_kv_blocks`` physical blocks per rank (= block ids of the DCP group); ``ctx`` this
-    rank's context (default: a single inline rank).  Every rank of ``ctx``'s world must build
+    rank's context (default: a single inline rank); ``alpha`` / ``beta`` the link's seconds per
+    call and per byte for ``strategy="auto"`` (default: the CPU fit,
+    :data:`~cpbook.pcp.chunked_plan.CPU_ALPHA_S`).  Every rank of ``ctx``'s world must build
     the engine with the same arguments and drive it the same way.
     """
 
-    def __init__(self, model: str | TinyModel, parallel_config: ParallelConfig | None = None,
-                 num_kv_blocks: int = 64, *, ctx: RankContext | None = None,
-                 max_num_batched_tokens: int = 32, max_num_seqs: int = 8,
-                 enable_prefix_caching: bool = True, strategy: str = "auto",
-                 workspace_size: int = 64, seed: int = 0, dtype: str = "float64") -> None:
+    def __init__(self, model: str | TinyModel, num_kv_blocks: int = 64, *,
+                 tensor_parallel_size: int = 1, decode_context_parallel_size: int = 1,
+                 prefill_context_parallel_size: int = 1, block_size: int = 4,
+                 cp_kv_cache_interleave_size: int = 1, dcp_comm_backend: str = "ag_rs",
+                 ctx: RankContext | None = None, max_num_batched_tokens: int = 32,
+                 max_num_seqs: int = 8, enable_prefix_caching: bool = True,
+                 strategy: str = "auto", workspace_size: int = 64, alpha: float | None = None,
+                 beta: float | None = None, seed: int = 0, dtype: str = "float64") -> None:
         if isinstance(model, str):
             model = TinyModel.from_name(model, seed, getattr(torch, dtype))
-        mc = model.config
-        cfg = parallel_config or engine_config(mc.name)
-        if (cfg.num_q_heads, cfg.num_kv_heads, cfg.use_mla) != (
-                mc.num_attention_heads, mc.num_key_value_heads, mc.use_mla):
-            raise ConfigError("config-matches-model", "the parallel config's heads == the model's",
-                              config=(cfg.num_q_heads, cfg.num_kv_heads, cfg.use_mla),
-                              model=(mc.num_attention_heads, mc.num_key_value_heads, mc.use_mla))
+        cfg = ParallelConfig.for_model(
+            model.config, tensor_parallel_size=tensor_parallel_size,
+            decode_context_parallel_size=decode_context_parallel_size,
+            prefill_context_parallel_size=prefill_context_parallel_size, block_size=block_size,
+            cp_kv_cache_interleave_size=cp_kv_cache_interleave_size,
+            dcp_comm_backend=dcp_comm_backend)
         self.ctx = ctx or single_rank_context()
         self.model, self.config = model, cfg
         self.groups = make_groups(self.ctx, cfg)  # raises grid-matches-world before collectives
         self.kv = KVCacheManager.from_config(cfg, num_kv_blocks, enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, max_num_batched_tokens, max_num_seqs)
         self.runner = ModelRunner(model, cfg, self.groups, num_kv_blocks, strategy=strategy,
-                                  workspace_size=workspace_size)
+                                  workspace_size=workspace_size, alpha=alpha, beta=beta)
         self.logits: dict[str, list[torch.Tensor]] = {}
         self.history: list[StepRecord] = []
         self._next_id = 0
@@ -212,15 +218,18 @@ def serve_rank(ctx: RankContext, *, model: str = "tiny-gqa", tensor_parallel_siz
     checked by the caller against :func:`cpbook.engine.models.reference_generate` (a whole engine run
     has no closed-form byte count, so there is no ``expected`` list).
     """
-    cfg = engine_config(model, tensor_parallel_size, decode_context_parallel_size,
-                        prefill_context_parallel_size, block_size=block_size,
-                        cp_kv_cache_interleave_size=cp_kv_cache_interleave_size,
-                        dcp_comm_backend=dcp_comm_backend)
-    first = len(ctx.trace)
-    eng = Engine(model, cfg, num_kv_blocks, ctx=ctx, max_num_batched_tokens=max_num_batched_tokens,
-                 max_num_seqs=max_num_seqs, strategy=strategy, seed=seed, dtype=dtype)
-    prompts = make_prompts(num_requests, seed, eng.model.config.vocab_size)
-    outs = eng.generate(prompts, max_new_tokens)
+    with ctx.traced() as comm:
+        eng = Engine(model, num_kv_blocks, tensor_parallel_size=tensor_parallel_size,
+                     decode_context_parallel_size=decode_context_parallel_size,
+                     prefill_context_parallel_size=prefill_context_parallel_size,
+                     block_size=block_size,
+                     cp_kv_cache_interleave_size=cp_kv_cache_interleave_size,
+                     dcp_comm_backend=dcp_comm_backend, ctx=ctx,
+                     max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                     strategy=strategy, seed=seed, dtype=dtype)
+        prompts = make_prompts(num_requests, seed, eng.model.config.vocab_size)
+        outs = eng.generate(prompts, max_new_tokens)
+    cfg = eng.config
     c = eng.groups.coords
     print(f"{model} tp {cfg.tp} dcp {cfg.dcp} pcp {cfg.pcp}, rank {ctx.rank} (tp {c.tp_rank}, "
           f"pcp {c.pcp_rank}, dcp {c.dcp_rank}): {len(eng.history)} steps, "
@@ -235,5 +244,5 @@ def serve_rank(ctx: RankContext, *, model: str = "tiny-gqa", tensor_parallel_siz
         "dcp_comm_backend": dcp_comm_backend, "steps": len(eng.history),
         "prefix_hit_tokens": eng.prefix_hit_tokens,
         "preemptions": eng.scheduler.num_preemptions, "strategies": dict(eng.runner.strategies),
-        "history": eng.history, "comm": [(r.op, r.bytes_sent) for r in ctx.trace[first:]],
+        "history": eng.history, "comm": comm,
     }

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
@@ -22,7 +23,7 @@ from cpbook.core.attention import dense_attention, rope
 from cpbook.core.config import ConfigError
 from cpbook.dcp.mla import TinyMLA
 
-__all__ = ['ModelConfig', 'ENGINE_MODELS', 'TinyModel', 'reference_forward', 'reference_generate']
+__all__ = ['ModelConfig', 'ENGINE_MODELS', 'get_engine_model', 'TinyModel', 'reference_forward', 'reference_generate']
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -46,6 +47,12 @@ class ModelConfig:
     o_proj_gain: float = 1.0  # larger: attention weighs more than the last token (less repetition)
 
     @property
+    def attention_shape(self) -> dict[str, Any]:
+        """What :meth:`~cpbook.core.config.ParallelConfig.for_model` reads."""
+        return dict(num_q_heads=self.num_attention_heads, num_kv_heads=self.num_key_value_heads,
+                    head_dim=self.qk_head_dim, use_mla=self.use_mla)
+
+    @property
     def qk_head_dim(self) -> int:
         """Width of one query head (MLA: ``nope + rope``)."""
         return self.qk_nope_head_dim + self.qk_rope_head_dim if self.use_mla else self.head_dim
@@ -65,6 +72,13 @@ ENGINE_MODELS: dict[str, ModelConfig] = {
     "tiny-gqa": ModelConfig("tiny-gqa", o_proj_gain=3.0),
     "tiny-mla": ModelConfig("tiny-mla", num_key_value_heads=1, use_mla=True),
 }
+
+
+def get_engine_model(name: str) -> ModelConfig:
+    """``ENGINE_MODELS[name]``; rule ``known-model`` names the known keys."""
+    if name not in ENGINE_MODELS:
+        raise ConfigError("known-model", f"model in {sorted(ENGINE_MODELS)}", model=name)
+    return ENGINE_MODELS[name]
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -92,9 +106,7 @@ class TinyModel:
     def from_name(cls, name: str, seed: int = 0, dtype: torch.dtype = torch.float64,
                   **overrides: object) -> "TinyModel":
         """The model ``name`` (a key of :data:`ENGINE_MODELS`) with weights drawn from ``seed``."""
-        if name not in ENGINE_MODELS:
-            raise ConfigError("known-model", f"model in {sorted(ENGINE_MODELS)}", model=name)
-        cfg = replace(ENGINE_MODELS[name], **overrides)
+        cfg = replace(get_engine_model(name), **overrides)
         gen = torch.Generator().manual_seed(seed)
 
         def w(*shape: int, fan_in: int, gain: float = 1.0) -> torch.Tensor:

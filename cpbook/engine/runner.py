@@ -43,10 +43,12 @@ class ModelRunner:
     (``num_blocks`` physical blocks of ``block_size`` slots, DCP layout of ``config``)."""
 
     def __init__(self, model: TinyModel, config: ParallelConfig, groups: ParallelGroups,
-                 num_blocks: int, *, strategy: str = "auto", workspace_size: int = 64) -> None:
+                 num_blocks: int, *, strategy: str = "auto", workspace_size: int = 64,
+                 alpha: float | None = None, beta: float | None = None) -> None:
         mc, c = model.config, groups.coords
         self.model, self.config, self.groups = model, config, groups
         self.strategy, self.workspace_size = strategy, workspace_size
+        self.alpha, self.beta = alpha, beta  # the link, for strategy="auto" (None: CPU fit)
         self.heads = q_heads_of(config, c.tp_rank)
         self.kv_heads = kv_heads_of(config, c.tp_rank)
         inter, tp = mc.intermediate_size, config.tp
@@ -54,7 +56,7 @@ class ModelRunner:
         nkv = self.kv_heads.stop - self.kv_heads.start
         self.caches = [
             PagedKVCache(num_blocks, config.block_size, nkv, mc.kv_cache_dim,
-                         0 if mc.use_mla else None, dcp_size=config.dcp, dcp_rank=c.dcp_rank,
+                         0 if mc.use_mla else None, dcp=config.dcp, dcp_rank=c.dcp_rank,
                          interleave=config.interleave, dtype=model.embed.dtype)
             for _ in range(mc.num_hidden_layers)
         ]
@@ -109,7 +111,7 @@ class ModelRunner:
         out, _ = chunked_prefill_attention(
             q, k, v, context, meta, self.groups, strategy=self.strategy,
             workspace_size=self.workspace_size, dcp_comm_backend=cfg.dcp_comm_backend,
-            scale=self.model.attn_scale(layer), stats=stats)
+            alpha=self.alpha, beta=self.beta, scale=self.model.attn_scale(layer), stats=stats)
         self.strategies[stats["strategy"]] += 1
         d = k.shape[-1]
         new = self._restore(k if v is None else torch.cat([k, v], dim=-1), meta)  # one gather

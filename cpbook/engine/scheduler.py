@@ -116,7 +116,7 @@ class Scheduler:
         check_positive(prompt_len=len(request.prompt), max_new_tokens=request.max_new_tokens)
         self.requests[request.request_id] = request
         total = len(request.prompt) + request.max_new_tokens
-        need = num_virtual_blocks(total, self.kv.block_size, self.kv.dcp_size)
+        need = num_virtual_blocks(total, self.kv.block_size, self.kv.dcp)
         if need > self.kv.num_blocks:
             request.status = "error"
             request.error = str(AllocationError(

@@ -3,7 +3,7 @@
 A workspace holds ``chunk`` tokens; :func:`context_chunk_len` gives the chunk each step walks.
 Each rank copies its rows of every request's chunk, padded to rank 0's count; the DCP group
 all-gathers them and :func:`reorg_kvcache` drops the padding and lays each request out
-contiguously, rank-major.  :func:`context_gather_bytes` is the bytes one rank sends.  MLA's
+contiguously, rank-major.  :func:`context_gather_comm_bytes` is the bytes one rank sends.  MLA's
 context path (:mod:`cpbook.dcp.mla`) and GQA's AllGather-KV (:mod:`cpbook.pcp.chunked`) both use
 it (vLLM ``MLACommonImpl._context_parallel_compute_prefill_context``)."""
 
@@ -16,7 +16,7 @@ import torch
 from cpbook.core.config import ConfigError
 from cpbook.kv.layout import local_seq_len
 
-__all__ = ['context_chunk_len', 'reorg_kvcache', 'context_gather_bytes']
+__all__ = ['context_chunk_len', 'reorg_kvcache', 'context_gather_comm_bytes']
 
 # ------------------------------------------------------------------------------------------
 # prefill with cached context: all-gather the latent KV in workspace chunks
@@ -69,25 +69,28 @@ def reorg_kvcache(
     return torch.cat(pieces) if pieces else gathered[:0], cu
 
 
-def context_gather_bytes(
+def context_gather_comm_bytes(
     context_lens: Sequence[int],
     workspace_size: int,
     dcp: int,
     interleave: int,
     latent_dim: int,
     elem_bytes: int = 8,
-) -> list[int]:
-    """Bytes each rank sends in each chunk's AllGather: ``toks·(C+R)·e·(N−1)``, where ``toks``
-    is rank 0's row count (every rank pads to it)."""
+) -> list[tuple[str, int]]:
+    """``[("all_gather", bytes sent per rank), ...]``, one call per chunk:
+    ``toks·(C+R)·e·(N−1)``, where ``toks`` is rank 0's row count (every rank pads to it)."""
     chunk = context_chunk_len(sum(c > 0 for c in context_lens), workspace_size, dcp, interleave)
     num_chunks = max([-(-c // chunk) for c in context_lens] + [0])
     return [
-        sum(
+        (
+            "all_gather",
+            sum(
             local_seq_len(min(max(L - c * chunk, 0), chunk), dcp, 0, interleave)
             for L in context_lens
         )
         * latent_dim
         * elem_bytes
-        * (dcp - 1)
+            * (dcp - 1),
+        )
         for c in range(num_chunks)
     ]

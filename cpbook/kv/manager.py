@@ -1,12 +1,12 @@
 """The KV-cache manager of one DCP group: block ids, prefix caching, per-rank usage.
 
 The scheduler side of vLLM never sees ranks.  Under DCP one block id stands for a virtual block
-of ``block_size * dcp_size`` tokens (vLLM 0.11 multiplies ``block_size`` by ``dcp_world_size``
+of ``block_size * dcp`` tokens (vLLM 0.11 multiplies ``block_size`` by ``dcp_world_size``
 in the scheduler and KV-cache manager; newer versions call ``resolve_dcp_kv_block_size``), and
 every rank of the group backs that id with one physical block of ``block_size`` slots.  So:
 
-* a request of ``L`` tokens takes ``ceil(L / (block_size * dcp_size))`` ids, the same on every rank;
-* prefix caching hashes whole virtual blocks, so hits come in multiples of ``block_size * dcp_size``
+* a request of ``L`` tokens takes ``ceil(L / (block_size * dcp))`` ids, the same on every rank;
+* prefix caching hashes whole virtual blocks, so hits come in multiples of ``block_size * dcp``
   tokens (vLLM's ``find_longest_cache_hit``), and at least one token is always recomputed;
 * freed blocks keep their hash and stay reusable until the allocator evicts them (LRU order).
 
@@ -57,7 +57,7 @@ class KVCacheManager:
     """Allocates virtual block ids for the requests of one DCP group (ids shared by all ranks).
 
     ``num_blocks`` ids, each backed by one physical block of ``block_size`` slots on every one of
-    ``dcp_size`` ranks.  Every method keeps the invariant that a block id is held by at most one
+    ``dcp`` ranks.  Every method keeps the invariant that a block id is held by at most one
     request unless it is a full, hashed block shared through the prefix cache.
     """
 
@@ -65,14 +65,14 @@ class KVCacheManager:
         self,
         num_blocks: int,
         block_size: int,
-        dcp_size: int = 1,
+        dcp: int = 1,
         interleave: int = 1,
         enable_prefix_caching: bool = False,
     ) -> None:
         check_positive(num_blocks=num_blocks)
-        check_layout(dcp_size, interleave, block_size)
+        check_layout(dcp, interleave, block_size)
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.dcp_size, self.interleave = dcp_size, interleave
+        self.dcp, self.interleave = dcp, interleave
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_cnt = [0] * num_blocks
         self.block_hash: list[str | None] = [None] * num_blocks
@@ -98,8 +98,8 @@ class KVCacheManager:
 
     @property
     def virtual_block_size(self) -> int:
-        """Tokens behind one block id: ``block_size * dcp_size``."""
-        return self.block_size * self.dcp_size
+        """Tokens behind one block id: ``block_size * dcp``."""
+        return self.block_size * self.dcp
 
     @property
     def num_free_blocks(self) -> int:
@@ -172,7 +172,7 @@ class KVCacheManager:
             raise ConfigError(
                 "new-request-id", "a request id not already allocated", request_id=request_id
             )
-        need = num_virtual_blocks(num_tokens, self.block_size, self.dcp_size)
+        need = num_virtual_blocks(num_tokens, self.block_size, self.dcp)
         if token_ids is not None and len(token_ids) != num_tokens:
             raise ConfigError(
                 "token-ids-length",
@@ -225,7 +225,7 @@ class KVCacheManager:
                 len_token_ids=None if token_ids is None else len(token_ids),
             )
         new = self._take(
-            num_virtual_blocks(req.num_tokens + num_new_tokens, self.block_size, self.dcp_size)
+            num_virtual_blocks(req.num_tokens + num_new_tokens, self.block_size, self.dcp)
             - len(req.blocks)
         )
         req.blocks += new
@@ -275,13 +275,13 @@ class KVCacheManager:
         """
         per_block: dict[int, torch.Tensor] = {}
         for req in self.requests.values():
-            fill = block_fill(req.num_tokens, self.block_size, self.dcp_size, self.interleave)
+            fill = block_fill(req.num_tokens, self.block_size, self.dcp, self.interleave)
             for b, blk in enumerate(req.blocks):
                 per_block[blk] = fill[:, b]  # a shared block is full in every request holding it
         cols = (
             torch.stack(list(per_block.values()), dim=1)
             if per_block
-            else torch.zeros(self.dcp_size, 0, dtype=torch.long)
+            else torch.zeros(self.dcp, 0, dtype=torch.long)
         )
         n = cols.shape[1]
         return [
@@ -292,5 +292,5 @@ class KVCacheManager:
                 "tokens": int(cols[r].sum()),
                 "fill": round(int(cols[r].sum()) / (n * self.block_size), 6) if n else 0.0,
             }
-            for r in range(self.dcp_size)
+            for r in range(self.dcp)
         ]

@@ -31,7 +31,7 @@ class PagedKVCache:
     """One rank's paged K/V cache (vLLM's per-layer ``kv_cache``), with the DCP layout it serves.
 
     ``PagedKVCache(num_blocks, block_size, num_kv_heads, head_dim, v_head_dim=None, *,
-    dcp_size=1, dcp_rank=0, interleave=1, dtype=torch.float64, device="cpu")``
+    dcp=1, dcp_rank=0, interleave=1, dtype=torch.float64, device="cpu")``
 
     * Storage: ``key_cache [num_blocks, block_size, num_kv_heads, head_dim]`` and
       ``value_cache [num_blocks, block_size, num_kv_heads, v_head_dim]``; slot
@@ -54,14 +54,14 @@ class PagedKVCache:
         head_dim: int,
         v_head_dim: int | None = None,
         *,
-        dcp_size: int = 1,
+        dcp: int = 1,
         dcp_rank: int = 0,
         interleave: int = 1,
         dtype: torch.dtype = torch.float64,
         device: torch.device | str = "cpu",
     ) -> None:
         check_positive(num_blocks=num_blocks, num_kv_heads=num_kv_heads, head_dim=head_dim)
-        check_layout(dcp_size, interleave, block_size, dcp_rank)
+        check_layout(dcp, interleave, block_size, dcp_rank)
         v_head_dim = head_dim if v_head_dim is None else v_head_dim
         if isinstance(v_head_dim, bool) or not isinstance(v_head_dim, int) or v_head_dim < 0:
             raise ConfigError(
@@ -70,7 +70,7 @@ class PagedKVCache:
                 v_head_dim=v_head_dim,
             )
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.dcp_size, self.dcp_rank, self.interleave = dcp_size, dcp_rank, interleave
+        self.dcp, self.dcp_rank, self.interleave = dcp, dcp_rank, interleave
         shape = (num_blocks, block_size, num_kv_heads)
         self.key_cache = torch.zeros(*shape, head_dim, dtype=dtype, device=device)
         self.value_cache = (
@@ -93,7 +93,7 @@ class PagedKVCache:
     ) -> torch.Tensor:
         """:func:`slot_mapping` with this store's layout."""
         return slot_mapping(
-            positions, block_table, self.block_size, self.dcp_size, self.dcp_rank, self.interleave
+            positions, block_table, self.block_size, self.dcp, self.dcp_rank, self.interleave
         )
 
     def write(self, k: torch.Tensor, v: torch.Tensor | None, slot_mapping: torch.Tensor) -> int:
@@ -144,14 +144,14 @@ class PagedKVCache:
         """Slots of this rank's tokens of a request (``block_table[j // B] * B + j % B``),
         in slot order."""
         table = _as_long(block_table, "block_table").reshape(-1)
-        n = local_seq_len(seq_len, self.dcp_size, self.dcp_rank, self.interleave)
-        if num_virtual_blocks(seq_len, self.block_size, self.dcp_size) > table.numel():
+        n = local_seq_len(seq_len, self.dcp, self.dcp_rank, self.interleave)
+        if num_virtual_blocks(seq_len, self.block_size, self.dcp) > table.numel():
             raise ConfigError(
                 "positions-within-block-table",
-                "seq_len <= len(block_table) * block_size * dcp_size",
+                "seq_len <= len(block_table) * block_size * dcp",
                 seq_len=seq_len,
                 len_block_table=table.numel(),
-                virtual_block_size=self.block_size * self.dcp_size,
+                virtual_block_size=self.block_size * self.dcp,
             )
         j = torch.arange(n)
         return (
@@ -183,7 +183,7 @@ class PagedKVCache:
         return (
             k,
             v,
-            local_positions(seq_len, self.dcp_size, self.dcp_rank, self.interleave).to(
+            local_positions(seq_len, self.dcp, self.dcp_rank, self.interleave).to(
                 slots.device
             ),
         )
@@ -196,14 +196,14 @@ def shard_kv_cache(
     ks: Sequence[torch.Tensor],
     vs: Sequence[torch.Tensor | None],
     block_size: int,
-    dcp_size: int,
+    dcp: int,
     dcp_rank: int,
     interleave: int,
     device: torch.device | str = "cpu",
 ) -> tuple[list[tuple], PagedKVCache]:
     """Write every request's full K/V through this rank's slot mapping, read its tokens back.
 
-    Request ``i`` gets the next ``ceil(L_i / (block_size·dcp_size))`` virtual block ids (the same
+    Request ``i`` gets the next ``ceil(L_i / (block_size·dcp))`` virtual block ids (the same
     on every rank).  Only the tokens this rank owns land in its :class:`PagedKVCache`.  Returns
     ``[(k_local, v_local | None, positions), ...]`` per request and the cache.  ``vs[i] is None``
     for MLA (one latent per token, no V cache).
@@ -213,7 +213,7 @@ def shard_kv_cache(
             f"[kv-per-request] requires one k and one v (all tensors or all None) per "
             f"request, at least one request; got {len(ks)} k and {len(vs)} v"
         )
-    nblocks = [num_virtual_blocks(k.shape[0], block_size, dcp_size) for k in ks]
+    nblocks = [num_virtual_blocks(k.shape[0], block_size, dcp) for k in ks]
     k0 = ks[0]
     cache = PagedKVCache(
         max(1, sum(nblocks)),
@@ -221,7 +221,7 @@ def shard_kv_cache(
         k0.shape[1],
         k0.shape[2],
         0 if vs[0] is None else vs[0].shape[2],
-        dcp_size=dcp_size,
+        dcp=dcp,
         dcp_rank=dcp_rank,
         interleave=interleave,
         dtype=k0.dtype,

@@ -27,7 +27,7 @@ class TransferPlan:
 
     seq_len: int
     block_size: int
-    dcp_size: int
+    dcp: int
     interleave: int
     bytes_per_token: int
     fill: torch.Tensor
@@ -76,7 +76,7 @@ class TransferPlan:
         return {
             "seq_len": self.seq_len,
             "block_size": self.block_size,
-            "dcp_size": self.dcp_size,
+            "dcp": self.dcp,
             "interleave": self.interleave,
             "blocks_sent": sum(map(len, self.blocks_sent)),
             "bytes_sent": self.bytes_sent,
@@ -87,7 +87,7 @@ class TransferPlan:
 
 
 def transfer_plan(
-    seq_len: int, block_size: int, dcp_size: int, interleave: int, bytes_per_token: int = 1
+    seq_len: int, block_size: int, dcp: int, interleave: int, bytes_per_token: int = 1
 ) -> TransferPlan:
     """The :class:`TransferPlan` of a request of ``seq_len`` tokens (bytes in units of
     ``bytes_per_token``)."""
@@ -95,16 +95,16 @@ def transfer_plan(
     return TransferPlan(
         seq_len,
         block_size,
-        dcp_size,
+        dcp,
         interleave,
         bytes_per_token,
-        block_fill(seq_len, block_size, dcp_size, interleave),
+        block_fill(seq_len, block_size, dcp, interleave),
     )
 
 
 def kvcache_comm_bytes(
     seq_len: int,
-    dcp_size: int,
+    dcp: int,
     interleave: int,
     num_kv_heads: int,
     head_dim: int,
@@ -116,7 +116,7 @@ def kvcache_comm_bytes(
     padded to the largest shard, ``ceil``-stripe rank 0's ``local_seq_len``:
     ``[("all_gather", 8·(N−1)), ("all_gather", rows·H·D·e·(N−1))] × 2`` then positions at 8 B.
     """
-    n = dcp_size
+    n = dcp
     rows = local_seq_len(seq_len, n, 0, interleave)  # rank 0 holds the most tokens
     kv = [
         ("all_gather", 8 * (n - 1)),

@@ -58,9 +58,9 @@ from cpbook.core.attention import (
     merge_attn_states_,
 )
 from cpbook.core.comm import Group
-from cpbook.core.config import ConfigError
+from cpbook.core.config import ConfigError, check_comm_backend
 from cpbook.core.groups import ParallelGroups
-from cpbook.dcp.decode import COMM_BACKENDS, dcp_combine
+from cpbook.dcp.decode import dcp_combine
 from cpbook.kv.gather import context_chunk_len, reorg_kvcache
 from cpbook.kv.layout import local_seq_len
 from cpbook.kv.paged import shard_kv_cache
@@ -81,7 +81,7 @@ class ContextShard:
     """This rank's DCP shard of every request's cached context, read from its paged cache.
 
     ``keys[i] [n_i, k, D]`` (and ``values[i] [n_i, k, Dv]``) are its ``n_i = local_seq_len(
-    context_lens[i], dcp_size, dcp_rank, interleave)`` tokens of request ``i``, position order.
+    context_lens[i], dcp, dcp_rank, interleave)`` tokens of request ``i``, position order.
     ``values is None``: MLA's latent cache, the value is the key's first ``v_head_dim`` columns
     (all of them if ``None``).
     """
@@ -89,7 +89,7 @@ class ContextShard:
     context_lens: tuple[int, ...]
     keys: tuple[torch.Tensor, ...]
     values: tuple[torch.Tensor, ...] | None
-    dcp_size: int = 1
+    dcp: int = 1
     dcp_rank: int = 0
     interleave: int = 1
     v_head_dim: int | None = None
@@ -100,14 +100,14 @@ class ContextShard:
 
 
 def context_shard(ks: Sequence[torch.Tensor], vs: Sequence[torch.Tensor] | None, block_size: int,
-                  dcp_size: int, dcp_rank: int, interleave: int, v_head_dim: int | None = None,
+                  dcp: int, dcp_rank: int, interleave: int, v_head_dim: int | None = None,
                   device: torch.device | str = "cpu") -> ContextShard:
     """Write every request's context ``ks[i] [C_i, k, D]`` through this rank's slot mapping and
     read back its share (:func:`cpbook.kv.paged.shard_kv_cache`); ``vs=None`` for MLA's latent."""
-    local, _ = shard_kv_cache(ks, [None] * len(ks) if vs is None else vs, block_size, dcp_size,
+    local, _ = shard_kv_cache(ks, [None] * len(ks) if vs is None else vs, block_size, dcp,
                               dcp_rank, interleave, device)
     return ContextShard(tuple(k.shape[0] for k in ks), tuple(k for k, _, _ in local),
-                        None if vs is None else tuple(v for _, v, _ in local), dcp_size, dcp_rank,
+                        None if vs is None else tuple(v for _, v, _ in local), dcp, dcp_rank,
                         interleave, v_head_dim)
 
 
@@ -140,13 +140,13 @@ def _request_rows(segments: Sequence[Segment], lens: Sequence[int]) -> dict[int,
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, context: ContextShard,
            meta: PCPMetadata, groups: ParallelGroups) -> None:
     pcp, dcp = groups.pcp, groups.dcp
-    if (pcp.size, pcp.rank) != (meta.pcp_size, meta.pcp_rank):
+    if (pcp.size, pcp.rank) != (meta.pcp, meta.pcp_rank):
         raise ConfigError("pcp-group-matches-metadata", "PCP group size/rank == metadata's",
-                          pcp_group=(pcp.size, pcp.rank), metadata=(meta.pcp_size, meta.pcp_rank))
-    if (dcp.size, dcp.rank) != (context.dcp_size, context.dcp_rank):
+                          pcp_group=(pcp.size, pcp.rank), metadata=(meta.pcp, meta.pcp_rank))
+    if (dcp.size, dcp.rank) != (context.dcp, context.dcp_rank):
         raise ConfigError("dcp-group-matches-context", "DCP group size/rank == context shard's",
                           dcp_group=(dcp.size, dcp.rank),
-                          context=(context.dcp_size, context.dcp_rank))
+                          context=(context.dcp, context.dcp_rank))
     if len(context.context_lens) != len(meta.seq_lens):
         raise ConfigError("one-context-per-request", "one context length per chunk request",
                           context_lens=context.context_lens, query_lens=meta.seq_lens)
@@ -185,13 +185,11 @@ def allgather_q_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | No
     computed while it travels), then the combine of ``G`` partials ``[R, |G|·h, Dv]``.
     """
     _check(q, k, v, context, meta, groups)
-    if dcp_comm_backend not in COMM_BACKENDS:
-        raise ConfigError("comm-backend", "dcp_comm_backend in {'ag_rs', 'a2a'}",
-                          dcp_comm_backend=dcp_comm_backend)
+    check_comm_backend(dcp_comm_backend)
     grp, tp = attention_group(groups), groups.grid.tensor_parallel_size
     lens, h = meta.seq_lens, q.shape[1]
     vn = context.value(k, v)
-    part = pcp_partition(lens, meta.pcp_size, meta.layout)
+    part = pcp_partition(lens, meta.pcp, meta.layout)
     pending = grp.all_gather_async(q, dim=1, parts=True) if grp.size > 1 else None
     out, lse = empty_attention(q, grp.size * h, vn.shape[-1])
     blocks = None
@@ -200,7 +198,7 @@ def allgather_q_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | No
             blocks = pending.wait()
         qb = q if b == grp.rank else blocks[b]
         segs, hs = part.segments[grp.ranks[b] // tp], slice(b * h, (b + 1) * h)
-        if context.dcp_size > 1 or b == grp.rank:  # context: local shard (replicated if dcp 1)
+        if context.dcp > 1 or b == grp.rank:  # context: local shard (replicated if dcp 1)
             for i, (lo, n) in _request_rows(segs, lens).items():
                 kc = context.keys[i]
                 vc = context.value(kc, None if context.values is None else context.values[i])
@@ -233,7 +231,7 @@ def allgather_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | N
     workspace whatever the context length; ``stats["workspace_rows"]`` records the peak.
     """
     _check(q, k, v, context, meta, groups)
-    n, me, il, lens = context.dcp_size, context.dcp_rank, context.interleave, context.context_lens
+    n, me, il, lens = context.dcp, context.dcp_rank, context.interleave, context.context_lens
     chunk = context_chunk_len(sum(c > 0 for c in lens), workspace_size, n, il)
     latent, d = v is None, k.shape[-1]
 
@@ -294,9 +292,9 @@ def chunked_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor 
         plans = {st: comm_plan(st, context.context_lens, meta.seq_lens, q_heads=q.shape[1],
                                kv_heads=k.shape[1], head_dim=k.shape[2],
                                v_head_dim=context.value(k, v).shape[2], latent=v is None,
-                               pcp=meta.pcp_size, dcp=context.dcp_size,
+                               pcp=meta.pcp, dcp=context.dcp,
                                interleave=context.interleave, workspace_size=workspace_size,
-                               dtype_bytes=q.element_size(), dcp_comm_backend=dcp_comm_backend)
+                               elem_bytes=q.element_size(), dcp_comm_backend=dcp_comm_backend)
                  for st in STRATEGIES}
         strategy = select_strategy(plans, alpha, beta).strategy
     if stats is not None:

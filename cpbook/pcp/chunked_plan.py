@@ -21,16 +21,18 @@ allgather_kv    all_gather new K/V          PCP    ``R·W·e·(P−1)``
 
 ``rows₀(i)`` is rank 0's share of request ``i``'s context piece (every rank pads to it); the
 pieces are ``workspace_size // requests`` tokens, a multiple of ``N·interleave``
-(:func:`cpbook.kv.gather.context_gather_bytes`), and sum to ``≈ C_i / N``.  So AllGather-Q's bytes
+(:func:`cpbook.kv.gather.context_gather_comm_bytes`), and sum to ``≈ C_i / N``.  So AllGather-Q's bytes
 grow with the chunk and the query heads and never with the context; AllGather-KV's grow with
 the context and the KV heads.  With ``dcp = 1`` the context is already everywhere and
 AllGather-KV moves only the chunk's K/V, which never costs more than moving Q and outputs.
 
 The selector prices a call list as ``calls·α + bytes·β`` (a link's latency and inverse
 bandwidth) and takes the cheaper; ties go to AllGather-KV (no combine afterwards).  Both
-strategies do the same attention FLOPs, so the link decides.  The defaults :data:`ALPHA_S` and
-:data:`BETA_S_PER_BYTE` were fitted by ``bench/chunked_prefill.py --calibrate`` on this book's
-machine (2 gloo ranks, one thread each); pass your link's values elsewhere.
+strategies do the same attention FLOPs, so the link decides.  The defaults, named for where they
+were measured, :data:`CPU_ALPHA_S` and :data:`CPU_BETA_S_PER_BYTE`, were fitted by
+``bench/chunked_prefill.py --calibrate`` on this book's 2-core CPU (2 gloo ranks, one thread
+each); on any other link pass its own ``alpha`` and ``beta`` (every function here, and
+:class:`~cpbook.engine.engine.Engine`, takes them).
 """
 
 from __future__ import annotations
@@ -38,13 +40,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from cpbook.core.config import ConfigError, ParallelConfig
+from cpbook.core.config import ConfigError, ParallelConfig, check_comm_backend
 from cpbook.core.heads import kv_heads_of
-from cpbook.dcp.decode import COMM_BACKENDS
-from cpbook.kv.gather import context_gather_bytes
+from cpbook.kv.gather import context_gather_comm_bytes
 from cpbook.pcp.zigzag import padded_len
 
-__all__ = ['STRATEGIES', 'ALPHA_S', 'BETA_S_PER_BYTE', 'comm_plan', 'chunked_comm_bytes', 'StrategyChoice', 'select_strategy', 'choose_strategy']
+__all__ = ['STRATEGIES', 'CPU_ALPHA_S', 'CPU_BETA_S_PER_BYTE', 'comm_plan', 'chunked_comm_bytes', 'StrategyChoice', 'select_strategy', 'choose_strategy']
 
 STRATEGIES = ("allgather_q", "allgather_kv")
 
@@ -52,10 +53,10 @@ STRATEGIES = ("allgather_q", "allgather_kv")
 # gloo, 2 ranks × 1 thread on the book's 2-core CPU, ``bench/chunked_prefill.py --calibrate``
 # (30 Nov 2026, quiet machine: all_gather 0.59 ms + 1.8 ns/B, all_to_all 0.55 ms + 2.2 ns/B;
 # under other jobs' load the fits rose to 0.7–2 ms and 2–8 ns/B)
-ALPHA_S = 6.0e-4  # s per call
+CPU_ALPHA_S = 6.0e-4  # s per call
 
 
-BETA_S_PER_BYTE = 2.0e-9  # s per byte sent by a rank
+CPU_BETA_S_PER_BYTE = 2.0e-9  # s per byte sent by a rank
 
 
 def _strategy(strategy: str) -> None:
@@ -65,14 +66,12 @@ def _strategy(strategy: str) -> None:
 
 def comm_plan(strategy: str, context_lens: Sequence[int], query_lens: Sequence[int], *,
               q_heads: int, kv_heads: int, head_dim: int, v_head_dim: int, latent: bool,
-              pcp: int, dcp: int, interleave: int, workspace_size: int, dtype_bytes: int,
+              pcp: int, dcp: int, interleave: int, workspace_size: int, elem_bytes: int,
               dcp_comm_backend: str = "a2a") -> list[tuple[str, int]]:
     """The table above from per-rank sizes (``q_heads`` = ``h``, ``kv_heads`` = ``k``)."""
     _strategy(strategy)
-    if dcp_comm_backend not in COMM_BACKENDS:
-        raise ConfigError("comm-backend", "dcp_comm_backend in {'ag_rs', 'a2a'}",
-                          dcp_comm_backend=dcp_comm_backend)
-    e, h, g = dtype_bytes, q_heads, dcp if dcp > 1 else pcp
+    check_comm_backend(dcp_comm_backend)
+    e, h, g = elem_bytes, q_heads, dcp if dcp > 1 else pcp
     r = sum(padded_len(t, pcp) for t in query_lens) // pcp
     if strategy == "allgather_q":
         if g == 1:
@@ -85,8 +84,8 @@ def comm_plan(strategy: str, context_lens: Sequence[int], query_lens: Sequence[i
     width = kv_heads * (head_dim if latent else head_dim + v_head_dim)
     calls = [("all_gather", r * width * e * (pcp - 1))] if pcp > 1 else []
     if dcp > 1:
-        calls += [("all_gather", b) for b in context_gather_bytes(
-            list(context_lens), workspace_size, dcp, interleave, width, e)]
+        calls += context_gather_comm_bytes(
+            list(context_lens), workspace_size, dcp, interleave, width, e)
     return calls
 
 
@@ -95,7 +94,7 @@ def chunked_comm_bytes(strategy: str, context_lens: Sequence[int], query_lens: S
                        tensor_parallel_size: int = 1, prefill_context_parallel_size: int = 1,
                        decode_context_parallel_size: int = 1, v_head_dim: int | None = None,
                        use_mla: bool = False, cp_kv_cache_interleave_size: int = 1,
-                       dtype_bytes: int = 8,
+                       elem_bytes: int = 8,
                        dcp_comm_backend: str = "a2a") -> list[tuple[str, int]]:
     """``[(op, bytes sent per rank), ...]`` of one layer of ``strategy`` in call order, for the
     model's head counts (the same on every rank).  The configuration is validated first
@@ -112,7 +111,7 @@ def chunked_comm_bytes(strategy: str, context_lens: Sequence[int], query_lens: S
     return comm_plan(strategy, context_lens, query_lens, q_heads=cfg.q_heads_per_rank,
                      kv_heads=kv.stop - kv.start, head_dim=head_dim,
                      v_head_dim=v_head_dim or head_dim, latent=use_mla, pcp=cfg.pcp, dcp=cfg.dcp,
-                     interleave=il, workspace_size=workspace_size, dtype_bytes=dtype_bytes,
+                     interleave=il, workspace_size=workspace_size, elem_bytes=elem_bytes,
                      dcp_comm_backend=dcp_comm_backend)
 
 
@@ -131,8 +130,8 @@ class StrategyChoice:
 def select_strategy(plans: Mapping[str, Sequence[tuple[str, int]]], alpha: float | None = None,
                     beta: float | None = None) -> StrategyChoice:
     """Price each strategy's call list as ``calls·α + bytes·β``; the cheaper wins (ties: KV)."""
-    a = ALPHA_S if alpha is None else alpha
-    b = BETA_S_PER_BYTE if beta is None else beta
+    a = CPU_ALPHA_S if alpha is None else alpha
+    b = CPU_BETA_S_PER_BYTE if beta is None else beta
     sent = {st: sum(x for _, x in plans[st]) for st in STRATEGIES}
     secs = {st: len(plans[st]) * a + sent[st] * b for st in STRATEGIES}
     best = min(STRATEGIES[::-1], key=secs.get)
@@ -140,7 +139,7 @@ def select_strategy(plans: Mapping[str, Sequence[tuple[str, int]]], alpha: float
 
 
 def choose_strategy(batch_tokens: int | Sequence[int], context_tokens: int | Sequence[int],
-                    num_q_heads: int, num_kv_heads: int, head_dim: int, dtype_bytes: int,
+                    num_q_heads: int, num_kv_heads: int, head_dim: int, elem_bytes: int,
                     pcp: int, dcp: int, *, tp: int = 1, v_head_dim: int | None = None,
                     use_mla: bool = False, interleave: int = 1, workspace_size: int = 16384,
                     dcp_comm_backend: str = "a2a", alpha: float | None = None,
@@ -148,8 +147,8 @@ def choose_strategy(batch_tokens: int | Sequence[int], context_tokens: int | Seq
     """AllGather-Q or AllGather-KV for one layer, by :func:`select_strategy` on exact bytes.
 
     ``batch_tokens`` / ``context_tokens``: one request's chunk and context lengths, or one per
-    request.  ``alpha`` (s per call) and ``beta`` (s per byte) default to :data:`ALPHA_S` and
-    :data:`BETA_S_PER_BYTE`.
+    request.  ``alpha`` (s per call) and ``beta`` (s per byte) default to :data:`CPU_ALPHA_S` and
+    :data:`CPU_BETA_S_PER_BYTE`.
     """
     ts = [batch_tokens] if isinstance(batch_tokens, int) else list(batch_tokens)
     cs = [context_tokens] if isinstance(context_tokens, int) else list(context_tokens)
@@ -160,6 +159,6 @@ def choose_strategy(batch_tokens: int | Sequence[int], context_tokens: int | Seq
         st, cs, ts, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
         workspace_size=workspace_size, tensor_parallel_size=tp, prefill_context_parallel_size=pcp,
         decode_context_parallel_size=dcp, v_head_dim=v_head_dim, use_mla=use_mla,
-        cp_kv_cache_interleave_size=interleave, dtype_bytes=dtype_bytes,
+        cp_kv_cache_interleave_size=interleave, elem_bytes=elem_bytes,
         dcp_comm_backend=dcp_comm_backend) for st in STRATEGIES}
     return select_strategy(plans, alpha, beta)

@@ -41,11 +41,11 @@ def pcp_shard(t: torch.Tensor, meta: PCPMetadata) -> torch.Tensor:
 
 
 def _check_group(meta: PCPMetadata, group: Group) -> None:
-    if group.size != meta.pcp_size or group.rank != meta.pcp_rank:
+    if group.size != meta.pcp or group.rank != meta.pcp_rank:
         raise ValueError(
-            f"[pcp-group-matches-metadata] requires group size/rank == pcp_size/pcp_rank; "
+            f"[pcp-group-matches-metadata] requires group size/rank == pcp/pcp_rank; "
             f"got group {group.name!r} size={group.size} rank={group.rank}, "
-            f"pcp_size={meta.pcp_size} pcp_rank={meta.pcp_rank}"
+            f"pcp={meta.pcp} pcp_rank={meta.pcp_rank}"
         )
 
 
@@ -178,7 +178,7 @@ def pcp_prefill_attention(
         else (torch.cat([o for o, _ in local]), torch.cat([l for _, l in local]))
     )
     k_all, v_all = k_all.wait(), v_all.wait()
-    part = pcp_partition(meta.seq_lens, meta.pcp_size, meta.layout)
+    part = pcp_partition(meta.seq_lens, meta.pcp, meta.layout)
     for ours, blocks in _remote_blocks(meta, part):
         keys = [
             (_rows(k_all[src], rows.start, rows.stop), _rows(v_all[src], rows.start, rows.stop))
@@ -195,7 +195,7 @@ def pcp_comm_bytes(
     tokens_per_rank: int,
     num_kv_heads: int,
     head_dim: int,
-    pcp_size: int,
+    pcp: int,
     v_head_dim: int | None = None,
     elem_bytes: int = 8,
 ) -> list[tuple[str, int]]:
@@ -206,15 +206,15 @@ def pcp_comm_bytes(
     else moves per layer; the output restore is once per forward (:func:`pcp_restore_bytes`).
     """
     dv = head_dim if v_head_dim is None else v_head_dim
-    t, h, k = tokens_per_rank, num_kv_heads, pcp_size
+    t, h, k = tokens_per_rank, num_kv_heads, pcp
     return [
         ("all_gather", t * h * head_dim * elem_bytes * (k - 1)),
         ("all_gather", t * h * dv * elem_bytes * (k - 1)),
     ]
 
 
-def pcp_restore_bytes(tokens_per_rank: int, row_bytes: int, pcp_size: int) -> list[tuple[str, int]]:
+def pcp_restore_bytes(tokens_per_rank: int, row_bytes: int, pcp: int) -> list[tuple[str, int]]:
     """Bytes one rank sends for :func:`pcp_restore`, once per forward (not per layer): one
     all-gather of its ``tokens_per_rank`` rows of ``row_bytes`` each (vLLM restores the hidden
     states, ``hidden_size·e`` bytes a row, before sampling)."""
-    return [("all_gather", tokens_per_rank * row_bytes * (pcp_size - 1))]
+    return [("all_gather", tokens_per_rank * row_bytes * (pcp - 1))]

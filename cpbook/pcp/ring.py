@@ -98,13 +98,13 @@ class _Out:
 
 def _check(q, k, v, k_ctx, v_ctx, layout: RingLayout, group: Group, mode: str) -> None:
     check_mode(mode)
-    if group.size != layout.pcp_size:
+    if group.size != layout.pcp:
         raise ConfigError(
             "ring-group-matches-layout",
-            "group size == pcp_size",
+            "group size == pcp",
             group=group.name,
             group_size=group.size,
-            pcp_size=layout.pcp_size,
+            pcp=layout.pcp,
         )
     ts = [t for t in (q, k, v, k_ctx, v_ctx) if t is not None]
     if any(t.dtype not in (torch.float32, torch.float64) or t.dtype != q.dtype for t in ts):

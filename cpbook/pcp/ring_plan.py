@@ -88,7 +88,7 @@ class _Rows:
 
 @dataclass(frozen=True)
 class RingLayout:
-    """Who holds what in a ring over ``pcp_size`` ranks (planning only, no communication).
+    """Who holds what in a ring over ``pcp`` ranks (planning only, no communication).
 
     ``seq_lens`` are the new tokens per request (zigzag over the ranks), ``context_lens`` the
     cached tokens before them (interleaved over the ranks, ``cp_kv_cache_interleave_size``).
@@ -96,11 +96,11 @@ class RingLayout:
 
     seq_lens: tuple[int, ...]
     context_lens: tuple[int, ...]
-    pcp_size: int
+    pcp: int
     cp_kv_cache_interleave_size: int = 1
 
     def __post_init__(self) -> None:
-        part = zigzag_partition(tuple(self.seq_lens), self.pcp_size)  # [pcp-seq-lens], [pcp-size]
+        part = zigzag_partition(tuple(self.seq_lens), self.pcp)  # [pcp-seq-lens], [pcp-size]
         ctx = tuple(self.context_lens)
         if len(ctx) != len(part.seq_lens) or any(
             isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in ctx
@@ -117,13 +117,13 @@ class RingLayout:
 
     @cached_property
     def part(self) -> PCPPartition:
-        return zigzag_partition(self.seq_lens, self.pcp_size)
+        return zigzag_partition(self.seq_lens, self.pcp)
 
     def metadata(self, rank: int) -> PCPMetadata:
         return self.part.metadata(rank)
 
     def _ctx_count(self, length: int, rank: int) -> int:
-        i, n = self.cp_kv_cache_interleave_size, self.pcp_size
+        i, n = self.cp_kv_cache_interleave_size, self.pcp
         return length // (i * n) * i + min(i, max(0, length % (i * n) - rank * i))
 
     @cached_property
@@ -160,7 +160,7 @@ class RingLayout:
 
     def context_positions(self, rank: int) -> list[torch.Tensor]:
         """Per request, the positions of the cached tokens ``rank`` holds (its k_ctx order)."""
-        i, n = self.cp_kv_cache_interleave_size, self.pcp_size
+        i, n = self.cp_kv_cache_interleave_size, self.pcp
         return [p[(p // i) % n == rank] for p in (torch.arange(c) for c in self.context_lens)]
 
     def plan(self, a: int, b: int) -> tuple[Call, ...]:
@@ -244,7 +244,7 @@ def ring_comm_bytes(
     num_q_heads: int,
     num_kv_heads: int,
     head_dim: int,
-    pcp_size: int,
+    pcp: int,
     pcp_rank: int,
     elem_bytes: int = 8,
     cp_kv_cache_interleave_size: int = 1,
@@ -254,8 +254,8 @@ def ring_comm_bytes(
     ``num_q_heads`` / ``num_kv_heads`` are the heads this rank holds (after TP).
     """
     check_mode(mode)
-    lay = RingLayout(tuple(seq_lens), tuple(context_lens), pcp_size, cp_kv_cache_interleave_size)
-    n, r, e = pcp_size, pcp_rank, elem_bytes
+    lay = RingLayout(tuple(seq_lens), tuple(context_lens), pcp, cp_kv_cache_interleave_size)
+    n, r, e = pcp, pcp_rank, elem_bytes
     if mode == "pass_kv":
         return [
             ("sendrecv", 2 * num_kv_heads * head_dim * e * lay.kv_rows((r - s) % n))
@@ -278,15 +278,15 @@ def choose_ring_mode(
     num_q_heads: int,
     num_kv_heads: int,
     *,
-    pcp_size: int = 2,
-    dtype_bytes: int = 2,
+    pcp: int = 2,
+    elem_bytes: int = 2,
     peak_flops: float | None = None,
     bandwidth: float | None = None,
 ) -> str:
     """Meta's rule (Yang et al., arXiv 2411.01783, §3.4, App. C): ``"pass_kv"`` or ``"pass_q"``.
 
     ``T`` = ``new_tokens``, ``P`` = ``cached_tokens``, ``N_H`` / ``N_KV`` query / KV heads,
-    ``N`` = ``pcp_size``, ``e`` = ``dtype_bytes``, ``C`` = ``peak_flops`` (attention FLOP/s per
+    ``N`` = ``pcp``, ``e`` = ``elem_bytes``, ``C`` = ``peak_flops`` (attention FLOP/s per
     rank), ``BW`` = ``bandwidth`` (bytes/s per rank).  The paper states the choice three ways:
 
     1. Eq. (1), message size: a pass-KV step moves ``2·(T+P)·D·e·N_KV/N_H`` bytes, a pass-Q
@@ -312,8 +312,8 @@ def choose_ring_mode(
         new_tokens=new_tokens,
         num_q_heads=num_q_heads,
         num_kv_heads=num_kv_heads,
-        pcp_size=pcp_size,
-        dtype_bytes=dtype_bytes,
+        pcp=pcp,
+        elem_bytes=elem_bytes,
     )
     if isinstance(cached_tokens, bool) or not isinstance(cached_tokens, int) or cached_tokens < 0:
         raise ConfigError(
@@ -338,7 +338,7 @@ def choose_ring_mode(
             peak_flops=peak_flops,
             bandwidth=bandwidth,
         )
-    n, e, c, bw = pcp_size, dtype_bytes, peak_flops, bandwidth
+    n, e, c, bw = pcp, elem_bytes, peak_flops, bandwidth
     hidden = t >= n * c * hkv * e / (2 * hq * bw)
     return (
         "pass_kv" if hidden or t / (t + p) >= 2 * hkv / hq - 4 * t * bw / (n * c * e) else "pass_q"

@@ -1,13 +1,13 @@
 """Who owns which prompt token under PCP: DualChunkSwap (zigzag), contiguous and striped layouts.
 
-A prefill request of ``seq_len`` tokens is padded at its end to a multiple of ``2 * pcp_size``
-and cut into ``2 * pcp_size`` chunks of ``chunk_size = ceil(seq_len / (2 * pcp_size))`` tokens.
+A prefill request of ``seq_len`` tokens is padded at its end to a multiple of ``2 * pcp``
+and cut into ``2 * pcp`` chunks of ``chunk_size = ceil(seq_len / (2 * pcp))`` tokens.
 Layouts (each request of a batch is partitioned on its own, as vLLM's ``PCPManager`` does):
 
 * ``"zigzag"`` — DualChunkSwap / head-tail: rank ``r`` holds chunk ``r`` then chunk
-  ``2*pcp_size - 1 - r``.  Every rank gets the same causal work.
+  ``2*pcp - 1 - r``.  Every rank gets the same causal work.
 * ``"contiguous"`` — rank ``r`` holds chunks ``2r`` and ``2r + 1`` (one contiguous piece).
-* ``"striped"`` — Striped Attention: rank ``r`` holds positions ``r, r + pcp_size, ...``.
+* ``"striped"`` — Striped Attention: rank ``r`` holds positions ``r, r + pcp, ...``.
 
 A rank's local tensor holds, request after request, its segments in the order above, padding
 rows included, so every rank holds the same number of rows and a plain all-gather collects
@@ -44,18 +44,18 @@ def _offsets(lens: Sequence[int]) -> list[int]:
     return list(itertools.accumulate(lens, initial=0))
 
 
-def _check(pcp_size: int, layout: str) -> None:
-    if isinstance(pcp_size, bool) or not isinstance(pcp_size, int) or pcp_size < 1:
+def _check(pcp: int, layout: str) -> None:
+    if isinstance(pcp, bool) or not isinstance(pcp, int) or pcp < 1:
         raise ValueError(
-            f"[pcp-size] requires a positive integer pcp_size; got pcp_size={pcp_size!r}"
+            f"[pcp-size] requires a positive integer pcp; got pcp={pcp!r}"
         )
     if layout not in PARTITION_LAYOUTS:
         raise ValueError(f"[pcp-layout] requires layout in {PARTITION_LAYOUTS}; got layout={layout!r}")
 
 
-def padded_len(seq_len: int, pcp_size: int) -> int:
-    """``seq_len`` rounded up to a multiple of ``2 * pcp_size``."""
-    m = 2 * pcp_size
+def padded_len(seq_len: int, pcp: int) -> int:
+    """``seq_len`` rounded up to a multiple of ``2 * pcp``."""
+    m = 2 * pcp
     return -(-seq_len // m) * m
 
 
@@ -79,14 +79,14 @@ class Segment:
     row: int
 
 
-def _segments(padded: int, pcp_size: int, rank: int, layout: str) -> list[tuple[int, int]]:
-    c = padded // (2 * pcp_size)
+def _segments(padded: int, pcp: int, rank: int, layout: str) -> list[tuple[int, int]]:
+    c = padded // (2 * pcp)
     if layout == "zigzag":
-        tail = 2 * pcp_size - 1 - rank
+        tail = 2 * pcp - 1 - rank
         return [(rank * c, (rank + 1) * c), (tail * c, (tail + 1) * c)]
     if layout == "contiguous":
         return [(2 * rank * c, 2 * (rank + 1) * c)]
-    return [(p, p + 1) for p in range(rank, padded, pcp_size)]
+    return [(p, p + 1) for p in range(rank, padded, pcp)]
 
 
 @dataclass(frozen=True)
@@ -102,7 +102,7 @@ class PCPMetadata:
     """
 
     pcp_rank: int
-    pcp_size: int
+    pcp: int
     layout: str
     seq_lens: tuple[int, ...]
     segments: tuple[Segment, ...]
@@ -138,19 +138,19 @@ class PCPMetadata:
 
 @dataclass(frozen=True)
 class PCPPartition:
-    """A batch of prefill requests partitioned over ``pcp_size`` ranks (module docstring)."""
+    """A batch of prefill requests partitioned over ``pcp`` ranks (module docstring)."""
 
     seq_lens: tuple[int, ...]
-    pcp_size: int
+    pcp: int
     layout: str = "zigzag"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "seq_lens", _lens(self.seq_lens))
-        _check(self.pcp_size, self.layout)
+        _check(self.pcp, self.layout)
 
     @property
     def padded_lens(self) -> tuple[int, ...]:
-        return tuple(padded_len(n, self.pcp_size) for n in self.seq_lens)
+        return tuple(padded_len(n, self.pcp) for n in self.seq_lens)
 
     @property
     def pads(self) -> tuple[int, ...]:
@@ -169,21 +169,21 @@ class PCPPartition:
 
     @property
     def chunk_sizes(self) -> tuple[int, ...]:
-        """``ceil(seq_len / (2 * pcp_size))`` per request."""
-        return tuple(p // (2 * self.pcp_size) for p in self.padded_lens)
+        """``ceil(seq_len / (2 * pcp))`` per request."""
+        return tuple(p // (2 * self.pcp) for p in self.padded_lens)
 
     @property
     def tokens_per_rank(self) -> int:
-        return sum(self.padded_lens) // self.pcp_size
+        return sum(self.padded_lens) // self.pcp
 
     @cached_property
     def segments(self) -> tuple[tuple[Segment, ...], ...]:
         """Per rank, its segments in local-row order (request by request)."""
         out = []
-        for rank in range(self.pcp_size):
+        for rank in range(self.pcp):
             row, segs = 0, []
             for req, padded in enumerate(self.padded_lens):
-                for s, e in _segments(padded, self.pcp_size, rank, self.layout):
+                for s, e in _segments(padded, self.pcp, rank, self.layout):
                     segs.append(Segment(req, s, e, row))
                     row += e - s
             out.append(tuple(segs))
@@ -203,7 +203,7 @@ class PCPPartition:
     @cached_property
     def restore_index(self) -> torch.Tensor:
         """``gathered[restore_index]`` is the unpadded request-major sequence, where ``gathered``
-        is every rank's local rows concatenated in rank order (``[pcp_size * tokens_per_rank]``)."""
+        is every rank's local rows concatenated in rank order (``[pcp * tokens_per_rank]``)."""
         cu = _offsets(self.seq_lens)
         idx = torch.empty(cu[-1], dtype=torch.int64)
         t = self.tokens_per_rank
@@ -225,10 +225,10 @@ class PCPPartition:
 
     def metadata(self, pcp_rank: int) -> PCPMetadata:
         """What PCP rank ``pcp_rank`` needs to run its part of the prefill."""
-        if not 0 <= pcp_rank < self.pcp_size:
+        if not 0 <= pcp_rank < self.pcp:
             raise ValueError(
-                f"[pcp-rank] requires 0 <= pcp_rank < pcp_size; got pcp_rank={pcp_rank}, "
-                f"pcp_size={self.pcp_size}"
+                f"[pcp-rank] requires 0 <= pcp_rank < pcp; got pcp_rank={pcp_rank}, "
+                f"pcp={self.pcp}"
             )
         segs = self.segments[pcp_rank]
         cu = _offsets(self.seq_lens)
@@ -239,7 +239,7 @@ class PCPPartition:
         index = torch.where(pad, -1, torch.tensor(cu)[req] + pos)
         return PCPMetadata(
             pcp_rank,
-            self.pcp_size,
+            self.pcp,
             self.layout,
             self.seq_lens,
             segs,
@@ -253,17 +253,17 @@ class PCPPartition:
 
 
 def pcp_partition(
-    seq_lens: int | Sequence[int], pcp_size: int, layout: str = "zigzag"
+    seq_lens: int | Sequence[int], pcp: int, layout: str = "zigzag"
 ) -> PCPPartition:
-    """Partition one request (``int``) or a batch (sequence of lengths) over ``pcp_size`` ranks."""
-    return PCPPartition(_lens(seq_lens), pcp_size, layout)
+    """Partition one request (``int``) or a batch (sequence of lengths) over ``pcp`` ranks."""
+    return PCPPartition(_lens(seq_lens), pcp, layout)
 
 
-def zigzag_partition(seq_len: int | Sequence[int], pcp_size: int) -> PCPPartition:
-    """DualChunkSwap: rank ``r`` holds chunks ``r`` and ``2*pcp_size - 1 - r`` of every request."""
-    return pcp_partition(seq_len, pcp_size, "zigzag")
+def zigzag_partition(seq_len: int | Sequence[int], pcp: int) -> PCPPartition:
+    """DualChunkSwap: rank ``r`` holds chunks ``r`` and ``2*pcp - 1 - r`` of every request."""
+    return pcp_partition(seq_len, pcp, "zigzag")
 
 
-def causal_work(seq_lens: int | Sequence[int], pcp_size: int, layout: str = "zigzag") -> list[int]:
+def causal_work(seq_lens: int | Sequence[int], pcp: int, layout: str = "zigzag") -> list[int]:
     """Exact causal (query, key) pairs per head that each rank computes, for ``layout``."""
-    return pcp_partition(seq_lens, pcp_size, layout).work()
+    return pcp_partition(seq_lens, pcp, layout).work()
