@@ -3,6 +3,7 @@
     python bench/chunked_prefill.py --json               # grid + ring rows, two torchrun launches
     python bench/chunked_prefill.py --json --contexts 0,4096 --chunks 256 --no-ring  # quick look
     python bench/chunked_prefill.py --json --calibrate   # fit the selector's link model
+    python bench/chunked_prefill.py --store              # refresh cpbook/data/chunked_prefill.jsonl
 
 Grid rows: one request, ``context`` cached tokens DCP-interleaved over ``dcp = 2`` ranks and a
 chunk of ``chunk`` new tokens split zigzag over ``pcp = 2`` (``tp = 1``: both ranks share one
@@ -19,7 +20,15 @@ disturbs least).  ``ring_prefill`` rows: pass-KV and pass-Q ring
 attention (:func:`cpbook.timing.ring_prefill_timing`) against PyTorch's
 ``_templated_ring_attention`` on the same head–tail shards.  ``--calibrate`` times one
 all-gather and one all-to-all per message size and fits ``α + β·bytes``.
+
+``--store`` also writes the run's JSON lines (the ``chunked_prefill_run`` line first, whatever
+the output format) over the package data the package reads, ``cpbook/data/chunked_prefill.jsonl``
+(:mod:`cpbook.data`: chapter 5's stored run and the calibration's chunked points), once every
+launch has finished.  It writes exactly what ran, so ``--contexts``, ``--chunks`` or
+``--no-ring`` shrink the stored run; it is refused with ``--calibrate``, whose link rows are
+not what the package reads.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,12 +57,35 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--decisive", type=float, default=0.10)
     p.add_argument("--no-ring", action="store_true", help="skip the ring_prefill launch")
     p.add_argument("--calibrate", action="store_true", help="fit the link model instead")
+    p.add_argument(
+        "--store",
+        action="store_true",
+        help="also write the run's JSON lines to cpbook/data/chunked_prefill.jsonl",
+    )
     p.add_argument("--worker", choices=("grid", "ring", "calibrate"), help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    if a.store and a.calibrate:
+        p.error("--store writes the grid and ring rows the package reads; not with --calibrate")
+    return a
+
+
+def _store_path() -> Path:
+    """The package's ``chunked_prefill.jsonl`` (where :mod:`cpbook.data` reads it)."""
+    import cpbook.data
+
+    return Path(cpbook.data.__file__).parent / "chunked_prefill.jsonl"
+
+
+def store(lines: list[str], path: Path | None = None) -> None:
+    """Write the run's JSON ``lines`` to ``path`` (default: the package's copy), one a line."""
+    path = _store_path() if path is None else path
+    path.write_text("".join(line + "\n" for line in lines))
+    print(f"stored {len(lines)} lines in {path}", file=sys.stderr)
 
 
 def _gather(ctx, mine: dict) -> list[dict] | None:
     import torch.distributed as dist
+
     every = [None] * ctx.world_size
     dist.all_gather_object(every, mine)
     return every if ctx.rank == 0 else None
@@ -64,8 +96,13 @@ def _crossover(chunk: int, a: argparse.Namespace) -> int | None:
     from cpbook.pcp.chunked_plan import choose_strategy
 
     def q_wins(c: int) -> bool:
-        return choose_strategy(chunk, c, dtype_bytes=4, pcp=2, dcp=2,
-                               workspace_size=a.workspace_size, **SHAPE).strategy == "allgather_q"
+        return (
+            choose_strategy(
+                chunk, c, elem_bytes=4, pcp=2, dcp=2, workspace_size=a.workspace_size, **SHAPE
+            ).strategy
+            == "allgather_q"
+        )
+
     lo, hi = 0, 1 << 24
     if q_wins(lo) or not q_wins(hi):
         return lo if q_wins(lo) else None
@@ -79,19 +116,30 @@ def _verdict(points: list[tuple], a: argparse.Namespace) -> dict:
     """Agreement of the selector with the faster strategy where they differ by > --decisive,
     and per chunk the measured crossover: the grid contexts between which AllGather-Q becomes
     (and stays) faster, next to the model's crossover context."""
-    decisive = [(t, c, min(ms, key=ms.get), chosen) for t, c, ms, chosen in points
-                if max(ms.values()) > (1 + a.decisive) * min(ms.values())]
+    decisive = [
+        (t, c, min(ms, key=ms.get), chosen)
+        for t, c, ms, chosen in points
+        if max(ms.values()) > (1 + a.decisive) * min(ms.values())
+    ]
     agree = sum(fast == chosen for _, _, fast, chosen in decisive)
     crossover = []
     for t in _ints(a.chunks):
         row = [(c, ms["allgather_q"] < ms["allgather_kv"]) for tt, c, ms, _ in points if tt == t]
         first = next((i for i in range(len(row)) if all(q for _, q in row[i:])), len(row))
-        crossover.append({"chunk": t, "above": row[first - 1][0] if first else None,
-                          "at_most": row[first][0] if first < len(row) else None})
-    return {"decisive_points": len(decisive), "agree": agree,
-            "agreement": round(agree / len(decisive), 3) if decisive else None,
-            "disagree": [[t, c, f] for t, c, f, ch in decisive if f != ch],
-            "crossover": crossover}
+        crossover.append(
+            {
+                "chunk": t,
+                "above": row[first - 1][0] if first else None,
+                "at_most": row[first][0] if first < len(row) else None,
+            }
+        )
+    return {
+        "decisive_points": len(decisive),
+        "agree": agree,
+        "agreement": round(agree / len(decisive), 3) if decisive else None,
+        "disagree": [[t, c, f] for t, c, f, ch in decisive if f != ch],
+        "crossover": crossover,
+    }
 
 
 def _grid(ctx, a: argparse.Namespace) -> None:
@@ -102,47 +150,88 @@ def _grid(ctx, a: argparse.Namespace) -> None:
     for chunk in _ints(a.chunks):
         for context in _ints(a.contexts):
             small = chunk * (context + chunk) <= 1 << 24  # milliseconds: more runs against noise
-            every = _gather(ctx, chunked_prefill_timing(
-                ctx, context_len=context, chunk_len=chunk, workspace_size=a.workspace_size,
-                repeats=a.repeats * (3 if small else 1), **SHAPE, **GRID))
+            every = _gather(
+                ctx,
+                chunked_prefill_timing(
+                    ctx,
+                    context_len=context,
+                    chunk_len=chunk,
+                    workspace_size=a.workspace_size,
+                    repeats=a.repeats * (3 if small else 1),
+                    **SHAPE,
+                    **GRID,
+                ),
+            )
             if every is None:
                 continue
-            choice = choose_strategy(chunk, context, dtype_bytes=4, pcp=2, dcp=2,
-                                     workspace_size=a.workspace_size, **SHAPE)
+            choice = choose_strategy(
+                chunk, context, elem_bytes=4, pcp=2, dcp=2, workspace_size=a.workspace_size, **SHAPE
+            )
             ms = {st: 1e3 * max(r[st] for r in every) for st in STRATEGIES}
             cpu_ms = {st: 1e3 * max(r[f"{st}_cpu"] for r in every) for st in STRATEGIES}
             for st in STRATEGIES:
-                print(json.dumps({
-                    "name": "chunked_prefill", "ranks": ctx.world_size, "context": context,
-                    "chunk": chunk, "strategy": st, "ms": round(ms[st], 2),
-                    "bytes": every[0][f"{st}_bytes"], "chosen": choice.strategy,
-                    "cpu_ms": round(cpu_ms[st], 2), "model_ms": round(1e3 * choice.seconds[st], 3),
-                    "max_abs_diff": float(f"{max(r['max_abs_diff'] for r in every):.2e}")}),
-                    flush=True)
+                print(
+                    json.dumps(
+                        {
+                            "name": "chunked_prefill",
+                            "ranks": ctx.world_size,
+                            "context": context,
+                            "chunk": chunk,
+                            "strategy": st,
+                            "ms": round(ms[st], 2),
+                            "bytes": every[0][f"{st}_bytes"],
+                            "chosen": choice.strategy,
+                            "cpu_ms": round(cpu_ms[st], 2),
+                            "model_ms": round(1e3 * choice.seconds[st], 3),
+                            "max_abs_diff": float(f"{max(r['max_abs_diff'] for r in every):.2e}"),
+                        }
+                    ),
+                    flush=True,
+                )
             wall.append((chunk, context, ms, choice.strategy))
             cpu.append((chunk, context, cpu_ms, choice.strategy))
     if ctx.rank:
         return
-    print(json.dumps({"name": "chunked_prefill_selector", "points": len(wall),
-                      "decisive_margin": a.decisive, "wall": _verdict(wall, a),
-                      "cpu": _verdict(cpu, a),
-                      "model_crossover": {t: _crossover(t, a) for t in _ints(a.chunks)},
-                      "loadavg_1min": round(os.getloadavg()[0], 2)}), flush=True)
+    print(
+        json.dumps(
+            {
+                "name": "chunked_prefill_selector",
+                "points": len(wall),
+                "decisive_margin": a.decisive,
+                "wall": _verdict(wall, a),
+                "cpu": _verdict(cpu, a),
+                "model_crossover": {t: _crossover(t, a) for t in _ints(a.chunks)},
+                "loadavg_1min": round(os.getloadavg()[0], 2),
+            }
+        ),
+        flush=True,
+    )
 
 
 def _ring(ctx, a: argparse.Namespace) -> None:
     from cpbook.timing import ring_prefill_timing
 
-    every = _gather(ctx, ring_prefill_timing(ctx, seq_len=8192, num_heads=8, head_dim=64,
-                                             repeats=5, seed=0))
+    every = _gather(
+        ctx, ring_prefill_timing(ctx, seq_len=8192, num_heads=8, head_dim=64, repeats=5, seed=0)
+    )
     if every is None:
         return
     torch_ms = 1e3 * max(r["torch_ring"] for r in every)
     for mode in ("pass_kv", "pass_q"):
         ms = 1e3 * max(r[mode] for r in every)
-        print(json.dumps({"name": "ring_prefill", "mode": mode, "seq_len": 8192, "ms": round(ms, 1),
-                          "torch_ring_ms": round(torch_ms, 1),
-                          "ratio_vs_torch_ring": round(ms / torch_ms, 3)}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "name": "ring_prefill",
+                    "mode": mode,
+                    "seq_len": 8192,
+                    "ms": round(ms, 1),
+                    "torch_ring_ms": round(torch_ms, 1),
+                    "ratio_vs_torch_ring": round(ms / torch_ms, 3),
+                }
+            ),
+            flush=True,
+        )
 
 
 def _calibrate(ctx, a: argparse.Namespace) -> None:
@@ -160,11 +249,18 @@ def _calibrate(ctx, a: argparse.Namespace) -> None:
         design = torch.stack([torch.ones_like(x), x], dim=1) / t[:, None]  # relative error
         fit = torch.linalg.lstsq(design, torch.ones_like(t)[:, None]).solution[:, 0]
         alpha, beta = fit.tolist()
-        print(json.dumps({"name": "chunked_prefill_link", "op": op,
-                          "alpha_s": float(f"{alpha:.3e}"),
-                          "beta_s_per_byte": float(f"{beta:.3e}"),
-                          "ms": {s: round(1e3 * float(v), 3) for s, v in zip(sizes, t)}}),
-              flush=True)
+        print(
+            json.dumps(
+                {
+                    "name": "chunked_prefill_link",
+                    "op": op,
+                    "alpha_s": float(f"{alpha:.3e}"),
+                    "beta_s_per_byte": float(f"{beta:.3e}"),
+                    "ms": {s: round(1e3 * float(v), 3) for s, v in zip(sizes, t)},
+                }
+            ),
+            flush=True,
+        )
 
 
 def _worker(a: argparse.Namespace) -> None:
@@ -180,8 +276,16 @@ def _worker(a: argparse.Namespace) -> None:
 
 
 def _launch(a: argparse.Namespace, worker: str, argv: list[str]) -> list[str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(Path(__file__).resolve()), f"--worker={worker}", *argv]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        str(Path(__file__).resolve()),
+        f"--worker={worker}",
+        *argv,
+    ]
     path = [str(ROOT), os.environ.get("PYTHONPATH", "")]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(p for p in path if p))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=7200)
@@ -201,11 +305,17 @@ def main(argv: list[str] | None = None) -> int:
     launches = ["calibrate"] if a.calibrate else ["grid"] + ([] if a.no_ring else ["ring"])
     from cpbook.timing import machine_record
 
-    print(json.dumps({"name": "chunked_prefill_run", **machine_record()}), flush=True)
+    stored = [json.dumps({"name": "chunked_prefill_run", **machine_record()})]
+    print(stored[0], flush=True)
     for worker in launches:
         for line in _launch(a, worker, argv):
-            print(line if a.json else "  ".join(f"{k}={v}" for k, v in json.loads(line).items()),
-                  flush=True)
+            stored.append(line)
+            print(
+                line if a.json else "  ".join(f"{k}={v}" for k, v in json.loads(line).items()),
+                flush=True,
+            )
+    if a.store:
+        store(stored)
     return 0
 
 

@@ -1,6 +1,7 @@
 """One decode step's attention block without CP, with DCP, and with DCP + TPA, over context.
 
     python bench/decode_step.py --json       # gloo, 1 thread per rank, float32
+    python bench/decode_step.py --store      # the same, and refresh cpbook/data/decode_step.json
 
 For world size 2 (and 4 when the machine has at least 4 cores) one torchrun launch times, per
 context length, one request's attention block (``q_proj`` → attention → ``o_proj`` with its
@@ -19,6 +20,12 @@ the context length where DCP starts to beat no CP, interpolated on log(context) 
 last grid point where it loses and the first where it wins from there on (the grid's first
 point if it wins everywhere).  Targets: ``dcp_tpa_ms <= dcp_ms`` at every context,
 ``dcp_tpa_tokens <= dcp_tokens``, and at 256K ``dcp_ms <= 0.6 * no_cp_ms`` on 2 ranks.
+
+``--store`` also writes the printed lines, as they are (JSON lines), over the package data the
+package reads, ``cpbook/data/decode_step.json`` (:mod:`cpbook.data`: chapter 6's break-even
+behind :meth:`cpbook.dynamic.router.Router.measured`, and the calibration's decode points).  It
+writes once the whole run has finished, and refuses when a break-even is missing (DCP never won
+on the grid), since ``Router.measured`` needs one.
 """
 
 from __future__ import annotations
@@ -27,11 +34,15 @@ import argparse
 import json
 import math
 import os
+import sys
+from pathlib import Path
 
+import cpbook.data
 from cpbook.core.launch import run
 from cpbook.timing import decode_step_timing, machine_record
 
 CONTEXTS = (1024, 4096, 16384, 65536, 262144)
+STORE = Path(cpbook.data.__file__).parent / "decode_step.json"  # the package's copy
 
 
 def break_even(contexts, slow, fast) -> float | None:
@@ -53,9 +64,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", action="store_true", help="print JSON lines (the default output)")
     p.add_argument("--repeats", type=int, default=21)
     p.add_argument("--contexts", type=int, nargs="+", default=list(CONTEXTS))
+    p.add_argument("--store", action="store_true", help=f"also write the output to {STORE}")
     a = p.parse_args(argv)
     worlds = (2, 4) if (os.cpu_count() or 1) >= 4 else (2,)
-    print(json.dumps({"name": "decode_step_run", **machine_record()}), flush=True)
+    lines: list[str] = []
+
+    def emit(record: dict) -> None:
+        lines.append(json.dumps(record))
+        print(lines[-1], flush=True)
+
+    emit({"name": "decode_step_run", **machine_record()})
     for n in worlds:
         res = run(
             decode_step_timing,
@@ -70,30 +88,38 @@ def main(argv: list[str] | None = None) -> None:
         }
         for c in a.contexts:
             err = max(r[c][f"{m}_err"] for r in res for m in ("dcp", "dcp_tpa"))
-            print(
-                json.dumps(
-                    {
-                        "name": "decode_step",
-                        "ranks": n,
-                        "context": c,
-                        **{f"{m}_ms": round(v, 3) for m, v in ms[c].items()},
-                        "max_abs_diff": float(f"{err:.1e}"),
-                    }
-                ),
-                flush=True,
+            emit(
+                {
+                    "name": "decode_step",
+                    "ranks": n,
+                    "context": c,
+                    **{f"{m}_ms": round(v, 3) for m, v in ms[c].items()},
+                    "max_abs_diff": float(f"{err:.1e}"),
+                }
             )
         col = {m: [ms[c][m] for c in a.contexts] for m in ("no_cp", "dcp", "dcp_tpa")}
-        print(
-            json.dumps(
-                {
-                    "name": "decode_break_even",
-                    "ranks": n,
-                    "dcp_tokens": break_even(a.contexts, col["no_cp"], col["dcp"]),
-                    "dcp_tpa_tokens": break_even(a.contexts, col["no_cp"], col["dcp_tpa"]),
-                }
-            ),
-            flush=True,
+        emit(
+            {
+                "name": "decode_break_even",
+                "ranks": n,
+                "dcp_tokens": break_even(a.contexts, col["no_cp"], col["dcp"]),
+                "dcp_tpa_tokens": break_even(a.contexts, col["no_cp"], col["dcp_tpa"]),
+            }
         )
+    if a.store:
+        store(lines)
+
+
+def store(lines: list[str], path: Path = STORE) -> None:
+    """Write ``lines`` (the run's JSON lines) to ``path``, the package's ``decode_step.json``,
+    unless a break-even is missing (``Router.measured`` reads the first one)."""
+    for line in lines:
+        row = json.loads(line)
+        missing = None in (row.get("dcp_tokens", 0), row.get("dcp_tpa_tokens", 0))
+        if row["name"] == "decode_break_even" and missing:
+            sys.exit(f"not storing: no break-even on ranks={row['ranks']} ({path} left as it was)")
+    path.write_text("".join(line + "\n" for line in lines))
+    print(f"stored {len(lines)} lines in {path}", file=sys.stderr)
 
 
 if __name__ == "__main__":

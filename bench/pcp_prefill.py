@@ -1,6 +1,7 @@
 """PCP prefill vs PyTorch's ring attention vs one process: causal attention on 2 gloo ranks.
 
     python bench/pcp_prefill.py --json            # one torchrun launch, 2 ranks x 1 thread
+    python bench/pcp_prefill.py --world-size 4 --store   # and refresh cpbook/data/pcp_prefill.json
 
 Identical float32 inputs (``seq_len`` tokens, MHA), laid out head-major for every method before
 the clock starts.  Methods take turns run after run (:func:`cpbook.timing.pcp_prefill_timing`),
@@ -17,8 +18,11 @@ slowest rank's median:
 
 Prints one JSON line (``--json``) or a short table, with each rank's attention-thread time
 per layout (``per_rank_thread_ms``) and when and where it ran (``date_utc``, ``machine``,
-``load_avg_1m``).  ``bench/results/pcp_prefill.json``, shown in chapter 4, is the list of
-two such records, from ``--world-size 2`` and ``--world-size 4``.
+``load_avg_1m``).  ``cpbook/data/pcp_prefill.json``, package data the package reads through
+:mod:`cpbook.data` (shown in chapter 4, fitted by :mod:`cpbook.costmodel.calibration`), is the
+list of two such records, from ``--world-size 2`` and ``--world-size 4``; ``--store`` refreshes
+it: the new record replaces the one of the same ``world_size`` (or joins the list), the list is
+kept in ``world_size`` order and written as it is now (a JSON list, indent 1).
 Wall times depend on the machine's load; ``cpu_ms`` gives each method's slowest-rank median
 process CPU time (all threads of the rank, communication included), which a loaded machine
 disturbs much less.
@@ -36,6 +40,24 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _store_path() -> Path:
+    """The package's ``pcp_prefill.json`` (where :mod:`cpbook.data` reads it)."""
+    import cpbook.data
+
+    return Path(cpbook.data.__file__).parent / "pcp_prefill.json"
+
+
+def store(record: dict, path: Path | None = None) -> None:
+    """Put ``record`` into the stored list at ``path`` (default: the package's copy), replacing
+    the record of the same ``world_size``; the list stays in ``world_size`` order."""
+    path = _store_path() if path is None else path
+    rows = json.loads(path.read_text()) if path.exists() else []
+    rows = [r for r in rows if r.get("world_size") != record["world_size"]] + [record]
+    rows.sort(key=lambda r: r["world_size"])
+    path.write_text(json.dumps(rows, indent=1))
+    print(f"stored world_size={record['world_size']} in {path}", file=sys.stderr)
+
+
 def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", action="store_true", help="print JSON lines")
@@ -44,6 +66,11 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--world-size", type=int, default=2)
+    p.add_argument(
+        "--store",
+        action="store_true",
+        help="also put the record into the package's cpbook/data/pcp_prefill.json",
+    )
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -187,6 +214,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             for key, value in json.loads(line).items():
                 print(f"{key:26s} {value}")
+    if a.store:
+        (record,) = (json.loads(line) for line in lines)
+        store(record)
     return 0
 
 

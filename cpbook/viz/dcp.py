@@ -9,17 +9,11 @@ from typing import Any, Mapping, Sequence
 from matplotlib.patches import Rectangle
 from matplotlib.ticker import NullLocator
 
-from cpbook.viz import PALETTE, figure, rank_color
+from cpbook.viz.style import PALETTE, figure, ink, rank_color
 
 __all__ = ["gqa_dataflow", "combine_traffic", "reorg_layout", "move_q_or_kv"]
 
 _EMPTY = "#F2F2F2"
-
-
-def _ink(color: str) -> str:
-    """Black or white, whichever reads better on ``color`` (a ``#RRGGBB`` string)."""
-    r, g, b = (int(color[i : i + 2], 16) / 255 for i in (1, 3, 5))
-    return "black" if 0.299 * r + 0.587 * g + 0.114 * b > 0.55 else "white"
 
 
 def _cell(ax, x, y, w, h, color, hatch=None, alpha=1.0, text=None, fs=10.5):
@@ -29,9 +23,7 @@ def _cell(ax, x, y, w, h, color, hatch=None, alpha=1.0, text=None, fs=10.5):
         )
     )
     if text is not None:
-        ax.text(
-            x + w / 2, y + h / 2, text, ha="center", va="center", fontsize=fs, color=_ink(color)
-        )
+        ax.text(x + w / 2, y + h / 2, text, ha="center", va="center", fontsize=fs, color=ink(color))
 
 
 def _plain_log_axis(axis, ticks: Sequence[int]) -> None:
@@ -53,9 +45,9 @@ def _plain_log_axis(axis, ticks: Sequence[int]) -> None:
 def gqa_dataflow(results: Sequence[Mapping[str, Any]], group: Sequence[int], seq_len: int):
     """The decode step of one DCP group, one column per rank, from a real run's results.
 
-    ``results[r]`` is :func:`cpbook.demos.ch03_decode.gqa_decode_rank`'s dict for global rank ``r`` (one
-    request of ``seq_len`` tokens); ``group`` lists the DCP group's global ranks.  Drawn for
-    a page about 7.5 inches wide: data units are roughly inches.
+    ``results[r]`` is :func:`cpbook.demos.ch03_decode.gqa_decode_rank`'s dict for global rank
+    ``r`` (one request of ``seq_len`` tokens); ``group`` lists the DCP group's global ranks.
+    Drawn for a page about 7.5 inches wide: data units are roughly inches.
     """
     n = len(group)
     h = results[group[0]]["shapes"]["q"][1]
@@ -166,7 +158,7 @@ def combine_traffic(
                 ha="center",
                 va="top" if narrow else "center",
                 fontsize=10.5,
-                color=_ink(colors[label]) if not narrow else "black",
+                color=ink(colors[label]) if not narrow else "black",
             )
             left += nbytes
         a.text(

@@ -3,8 +3,9 @@ after, the four policies' throughput–latency frontier, and how the CP break-ev
 with TPA and with the batch that shares one set of collectives.
 
 Every function draws numbers the chapter computed (a :class:`~cpbook.dynamic.router.Router`, the
-per-rank results of :func:`cpbook.demos.ch07_migration.migration_rank`, :func:`cpbook.dynamic.simulator.sweep`,
-:func:`cpbook.dynamic.router.Router.modelled`) and returns the ``Figure``.
+per-rank results of :func:`cpbook.demos.ch07_migration.migration_rank`,
+:func:`cpbook.dynamic.simulator.sweep`, :func:`cpbook.dynamic.router.Router.modelled`) and
+returns the ``Figure``.
 """
 
 from __future__ import annotations
@@ -15,9 +16,7 @@ import numpy as np
 from matplotlib.colors import ListedColormap
 from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter, NullLocator
 
-from cpbook.viz import PALETTE, figure, rank_color
-from cpbook.viz import legible as _legible
-from cpbook.viz import tokens_label as _tokens
+from cpbook.viz.style import PALETTE, figure, legible, plain_label, rank_color, tokens_label
 
 __all__ = ["routing_figure", "migration_figure", "frontier_figure", "crossover_figure"]
 
@@ -34,7 +33,7 @@ def _token_axis(axis, lo: float, hi: float) -> None:
     """Log axis ticks at 1K, 4K, 16K, ... (powers of 4 times 1024) between ``lo`` and ``hi``."""
     ticks = [1024 * 4**k for k in range(-2, 8) if lo <= 1024 * 4**k <= hi]
     axis.set_major_locator(FixedLocator(ticks))
-    axis.set_major_formatter(FuncFormatter(_tokens))
+    axis.set_major_formatter(FuncFormatter(tokens_label))
     axis.set_minor_locator(NullLocator())
 
 
@@ -55,7 +54,7 @@ def routing_figure(totals: np.ndarray, sizes: np.ndarray, thresholds: Sequence[f
     for t in thresholds:
         ax.axhline(t, color=PALETTE[5], ls="--", lw=1.2)
         ax.annotate(
-            f"threshold {_tokens(t)}",
+            f"threshold {tokens_label(t)}",
             (len(totals) - 1, t),
             ha="right",
             va="bottom",
@@ -66,7 +65,7 @@ def routing_figure(totals: np.ndarray, sizes: np.ndarray, thresholds: Sequence[f
     ax.set_xlabel("request (arrival order)")
     ax.set_ylabel("prompt + output tokens")
     ax.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), ncols=3)
-    return _legible(fig)
+    return legible(fig)
 
 
 def migration_figure(results: Sequence[Mapping[str, Any]], seq_len: int, titles: Sequence[str]):
@@ -86,7 +85,7 @@ def migration_figure(results: Sequence[Mapping[str, Any]], seq_len: int, titles:
     for r in range(n):
         ax.plot([], [], "s", color=rank_color(r), label=f"rank {r}")
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.45), ncols=n)
-    return _legible(fig)
+    return legible(fig)
 
 
 def frontier_figure(rows: Sequence[Mapping[str, Any]]):
@@ -108,12 +107,12 @@ def frontier_figure(rows: Sequence[Mapping[str, Any]]):
     axes[1].set_ylabel("TTFT p99 (s)")
     axes[1].set_yscale("log")
     axes[1].yaxis.set_major_locator(FixedLocator([5, 10, 20, 50, 100, 200, 500]))
-    axes[1].yaxis.set_major_formatter(FuncFormatter(lambda v, _p: f"{v:g}"))
+    axes[1].yaxis.set_major_formatter(FuncFormatter(plain_label))
     axes[1].yaxis.set_minor_formatter(NullFormatter())
     for ax in axes:
         ax.set_xlabel("decode throughput (tok/s)")
     axes[0].legend(loc="upper left", fontsize=10)
-    return _legible(fig, 10.5)
+    return legible(fig, 10.5)
 
 
 def crossover_figure(
@@ -131,11 +130,11 @@ def crossover_figure(
         ax.annotate(text, (batches[-1], y), ha="right", va="bottom")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _p: f"{v:g}"))
+    ax.xaxis.set_major_formatter(FuncFormatter(plain_label))
     ax.xaxis.set_minor_locator(NullLocator())
     ys = [y for v in lengths.values() for y in v] + list(article)
     _token_axis(ax.yaxis, min(ys) / 2, max(ys) * 2)
     ax.set_xlabel("requests sharing the step's collectives")
     ax.set_ylabel("break-even length (tokens)")
     ax.legend(loc="lower left")
-    return _legible(fig)
+    return legible(fig)

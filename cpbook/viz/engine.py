@@ -9,14 +9,23 @@ from typing import Mapping, Sequence
 
 from matplotlib.patches import Patch, Rectangle
 
-from cpbook.viz import PALETTE, figure
+from cpbook.viz.style import PALETTE, figure
 
-__all__ = ["KIND_COLORS", "step_batch_figure", "timeline_figure"]
+__all__ = [
+    "KIND_COLORS",
+    "KIND_NAMES",
+    "WAIT_COLOR",
+    "PREEMPT_COLOR",
+    "step_batch_figure",
+    "timeline_figure",
+]
 
 _WIDTH = 6.25  # the book's text column at 110 dpi (see viz.chunked)
 KIND_COLORS = {"prefill": PALETTE[0], "chunked_prefill": PALETTE[4], "decode": PALETTE[2]}
-_NAMES = {"prefill": "prefill", "chunked_prefill": "chunked prefill", "decode": "decode"}
-_CACHED, _WAIT, _PREEMPT = "#BBBBBB", "#EEEEEE", PALETTE[5]
+KIND_NAMES = {"prefill": "prefill", "chunked_prefill": "chunked prefill", "decode": "decode"}
+#: a request that waits in a step (light grey) / is preempted in it (outline)
+WAIT_COLOR, PREEMPT_COLOR = "#EEEEEE", PALETTE[5]
+_CACHED = "#BBBBBB"
 
 
 def step_batch_figure(record, budget: int):
@@ -28,20 +37,24 @@ def step_batch_figure(record, budget: int):
         ax.barh(y, start, color=_CACHED, height=0.6)
         ax.barh(y, n, left=start, color=KIND_COLORS[kind], height=0.6)
         ax.text(start + n + 0.4, y, f"+{n}", va="center", fontsize=9)
-    ax.set_yticks(range(len(record.chunks)),
-                  [f"req {c[0]}" for c in reversed(record.chunks)], fontsize=9)
+    ax.set_yticks(
+        range(len(record.chunks)), [f"req {c[0]}" for c in reversed(record.chunks)], fontsize=9
+    )
     ax.set_xlabel("token position in the request")
-    ax.set_title(f"step {record.step}: {record.num_batched_tokens} of {budget} budget tokens",
-                 fontsize=10)
+    ax.set_title(
+        f"step {record.step}: {record.num_batched_tokens} of {budget} budget tokens", fontsize=10
+    )
     handles = [Patch(color=_CACHED, label="already cached")] + [
-        Patch(color=KIND_COLORS[k], label=_NAMES[k]) for k in KIND_COLORS]
+        Patch(color=KIND_COLORS[k], label=KIND_NAMES[k]) for k in KIND_COLORS
+    ]
     fig.legend(handles=handles, fontsize=8, ncol=4, loc="outside lower center", frameon=False)
     ax.spines[["top", "right"]].set_visible(False)
     return fig
 
 
-def timeline_figure(history: Sequence, request_ids: Sequence[str],
-                    arrivals: Mapping[str, int] | None = None):
+def timeline_figure(
+    history: Sequence, request_ids: Sequence[str], arrivals: Mapping[str, int] | None = None
+):
     """Requests (rows) by steps (columns): the kind of work each request got in each step,
     waiting (light grey), preempted (red outline); a request enters the chart at its arrival
     step (``arrivals``, default 1) and leaves it when it finishes."""
@@ -54,24 +67,30 @@ def timeline_figure(history: Sequence, request_ids: Sequence[str],
         for rid in request_ids:
             if rid in done or rec.step < (arrivals or {}).get(rid, 1):
                 continue
-            color = KIND_COLORS[ran[rid][1]] if rid in ran else _WAIT
+            color = KIND_COLORS[ran[rid][1]] if rid in ran else WAIT_COLOR
             ax.add_patch(Rectangle((x, row[rid] - 0.4), 0.92, 0.8, color=color, lw=0))
             if rid in rec.preempted:
-                ax.add_patch(Rectangle((x, row[rid] - 0.4), 0.92, 0.8, fill=False, lw=1.6,
-                                       edgecolor=_PREEMPT))
+                ax.add_patch(
+                    Rectangle(
+                        (x, row[rid] - 0.4), 0.92, 0.8, fill=False, lw=1.6, edgecolor=PREEMPT_COLOR
+                    )
+                )
         done |= set(rec.finished)
     ax.set_xlim(0, len(history))
     every = max(1, len(history) // 20)
-    ax.set_xticks([i + 0.46 for i in range(0, len(history), every)],
-                  [str(i + 1) for i in range(0, len(history), every)], fontsize=8)
+    ax.set_xticks(
+        [i + 0.46 for i in range(0, len(history), every)],
+        [str(i + 1) for i in range(0, len(history), every)],
+        fontsize=8,
+    )
     ax.grid(False)
     ax.set_ylim(-0.6, len(request_ids) - 0.4)
-    ax.set_yticks(range(len(request_ids)), [f"req {r}" for r in reversed(request_ids)],
-                  fontsize=9)
+    ax.set_yticks(range(len(request_ids)), [f"req {r}" for r in reversed(request_ids)], fontsize=9)
     ax.set_xlabel("engine step")
-    handles = [Patch(color=KIND_COLORS[k], label=_NAMES[k]) for k in KIND_COLORS] + [
-        Patch(color=_WAIT, label="waiting"),
-        Patch(fill=False, edgecolor=_PREEMPT, lw=1.6, label="preempted")]
+    handles = [Patch(color=KIND_COLORS[k], label=KIND_NAMES[k]) for k in KIND_COLORS] + [
+        Patch(color=WAIT_COLOR, label="waiting"),
+        Patch(fill=False, edgecolor=PREEMPT_COLOR, lw=1.6, label="preempted"),
+    ]
     fig.legend(handles=handles, fontsize=8, ncol=5, loc="outside lower center", frameon=False)
     ax.spines[["top", "right"]].set_visible(False)
     return fig

@@ -10,7 +10,7 @@ from matplotlib.patches import Rectangle
 from cpbook.kv.layout import local_positions, num_virtual_blocks, token_owner
 from cpbook.kv.paged import PagedKVCache
 from cpbook.kv.transfer import transfer_plan
-from cpbook.viz import figure, rank_color
+from cpbook.viz.style import figure, rank_color
 
 __all__ = ["ownership_figure", "transfer_figure", "waste_figure", "memory_figure"]
 
@@ -57,7 +57,7 @@ def _frame(ax, width: float, height: float, title: str) -> None:
 
 def ownership_figure(
     seq_len: int = 64,
-    dcp_size: int = 4,
+    dcp: int = 4,
     interleave: int = 4,
     block_size: int = 16,
     block_table: Sequence[int] | None = None,
@@ -66,8 +66,8 @@ def ownership_figure(
     """Top: tokens ``0..seq_len-1`` coloured by owner rank, in rows of at most 16 (thick lines
     between virtual blocks).  Bottom: each rank's physical slots of the request, labelled with the
     token stored there (empty slots white) and the slot number.  ``highlight``: outlined tokens."""
-    vb = block_size * dcp_size
-    nb = num_virtual_blocks(seq_len, block_size, dcp_size)
+    vb = block_size * dcp
+    nb = num_virtual_blocks(seq_len, block_size, dcp)
     table = list(block_table) if block_table is not None else list(range(nb))
     w = _width(vb)
     sw = (
@@ -79,15 +79,15 @@ def ownership_figure(
         0.5,
     )  # drawn height of one row of slots (cells + slot numbers); space between ranks
     rank_h = srows * gap + rgap
-    owners = token_owner(torch.arange(seq_len), dcp_size, interleave).tolist()
+    owners = token_owner(torch.arange(seq_len), dcp, interleave).tolist()
     # cell: inches per drawn cell; fonts stay >= 9 pt when the page shrinks the figure to ~85 %
     labels, fs, cell = seq_len <= 512, 10.5, 0.35
     width = max(w, sw + 0.3 * max(sw // block_size - 1, 0))  # a small gap between physical blocks
     fig, (top, bot) = figure(
         2,
         1,
-        figsize=(cell * width + 1.6, cell * (rows + dcp_size * rank_h) + 1.3),
-        height_ratios=[rows + 0.6, dcp_size * rank_h],
+        figsize=(cell * width + 1.6, cell * (rows + dcp * rank_h) + 1.3),
+        height_ratios=[rows + 0.6, dcp * rank_h],
     )
     for p, r in enumerate(owners):
         _cell(top, p % w, p // w, rank_color(r), str(p) if labels else "", fs)
@@ -104,18 +104,18 @@ def ownership_figure(
         top,
         width,
         rows,
-        f"Owner of token p: (p // {interleave}) % {dcp_size}; "
-        f"one block id = {block_size} x {dcp_size} = {vb} tokens",
+        f"Owner of token p: (p // {interleave}) % {dcp}; "
+        f"one block id = {block_size} x {dcp} = {vb} tokens",
     )
-    for r in range(dcp_size):
-        held = local_positions(seq_len, dcp_size, r, interleave).tolist()
+    for r in range(dcp):
+        held = local_positions(seq_len, dcp, r, interleave).tolist()
         slots = (
             PagedKVCache(
                 max(table) + 1,
                 block_size,
                 1,
                 1,
-                dcp_size=dcp_size,
+                dcp=dcp,
                 dcp_rank=r,
                 interleave=interleave,
             )
@@ -147,27 +147,27 @@ def ownership_figure(
                     color="#555555",
                 )
     bot.set_yticks(
-        [r * rank_h + (srows * gap - 0.75) / 2 for r in range(dcp_size)],
-        [f"rank {r}" for r in range(dcp_size)],
+        [r * rank_h + (srows * gap - 0.75) / 2 for r in range(dcp)],
+        [f"rank {r}" for r in range(dcp)],
     )
     _frame(
         bot,
         width,
-        dcp_size * rank_h - rgap - 0.45,
+        dcp * rank_h - rgap - 0.45,
         f"Physical slots per rank (block_size {block_size}): token stored, slot number below",
     )
     return fig
 
 
 def transfer_figure(
-    seq_len: int = 16, block_size: int = 16, dcp_size: int = 4, interleaves: Sequence[int] = (1, 16)
+    seq_len: int = 16, block_size: int = 16, dcp: int = 4, interleaves: Sequence[int] = (1, 16)
 ):
     """One panel per interleave: each rank's blocks as bars of ``block_size`` slots, filled part
     coloured, empty part hatched (shipped whole in P/D transfer), unsent blocks omitted."""
     fig, axes = figure(
-        1, len(interleaves), figsize=(3.1 * len(interleaves), 0.55 * dcp_size + 1.3), sharey=True
+        1, len(interleaves), figsize=(3.1 * len(interleaves), 0.55 * dcp + 1.3), sharey=True
     )
-    plans = [transfer_plan(seq_len, block_size, dcp_size, inter) for inter in interleaves]
+    plans = [transfer_plan(seq_len, block_size, dcp, inter) for inter in interleaves]
     most = max(len(b) for plan in plans for b in plan.blocks_sent)
     for ax, inter, plan in zip(axes, interleaves, plans):
         for r, blocks in enumerate(plan.blocks_sent):
@@ -195,7 +195,7 @@ def transfer_figure(
                     fontsize=9.5,
                     bbox={"boxstyle": "round,pad=0.2", "facecolor": "white", "edgecolor": "none"},
                 )
-        ax.set_yticks(range(dcp_size), [f"rank {r}" for r in range(dcp_size)])
+        ax.set_yticks(range(dcp), [f"rank {r}" for r in range(dcp)])
         ax.set_xlim(0, most * (block_size + 2) - 2)
         ax.set_xticks([])
         ax.set_xlabel(f"blocks sent, whole (tokens / {block_size} slots)")
@@ -212,7 +212,7 @@ def transfer_figure(
 def waste_figure(
     max_len: int = 4096,
     block_size: int = 16,
-    dcp_size: int = 4,
+    dcp: int = 4,
     interleaves: Sequence[int] = (1, 4, 16),
 ):
     """Wasted fraction of P/D transfer bytes vs sequence length, per interleave, and without DCP."""
@@ -221,8 +221,8 @@ def waste_figure(
     for i, inter in enumerate(interleaves):
         ax.plot(
             lens,
-            [transfer_plan(n, block_size, dcp_size, inter).waste for n in lens],
-            label=f"DCP {dcp_size}, interleave {inter}",
+            [transfer_plan(n, block_size, dcp, inter).waste for n in lens],
+            label=f"DCP {dcp}, interleave {inter}",
             color=rank_color(i),
             linewidth=2.2,
         )
@@ -235,7 +235,7 @@ def waste_figure(
         label="no DCP",
     )
     ax.set_xscale("log", base=2)
-    article = transfer_plan(block_size, block_size, dcp_size, 1).waste
+    article = transfer_plan(block_size, block_size, dcp, 1).waste
     ax.plot([block_size], [article], "o", color="black")
     ax.annotate(  # above the curves: past block_size tokens they all stay below 0.8
         f"{block_size} tokens, interleave 1: {article:.0%} wasted",

@@ -20,7 +20,7 @@ from cpbook.costmodel import (
     kv_bytes_per_token_per_gpu,
     max_context_tokens,
 )
-from cpbook.viz import PALETTE, figure
+from cpbook.viz.style import PALETTE, figure, tokens_label
 
 __all__ = ["kv_memory_vs_context", "per_gpu_kv_bars", "max_context_bars", "rejection_reason"]
 
@@ -69,7 +69,7 @@ def kv_memory_vs_context(
     ax.set_ylabel("KV cache of one request (GB)", fontsize=10.5)
     ax.set_title(f"KV cache of one request ({kv_dtype}, all layers)", fontsize=11)
     ticks = [2**k for k in range(10, 21, 2)]
-    ax.set_xticks(ticks, [f"{t // 1024}K" if t < 2**20 else "1M" for t in ticks])
+    ax.set_xticks(ticks, [tokens_label(t) for t in ticks])
     ax.tick_params(labelsize=10)
     ax.legend(
         loc="upper center",

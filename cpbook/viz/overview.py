@@ -7,24 +7,17 @@ dpi (726 px), so they render at 95 % or more, with no text smaller than 9.5 pt.
 
 from __future__ import annotations
 
-import matplotlib.colors as mcolors
 import torch
 from matplotlib.patches import FancyArrowPatch, Rectangle
 
 from cpbook.core.attention import dense_attention
 from cpbook.demos.ch01_merge import merge_problem
-from cpbook.viz import figure, rank_color
+from cpbook.viz.style import figure, ink, rank_color
 
 __all__ = ["cp_map", "lse_merge"]
 
 SMALL = 9.5  # the smallest font size in these figures (pt)
 WIDTH = 6.6  # inches
-
-
-def _ink(color: str) -> str:
-    """Black or white, whichever reads better on ``color``."""
-    r, g, b = mcolors.to_rgb(color)
-    return "black" if 0.2126 * r + 0.7152 * g + 0.0722 * b > 0.45 else "white"
 
 
 def _row(ax, y: float, owners: list[int], label: str) -> None:
@@ -38,7 +31,7 @@ def _row(ax, y: float, owners: list[int], label: str) -> None:
             ha="center",
             va="center",
             fontsize=10,
-            color=_ink(rank_color(r)),
+            color=ink(rank_color(r)),
         )
     ax.text(-0.4, y + 0.4, label, ha="right", va="center", fontsize=10.5)
 
@@ -129,7 +122,7 @@ def lse_merge(
                 ha="center",
                 va="center",
                 fontsize=SMALL,
-                color=_ink(rank_color(r)),
+                color=ink(rank_color(r)),
             )
         lo, hi = (xs[0], xs[-1] + 0.86) if xs else (gap * r + len(s), gap * r + len(s) + 0.86)
         spans.append((lo, hi))

@@ -11,7 +11,7 @@ from matplotlib.patches import Arc, Patch, Rectangle
 
 from cpbook.core.groups import RankGrid
 from cpbook.pcp.zigzag import PCPPartition, causal_work, pcp_partition
-from cpbook.viz import PALETTE, figure, rank_color
+from cpbook.viz.style import PALETTE, figure, ink, rank_color
 
 __all__ = [
     "causal_ownership_figure",
@@ -31,12 +31,6 @@ _LABELS = {"contiguous": "contiguous", "zigzag": "zigzag (DualChunkSwap)", "stri
 _LAYOUT_COLOR = {"contiguous": PALETTE[5], "zigzag": PALETTE[0], "striped": PALETTE[1]}
 
 
-def _ink(color: str) -> str:
-    """Black or white, whichever reads better on ``color`` (the rule of :mod:`cpbook.viz.dcp`)."""
-    r, g, b = mcolors.to_rgb(color)
-    return "black" if 0.299 * r + 0.587 * g + 0.114 * b > 0.55 else "white"
-
-
 def _owners(part: PCPPartition) -> np.ndarray:
     """Owner rank of every position of a single-request partition (padding included)."""
     own = np.empty(sum(part.padded_lens), dtype=int)
@@ -47,14 +41,14 @@ def _owners(part: PCPPartition) -> np.ndarray:
 
 def causal_ownership_figure(
     seq_len: int = 16,
-    pcp_size: int = 2,
+    pcp: int = 2,
     layouts: Sequence[str] = ("contiguous", "zigzag", "striped"),
 ):
     """The causal score matrix of one prompt, each computed cell coloured by the rank that owns
     its query; panel titles give each rank's exact work and the straggler factor max/mean."""
     fig, axes = figure(1, len(layouts), figsize=(_WIDTH, 0.75 * _WIDTH / len(layouts) + 1.8))
     for ax, layout in zip(np.atleast_1d(axes), layouts):
-        part = pcp_partition(seq_len, pcp_size, layout)
+        part = pcp_partition(seq_len, pcp, layout)
         own = _owners(part)[:seq_len]
         img = np.ones((seq_len, seq_len, 4))
         img[:] = mcolors.to_rgba(_MASKED)
@@ -73,34 +67,34 @@ def causal_ownership_figure(
             f"{max(work) / (sum(work) / len(work)):.2f}",
             fontsize=10,
         )
-    handles = [Patch(color=rank_color(r), label=f"rank {r}") for r in range(pcp_size)]
-    fig.legend(handles=handles, loc="outside lower center", ncol=pcp_size)
+    handles = [Patch(color=rank_color(r), label=f"rank {r}") for r in range(pcp)]
+    fig.legend(handles=handles, loc="outside lower center", ncol=pcp)
     fig.suptitle(
-        f"{seq_len} tokens on {pcp_size} ranks: cell (q, k) is computed by the owner of query q",
+        f"{seq_len} tokens on {pcp} ranks: cell (q, k) is computed by the owner of query q",
         fontsize=11,
     )
     return fig
 
 
-def work_figure(seq_len: int = 5040, pcp_size: int = 4, max_pcp: int = 10):
+def work_figure(seq_len: int = 5040, pcp: int = 4, max_pcp: int = 10):
     """Left: each rank's causal work relative to the mean, per layout.  Right: the straggler
     factor max/mean against the number of ranks (the step waits for the busiest rank)."""
     fig, (left, right) = figure(1, 2, figsize=(_WIDTH, 3.7))
     layouts = ("contiguous", "zigzag", "striped")
     width = 0.8 / len(layouts)
     for i, layout in enumerate(layouts):
-        w = np.array(causal_work(seq_len, pcp_size, layout), dtype=float)
+        w = np.array(causal_work(seq_len, pcp, layout), dtype=float)
         left.bar(
-            np.arange(pcp_size) + (i - 1) * width,
+            np.arange(pcp) + (i - 1) * width,
             w / w.mean(),
             width,
             color=_LAYOUT_COLOR[layout],
             label=_LABELS[layout],
         )
     left.axhline(1.0, color="black", lw=0.8)
-    left.set_xticks(range(pcp_size), [f"rank {r}" for r in range(pcp_size)])
+    left.set_xticks(range(pcp), [f"rank {r}" for r in range(pcp)])
     left.set_ylabel("causal pairs / mean")
-    left.set_title(f"{seq_len:,} tokens on {pcp_size} ranks")
+    left.set_title(f"{seq_len:,} tokens on {pcp} ranks")
     ks = np.arange(1, max_pcp + 1)
     for i, layout in enumerate(layouts):
         f = [max(w) / (sum(w) / k) for k in ks for w in [causal_work(seq_len, int(k), layout)]]
@@ -115,11 +109,11 @@ def work_figure(seq_len: int = 5040, pcp_size: int = 4, max_pcp: int = 10):
     return fig
 
 
-def dual_chunk_swap_figure(pcp_size: int = 3, chunk_size: int = 4):
-    """DualChunkSwap on one prompt of ``2·pcp_size`` chunks of ``chunk_size`` tokens.  Left: each
+def dual_chunk_swap_figure(pcp: int = 3, chunk_size: int = 4):
+    """DualChunkSwap on one prompt of ``2·pcp`` chunks of ``chunk_size`` tokens.  Left: each
     chunk's causal cost in sequence order, coloured by its rank, the pairs joined by arcs.
     Right: each rank's head chunk plus tail chunk, the same total for every rank."""
-    k, c = pcp_size, chunk_size
+    k, c = pcp, chunk_size
     n = 2 * k
     cost = [j * c * c + c * (c + 1) // 2 for j in range(n)]
     owner = [j if j < k else n - 1 - j for j in range(n)]
@@ -133,8 +127,15 @@ def dual_chunk_swap_figure(pcp_size: int = 3, chunk_size: int = 4):
         h = 0.06 * max(cost) * (1 + w)
         arc = Arc((k - 0.5, top), w, 2 * h, theta1=0, theta2=180, color=rank_color(r), lw=2)
         left.add_patch(arc)
-        left.text(k - 0.5, top + h, f"rank {r}", ha="center", va="center", fontsize=10,
-                  bbox={"fc": "white", "ec": "none", "pad": 1})
+        left.text(
+            k - 0.5,
+            top + h,
+            f"rank {r}",
+            ha="center",
+            va="center",
+            fontsize=10,
+            bbox={"fc": "white", "ec": "none", "pad": 1},
+        )
     left.set_ylim(0, top + 0.06 * max(cost) * n + 0.1 * max(cost))
     left.set_xticks(range(n), [f"{j}" for j in range(n)])
     left.set_xlabel(f"chunk j ({c} tokens each), in sequence order")
@@ -147,8 +148,15 @@ def dual_chunk_swap_figure(pcp_size: int = 3, chunk_size: int = 4):
         right.bar(r, head, 0.7, color=rank_color(r), alpha=0.45, edgecolor=rank_color(r))
         right.bar(r, tail, 0.7, bottom=head, color=rank_color(r), edgecolor="white")
         right.text(r, head / 2, str(head), ha="center", va="center", fontsize=10)
-        right.text(r, head + tail / 2, str(tail), ha="center", va="center", fontsize=10,
-                   color=_ink(rank_color(r)))
+        right.text(
+            r,
+            head + tail / 2,
+            str(tail),
+            ha="center",
+            va="center",
+            fontsize=10,
+            color=ink(rank_color(r)),
+        )
     right.axhline(total, color="black", lw=0.8, ls="--")
     right.text(k - 0.6, total * 1.02, f"{total} pairs", ha="right", va="bottom", fontsize=10)
     right.set_xticks(range(k), [f"rank {r}\n{r} + {n - 1 - r}" for r in range(k)])
@@ -162,7 +170,7 @@ def dual_chunk_swap_figure(pcp_size: int = 3, chunk_size: int = 4):
 def partition_figure(part: PCPPartition):
     """Top: every request in sequence order, each token coloured by its owner (grey: padding).
     Bottom: each rank's local rows in the order it holds them, labelled with positions."""
-    n_req, p = len(part.seq_lens), part.pcp_size
+    n_req, p = len(part.seq_lens), part.pcp
     rows = n_req + p
     width = max(max(part.padded_lens), part.tokens_per_rank)
     # cells as wide as the page allows (beside ~1.6 in of row labels), at most 0.5 in
@@ -177,7 +185,7 @@ def partition_figure(part: PCPPartition):
 
     def cell(x: float, y: float, color: str, text: str) -> None:
         ax.add_patch(Rectangle((x, y), 1, 0.8, facecolor=color, edgecolor="white", lw=1.5))
-        ax.text(x + 0.5, y + 0.4, text, ha="center", va="center", fontsize=fs, color=_ink(color))
+        ax.text(x + 0.5, y + 0.4, text, ha="center", va="center", fontsize=fs, color=ink(color))
 
     labels = []
     for i, (n, padded) in enumerate(zip(part.seq_lens, part.padded_lens)):
@@ -233,7 +241,7 @@ def rank_grid_figure(
                 ha="center",
                 va="center",
                 fontsize=12,
-                color=_ink(rank_color(g)),
+                color=ink(rank_color(g)),
                 weight="bold",
             )
         ax.set_xlim(-0.1, tp)

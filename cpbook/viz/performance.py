@@ -12,27 +12,34 @@ from typing import Mapping, Sequence
 from matplotlib.ticker import FuncFormatter
 
 from cpbook import costmodel as cm
-from cpbook.viz import PALETTE, figure
+from cpbook.viz.style import PALETTE, figure, plain_label, tokens_label
 
 __all__ = ["capacity_boundary", "layouts_vs_context", "parity"]
 
-_PLAIN = FuncFormatter(lambda v, _p: f"{v:g}")
-_TOKENS = FuncFormatter(
-    lambda t, _p: f"{t / 2**20:g}M" if t >= 2**20 else f"{t / 1024:g}K" if t >= 1024 else f"{t:g}"
-)
+_PLAIN = FuncFormatter(plain_label)
+_TOKENS = FuncFormatter(tokens_label)
 
 
-def capacity_boundary(model: cm.ModelSpec, gpus: Sequence[str], utils: Sequence[float],
-                      target: int = 2**20):
+def capacity_boundary(
+    model: cm.ModelSpec, gpus: Sequence[str], utils: Sequence[float], target: int = 2**20
+):
     """Longest single request (tokens) against ``gpu_memory_utilization``, one panel per GPU,
     one line per (KV dtype, DCP) on TP 8; the ``target`` line marks the claim."""
     fig, axes = figure(ncols=len(gpus), figsize=(7.2, 3.5), sharey=True)
-    styles = {("bf16", 1): (PALETTE[7], "o", "-"), ("fp8", 1): (PALETTE[1], "s", "-"),
-              ("bf16", 8): (PALETTE[0], "^", "--"), ("fp8", 8): (PALETTE[2], "v", "--")}
+    styles = {
+        ("bf16", 1): (PALETTE[7], "o", "-"),
+        ("fp8", 1): (PALETTE[1], "s", "-"),
+        ("bf16", 8): (PALETTE[0], "^", "--"),
+        ("fp8", 8): (PALETTE[2], "v", "--"),
+    }
     for ax, g in zip(axes, gpus):
         for (kv, dcp), (c, mk, ls) in styles.items():
-            ys = [cm.layout_max_context(model, cm.GPUS[g], cm.Layout(tp=8, dcp=dcp), kv,
-                                        gpu_memory_utilization=u) for u in utils]
+            ys = [
+                cm.layout_max_context(
+                    model, cm.GPUS[g], cm.Layout(tp=8, dcp=dcp), kv, gpu_memory_utilization=u
+                )
+                for u in utils
+            ]
             ax.plot(utils, ys, color=c, marker=mk, ls=ls, label=f"{kv} KV, DCP {dcp}")
         ax.axhline(target, color=PALETTE[5], lw=1.5)
         ax.text(utils[0], target * 1.08, "1M tokens", color=PALETTE[5], fontsize=10)
@@ -46,8 +53,13 @@ def capacity_boundary(model: cm.ModelSpec, gpus: Sequence[str], utils: Sequence[
     return fig
 
 
-def layouts_vs_context(model: cm.ModelSpec, gpu: cm.GPUSpec, layouts: Sequence[cm.Layout],
-                       contexts: Sequence[int], batch: int = 1):
+def layouts_vs_context(
+    model: cm.ModelSpec,
+    gpu: cm.GPUSpec,
+    layouts: Sequence[cm.Layout],
+    contexts: Sequence[int],
+    batch: int = 1,
+):
     """TTFT (left) and TPOT at ``batch`` requests (right) against context, one line per
     layout; layouts whose weights or KV do not fit are left out at that context."""
     fig, (a, b) = figure(ncols=2, figsize=(7.2, 3.2))
@@ -85,16 +97,22 @@ def parity(rows: Sequence[Mapping], train: Sequence[Mapping] = ()):
     kinds = {"decode_step": PALETTE[0], "chunked_prefill": PALETTE[2], "pcp_prefill": PALETTE[5]}
     for group, filled in ((train, False), (rows, True)):
         for k, c in kinds.items():
-            pts = [(r["measured_ms"], r["predicted_ms"]) for r in group
-                   if r["config"].startswith(k)]
+            pts = [
+                (r["measured_ms"], r["predicted_ms"]) for r in group if r["config"].startswith(k)
+            ]
             if pts:
                 xs, ys = zip(*pts)
-                ax.scatter(xs, ys, s=28, color=c if filled else "none", edgecolors=c,
-                           label=f"{k} ({'held out' if filled else 'fit'})")
+                ax.scatter(
+                    xs,
+                    ys,
+                    s=28,
+                    color=c if filled else "none",
+                    edgecolors=c,
+                    label=f"{k} ({'held out' if filled else 'fit'})",
+                )
     lo, hi = 2.0, 8000.0
     ax.plot([lo, hi], [lo, hi], color="black", lw=1)
-    ax.fill_between([lo, hi], [lo * 0.8, hi * 0.8], [lo * 1.2, hi * 1.2], color="#DDDDDD",
-                    zorder=0)
+    ax.fill_between([lo, hi], [lo * 0.8, hi * 0.8], [lo * 1.2, hi * 1.2], color="#DDDDDD", zorder=0)
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("measured (ms)")

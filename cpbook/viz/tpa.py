@@ -14,9 +14,7 @@ from matplotlib.patches import FancyBboxPatch
 from matplotlib.ticker import FuncFormatter, NullLocator
 
 from cpbook import costmodel as cm
-from cpbook.viz import PALETTE, figure
-from cpbook.viz import legible as _legible
-from cpbook.viz import tokens_label as _tokens
+from cpbook.viz.style import PALETTE, figure, legible, plain_label, tokens_label
 
 __all__ = ["tpa_dataflow", "measured_decode", "modelled_decode", "break_even_sensitivity"]
 
@@ -27,12 +25,12 @@ MODE_STYLE = {  # mode -> (label, colour, marker)
 }
 ARTICLE = {131072: "article: 128K", 4096: "article: 4K"}
 _COMPUTE, _COLLECTIVE, _NONE = "#DCEBF7", "#FBE3C4", "#F2F2F2"
-_PLAIN = FuncFormatter(lambda v, _p: f"{v:g}")  # 20, not 2 x 10^1
-_PLAIN_25 = FuncFormatter(lambda v, _p: f"{v:g}" if f"{v:g}"[0] in "25" else "")
+_PLAIN = FuncFormatter(plain_label)  # 20, not 2 x 10^1
+_PLAIN_25 = FuncFormatter(lambda v, _p: plain_label(v) if plain_label(v)[0] in "25" else "")
 
 
 def _log_tokens(axis, ticks: Sequence[int]) -> None:
-    axis.set_ticks(list(ticks), [_tokens(t) for t in ticks])
+    axis.set_ticks(list(ticks), [tokens_label(t) for t in ticks])
     axis.set_minor_locator(NullLocator())
 
 
@@ -55,9 +53,9 @@ def _box(ax, x, y, w, h, color, text, dashed=False):
 def tpa_dataflow(std: Mapping[str, Any], tpa: Mapping[str, Any], tp: int, dcp: int):
     """The block on one rank, standard DCP (left) and TPA (right), from two real runs.
 
-    ``std`` / ``tpa`` are rank 0's :func:`cpbook.demos.ch06_tpa.tpa_rank` results (same problem, the two
-    modes); shapes and traced bytes are printed in the boxes.  Drawn for a page column about
-    7 inches wide: data units are roughly inches.
+    ``std`` / ``tpa`` are rank 0's :func:`cpbook.demos.ch06_tpa.tpa_rank` results (same
+    problem, the two modes); shapes and traced bytes are printed in the boxes.  Drawn for a page
+    column about 7 inches wide: data units are roughly inches.
     """
     s, t = std["shapes"], tpa["shapes"]
     h, nh = s["q_proj"][1], s["q_gathered"][1]
@@ -112,7 +110,7 @@ def tpa_dataflow(std: Mapping[str, Any], tpa: Mapping[str, Any], tp: int, dcp: i
     ax.set_xlim(-0.05, x_right + w + 0.05)
     ax.set_ylim(-0.75, top + 0.42)
     ax.axis("off")
-    return _legible(fig)
+    return legible(fig)
 
 
 def _break_even_marks(ax, xs: Mapping[str, float | None], top: bool = False) -> None:
@@ -126,7 +124,7 @@ def _break_even_marks(ax, xs: Mapping[str, float | None], top: bool = False) -> 
         ax.text(
             x * (1.1 if right else 1 / 1.1),
             0.97 if top else 0.03,
-            f"break-even\n{_tokens(x)}",
+            f"break-even\n{tokens_label(x)}",
             transform=ax.get_xaxis_transform(),
             ha="left" if right else "right",
             va="top" if top else "bottom",
@@ -158,7 +156,7 @@ def measured_decode(records: Sequence[Mapping[str, Any]]):
         ax.set_ylabel("ms per decode step\n(slowest rank)")
         ax.set_title(f"{n} ranks, gloo, one attention block")
         ax.legend(loc="lower right", fontsize=10)
-    return _legible(fig)
+    return legible(fig)
 
 
 def modelled_decode(
@@ -200,14 +198,14 @@ def modelled_decode(
             b.barh(i, v, left=left, color=color, label=name if i == 0 else None, edgecolor="white")
             left += v
         b.text(left + 1, i, f"{left:.0f}", va="center", fontsize=10)
-        labels.append(f"{_tokens(c)}: {MODE_STYLE[mode][0]}")
+        labels.append(f"{tokens_label(c)}: {MODE_STYLE[mode][0]}")
     b.set_yticks(range(len(labels)), labels, fontsize=10)
     b.set_ylim(len(labels) - 0.5, -1.5)
     b.set_xlabel("µs per layer and step")
     b.grid(axis="y", visible=False)
     b.legend(loc="upper center", fontsize=10, ncol=3, bbox_to_anchor=(0.5, 1.0))
     b.set_title("Where the time goes")
-    return _legible(fig)
+    return legible(fig)
 
 
 def _article_lines(ax, labelled: bool) -> None:
@@ -228,7 +226,7 @@ def _article_lines(ax, labelled: bool) -> None:
             )
     ax.set_yscale("log")
     ticks = [1024, 4096, 16384, 65536, 262144, 2**20, 2**22]
-    ax.set_yticks(ticks, [_tokens(t) for t in ticks])
+    ax.set_yticks(ticks, [tokens_label(t) for t in ticks])
     ax.yaxis.set_minor_locator(NullLocator())
 
 
@@ -255,7 +253,7 @@ def _sweep(
         ax.set_xscale("log")
         ax.set_xticks(ticks)
         ax.xaxis.set_minor_locator(NullLocator())
-        ax.xaxis.set_major_formatter(FuncFormatter(fmt or (lambda v, _p: f"{v:g}")))
+        ax.xaxis.set_major_formatter(FuncFormatter(fmt or plain_label))
     ax.set_xlabel(xlabel)
 
 
@@ -349,4 +347,4 @@ def break_even_sensitivity(model: cm.ModelSpec, gpu: cm.GPUSpec, base: Mapping[s
         ax.set_ylabel("break-even context")
     a.set_ylim(700, 6 * 2**20)
     b.legend(loc="upper right", fontsize=10)
-    return _legible(fig)
+    return legible(fig)

@@ -6,11 +6,12 @@ from __future__ import annotations
 import html
 
 from cpbook.dcp.decode import decode_comm_bytes
+from cpbook.viz.style import BLUE, GREEN, ORANGE, PURPLE
 from cpbook.widgets.explorer import Control, Explorer
 
 __all__ = ["comm_bars_html", "comm_explorer"]
 
-_COLOURS = {"all_gather": "#0072B2", "reduce_scatter": "#E69F00", "all_to_all": "#009E73"}
+_COLOURS = {"all_gather": BLUE, "reduce_scatter": ORANGE, "all_to_all": GREEN}
 # what each call of ``decode_comm_bytes`` carries, in call order
 _NAMES = {
     "ag_rs": ["AllGather Q", "AllGather LSE", "ReduceScatter out"],
@@ -42,7 +43,7 @@ def comm_bars_html(
     names = _NAMES[dcp_comm_backend]
     rows = [(f"{i + 1}. {names[i]}", n, _COLOURS[op]) for i, (op, n) in enumerate(calls)]
     sent = sum(n for _, n in calls)
-    rows += [("sent, total", sent, "#555555"), ("KV read", kv, "#CC79A7")]
+    rows += [("sent, total", sent, "#555555"), ("KV read", kv, PURPLE)]
     scale = scale or max(n for _, n, _ in rows)
     out = [
         '<div style="display:grid;grid-template-columns:auto 1fr;gap:.2em .6em;'

@@ -6,14 +6,12 @@ from __future__ import annotations
 from typing import Sequence
 
 from cpbook.dynamic.router import Router
-from cpbook.dynamic.simulator import Cluster, make_workload, simulate
+from cpbook.dynamic.simulator import Cluster, simulate
+from cpbook.dynamic.workload import make_workload
+from cpbook.viz.style import tokens_label
 from cpbook.widgets.explorer import Control, Explorer, pre
 
 __all__ = ["routing_explorer"]
-
-
-def _tokens(n: int) -> str:
-    return f"{n // 1024}K"
 
 
 def routing_explorer(
@@ -38,7 +36,7 @@ def routing_explorer(
             else Router([threshold], [1, 8], tpa=True, capacity_tokens=cap)
         )
         dyn = simulate(cluster, loads[rate], "dynamic_cp_tpa", router)
-        where = "the modelled break-even" if threshold is None else _tokens(threshold)
+        where = "the modelled break-even" if threshold is None else tokens_label(threshold)
         lines = [
             f"DCP + TPA routed at {where}, {rate:g} req/s, {num_requests:,} requests",
             "                on CP  TPOT p50  TPOT p99  TTFT p99  rejected",
@@ -51,7 +49,7 @@ def routing_explorer(
             )
         return pre("\n".join(lines))
 
-    names = ["modelled" if t is None else _tokens(t) for t in thresholds]
+    names = ["modelled" if t is None else tokens_label(t) for t in thresholds]
     return Explorer(
         render,
         {

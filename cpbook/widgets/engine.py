@@ -10,25 +10,28 @@ from __future__ import annotations
 import html
 from typing import Sequence
 
-from cpbook.engine.engine import Engine, engine_config, make_prompts
+from cpbook.engine.engine import Engine, make_prompts
 from cpbook.engine.models import TinyModel, reference_generate
-from cpbook.viz.engine import KIND_COLORS
+from cpbook.viz.engine import KIND_COLORS, KIND_NAMES, PREEMPT_COLOR, WAIT_COLOR
 from cpbook.widgets.explorer import Explorer, explorer, pre
 
 __all__ = ["run_with_arrivals", "timeline_html", "timeline_explorer"]
 
-_WAIT, _PREEMPT = "#EEEEEE", "#D55E00"
-_NAMES = {"prefill": "prefill", "chunked_prefill": "chunked prefill", "decode": "decode"}
 
-
-def run_with_arrivals(model: str, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
-                      num_kv_blocks: int, max_num_batched_tokens: int, first: int = 4,
-                      late_step: int = 6) -> tuple[Engine, list[str], dict[str, int]]:
+def run_with_arrivals(
+    model: str,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    *,
+    num_kv_blocks: int,
+    max_num_batched_tokens: int,
+    first: int = 4,
+    late_step: int = 6,
+) -> tuple[Engine, list[str], dict[str, int]]:
     """Serve ``prompts`` on one rank: ``prompts[:first]`` arrive at step 1, the rest at step
     ``late_step``; step until all finish.  Returns the engine, the request ids in prompt order
     and each request's arrival step."""
-    eng = Engine(model, engine_config(model), num_kv_blocks=num_kv_blocks,
-                 max_num_batched_tokens=max_num_batched_tokens)
+    eng = Engine(model, num_kv_blocks=num_kv_blocks, max_num_batched_tokens=max_num_batched_tokens)
     ids = [eng.add_request(p, max_new_tokens) for p in prompts[:first]]
     arrivals = dict.fromkeys(ids, 1)
     while eng.has_unfinished or len(ids) < len(prompts):
@@ -45,13 +48,12 @@ _STYLE = (
     "<style>.cpt i{display:inline-block;width:12px;height:15px;margin-right:1px;"
     "vertical-align:middle}"
     + "".join(f".cpt i.{c}{{background:{KIND_COLORS[k]}}}" for k, c in _KIND_CLASS.items())
-    + f".cpt i.w{{background:{_WAIT}}}.cpt i.x{{outline:2px solid {_PREEMPT};"
+    + f".cpt i.w{{background:{WAIT_COLOR}}}.cpt i.x{{outline:2px solid {PREEMPT_COLOR};"
     "outline-offset:-2px}.cpt b{display:inline-block;width:3.2em;font-weight:400}</style>"
 )
 
 
-def timeline_html(history: Sequence, request_ids: Sequence[str],
-                  arrivals: dict[str, int]) -> str:
+def timeline_html(history: Sequence, request_ids: Sequence[str], arrivals: dict[str, int]) -> str:
     """The run as an HTML grid: a cell per (request, step) coloured by the work it got
     (colours of :func:`cpbook.viz.engine.timeline_figure`), waiting light grey, a preemption
     outlined; the grid scrolls sideways inside its box, never widening the page."""
@@ -67,18 +69,28 @@ def timeline_html(history: Sequence, request_ids: Sequence[str],
             cls += " x" if rid in rec.preempted else ""
             rows[rid].append(f'<i class="{cls}"></i>')
         done |= set(rec.finished)
-    lines = "".join(f'<div style="white-space:nowrap;line-height:17px"><b>req '
-                    f'{html.escape(rid)}</b>{"".join(cells)}</div>'
-                    for rid, cells in rows.items())
-    legend = " ".join(f'<i class="{c}"></i> {_NAMES[k]}' for k, c in _KIND_CLASS.items())
+    lines = "".join(
+        f'<div style="white-space:nowrap;line-height:17px"><b>req '
+        f"{html.escape(rid)}</b>{''.join(cells)}</div>"
+        for rid, cells in rows.items()
+    )
+    legend = " ".join(f'<i class="{c}"></i> {KIND_NAMES[k]}' for k, c in _KIND_CLASS.items())
     legend += ' <i class="w"></i> waiting <i class="w x"></i> preempted'
-    return (f'{_STYLE}<div class="cpt" style="overflow-x:auto;font-size:.8em;'
-            f'font-family:monospace">{lines}<div style="margin-top:.3em">{legend}</div></div>')
+    return (
+        f'{_STYLE}<div class="cpt" style="overflow-x:auto;font-size:.8em;'
+        f'font-family:monospace">{lines}<div style="margin-top:.3em">{legend}</div></div>'
+    )
 
 
-def timeline_explorer(model: str = "tiny-mla", budgets: Sequence[int] = (8, 16, 24, 32),
-                      num_kv_blocks: Sequence[int] = (20, 32, 64), num_prompts: int = 7,
-                      max_new_tokens: int = 6, seed: int = 0, **value) -> Explorer:
+def timeline_explorer(
+    model: str = "tiny-mla",
+    budgets: Sequence[int] = (8, 16, 24, 32),
+    num_kv_blocks: Sequence[int] = (20, 32, 64),
+    num_prompts: int = 7,
+    max_new_tokens: int = 6,
+    seed: int = 0,
+    **value,
+) -> Explorer:
     """Token budget × KV blocks: every state a real run of the same ``num_prompts`` prompts
     (four at step 1, the rest at step 6), its timeline, and its counts and exactness."""
     prompts = make_prompts(num_prompts, seed=seed)
@@ -87,14 +99,20 @@ def timeline_explorer(model: str = "tiny-mla", budgets: Sequence[int] = (8, 16, 
 
     def render(budget: int, blocks: int) -> tuple[str, str]:
         eng, ids, arrivals = run_with_arrivals(
-            model, prompts, max_new_tokens, num_kv_blocks=blocks, max_num_batched_tokens=budget)
+            model, prompts, max_new_tokens, num_kv_blocks=blocks, max_num_batched_tokens=budget
+        )
         exact = all(list(eng.output(i).tokens) == r for i, r in zip(ids, refs))
-        text = (f"budget {budget} tokens/step, {blocks} KV blocks: {len(eng.history)} steps, "
-                f"{eng.scheduler.num_preemptions} preemption(s),\n"
-                f"{eng.prefix_hit_tokens} prefix-hit tokens; tokens == reference: {exact}")
+        text = (
+            f"budget {budget} tokens/step, {blocks} KV blocks: {len(eng.history)} steps, "
+            f"{eng.scheduler.num_preemptions} preemption(s),\n"
+            f"{eng.prefix_hit_tokens} prefix-hit tokens; tokens == reference: {exact}"
+        )
         return timeline_html(eng.history, ids, arrivals), pre(text)
 
-    return explorer(render, {"budget": list(budgets), "blocks": list(num_kv_blocks)},
-                    value={"budget": 24, "blocks": 32, **value},
-                    caption="Move the token budget and the number of KV blocks: each state "
-                            "is a real run of the engine on one rank.")
+    return explorer(
+        render,
+        {"budget": list(budgets), "blocks": list(num_kv_blocks)},
+        value={"budget": 24, "blocks": 32, **value},
+        caption="Move the token budget and the number of KV blocks: each state "
+        "is a real run of the engine on one rank.",
+    )

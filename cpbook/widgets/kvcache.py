@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from cpbook.kv.layout import num_virtual_blocks, slot_mapping, token_owner
-from cpbook.viz import rank_color
+from cpbook.viz.style import rank_color
 from cpbook.widgets.explorer import Control, Explorer, pre
 
 __all__ = ["layout_explorer", "layout_html", "slot_summary"]
@@ -27,14 +27,12 @@ def _runs(values: list[int], limit: int = 4) -> str:
 
 
 def slot_summary(
-    seq_len: int, dcp_size: int, interleave: int, block_size: int, block_table: list[int]
+    seq_len: int, dcp: int, interleave: int, block_size: int, block_table: list[int]
 ) -> str:
     """One line per rank (tokens held, positions, slots), then where D20 and D27 land."""
     lines = []
-    for r in range(dcp_size):
-        slots = slot_mapping(
-            torch.arange(seq_len), block_table, block_size, dcp_size, r, interleave
-        )
+    for r in range(dcp):
+        slots = slot_mapping(torch.arange(seq_len), block_table, block_size, dcp, r, interleave)
         held = torch.nonzero(slots >= 0).flatten().tolist()
         mine = slots[slots >= 0].tolist()
         lines.append(
@@ -42,8 +40,8 @@ def slot_summary(
         )
     for p in (20, 27):
         if p < seq_len:
-            r = int(token_owner(torch.tensor([p]), dcp_size, interleave))
-            s = slot_mapping([p], block_table, block_size, dcp_size, r, interleave).item()
+            r = int(token_owner(torch.tensor([p]), dcp, interleave))
+            s = slot_mapping([p], block_table, block_size, dcp, r, interleave).item()
             lines.append(f"D{p} -> rank {r}, slot {s}")
     return "\n".join(lines)
 
@@ -74,7 +72,7 @@ def _grid(cells: list[str], columns: int) -> str:
 
 def layout_html(
     seq_len: int,
-    dcp_size: int,
+    dcp: int,
     interleave: int,
     block_size: int,
     block_table: list[int],
@@ -82,20 +80,18 @@ def layout_html(
 ) -> str:
     """The ownership grid (tokens coloured by owner rank) and each rank's physical slots with
     the token stored in each, as HTML: the picture of ``viz.kvcache.ownership_figure``."""
-    owners = token_owner(torch.arange(seq_len), dcp_size, interleave).tolist()
-    width = min(16, block_size * dcp_size)
+    owners = token_owner(torch.arange(seq_len), dcp, interleave).tolist()
+    width = min(16, block_size * dcp)
     out = [
         _STYLE,
-        f"<p style='margin:.2em 0'>Owner of token p: (p // {interleave}) % {dcp_size}; "
-        f"one block id holds {block_size} × {dcp_size} = {block_size * dcp_size} tokens</p>",
+        f"<p style='margin:.2em 0'>Owner of token p: (p // {interleave}) % {dcp}; "
+        f"one block id holds {block_size} × {dcp} = {block_size * dcp} tokens</p>",
         _grid([_cell(str(p), rank_color(r), p in highlight) for p, r in enumerate(owners)], width),
         f"<p style='margin:.4em 0 .2em'>Physical slots per rank (block ids {block_table}): "
         "token stored, slot number below</p>",
     ]
-    for r in range(dcp_size):
-        slots = slot_mapping(
-            torch.arange(seq_len), block_table, block_size, dcp_size, r, interleave
-        )
+    for r in range(dcp):
+        slots = slot_mapping(torch.arange(seq_len), block_table, block_size, dcp, r, interleave)
         token_at = {int(s): p for p, s in enumerate(slots.tolist()) if s >= 0}
         cells = []
         for b in block_table:
@@ -121,18 +117,18 @@ def layout_explorer(
     The block table is ``first_block, first_block + 1, ...`` (one id per virtual block).
     """
 
-    def render(interleave: int, dcp_size: int) -> str:
-        nb = num_virtual_blocks(seq_len, block_size, dcp_size)
+    def render(interleave: int, dcp: int) -> str:
+        nb = num_virtual_blocks(seq_len, block_size, dcp)
         table = list(range(first_block, first_block + nb))
-        return layout_html(seq_len, dcp_size, interleave, block_size, table) + pre(
-            slot_summary(seq_len, dcp_size, interleave, block_size, table)
+        return layout_html(seq_len, dcp, interleave, block_size, table) + pre(
+            slot_summary(seq_len, dcp, interleave, block_size, table)
         )
 
     return Explorer(
         render,
         {
             "interleave": Control(list(interleaves), label="interleave size"),
-            "dcp_size": Control(list(dcp_sizes), label="DCP size", kind="select"),
+            "dcp": Control(list(dcp_sizes), label="DCP size", kind="select"),
         },
         value=value,
         caption=(

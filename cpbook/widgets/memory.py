@@ -11,16 +11,13 @@ from cpbook.costmodel import (
     kv_bytes_per_token_per_gpu,
     max_context_tokens,
 )
+from cpbook.viz.style import BLUE, VERMILLION, tokens_label
 from cpbook.widgets.explorer import Control, Explorer, pre
 
 __all__ = ["CONTEXTS", "kv_capacity_html", "kv_explorer"]
 
 CONTEXTS = [2**k for k in range(13, 21)]  # 8K .. 1M
-_OK, _OVER = "#0072B2", "#D55E00"
-
-
-def _tokens(n: int) -> str:
-    return f"{n // 2**20}M" if n >= 2**20 else f"{n // 1024}K"
+_OK, _OVER = BLUE, VERMILLION
 
 
 def kv_capacity_html(
@@ -48,7 +45,7 @@ def kv_capacity_html(
     )
     verdict = "fits" if fits else f"does <b>not</b> fit ({share:.1f}× the budget)"
     return (
-        f"{bar}<p>{head}: one {_tokens(tokens)}-token request needs "
+        f"{bar}<p>{head}: one {tokens_label(tokens)}-token request needs "
         f"<b>{per_gpu / GB:.2f} GB</b> of KV per GPU, {100 * share:.0f} % of the "
         f"{budget / GB:.1f} GB KV budget per GPU, so it {verdict}. "
         f"Longest single request: <b>{longest:,}</b> tokens.</p>"
@@ -67,7 +64,7 @@ def kv_explorer(
         lambda model, tokens, dcp: kv_capacity_html(model, tokens, dcp, tp, gpu),
         {
             "model": list(models),
-            "tokens": Control(CONTEXTS, names=[_tokens(t) for t in CONTEXTS], label="context"),
+            "tokens": Control(CONTEXTS, names=[tokens_label(t) for t in CONTEXTS], label="context"),
             "dcp": Control(list(dcps), label="DCP"),
         },
         value=value,

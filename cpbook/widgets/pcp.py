@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from cpbook.pcp.zigzag import PARTITION_LAYOUTS, causal_work, pcp_partition
-from cpbook.widgets.bars import BLUE, GREEN, ORANGE, bar_chart
+from cpbook.viz.style import BLUE, GREEN, ORANGE
+from cpbook.widgets.bars import bar_chart
 from cpbook.widgets.explorer import Control, Explorer, explorer, pre
 
 __all__ = ["PCP_SIZES", "SEQ_LENS", "work_readout", "work_explorer"]
@@ -19,13 +20,18 @@ def work_readout(layout: str, pcp: int, seq_len: int) -> str:
     mean = sum(work) / pcp
     ratios = [w / mean for w in work]
     rows = [(f"rank {r}", [(x, _COLOUR[layout])], f"{x:.3f}") for r, x in enumerate(ratios)]
-    chart = bar_chart(rows, scale=max(2.0, max(ratios)),
-                      title=f"work of each rank / mean: {layout}, PCP = {pcp}, "
-                            f"{seq_len:,} tokens (full track = {max(2.0, max(ratios)):.2f})")
+    chart = bar_chart(
+        rows,
+        scale=max(2.0, max(ratios)),
+        title=f"work of each rank / mean: {layout}, PCP = {pcp}, "
+        f"{seq_len:,} tokens (full track = {max(2.0, max(ratios)):.2f})",
+    )
     pad = pcp_partition(seq_len, pcp, layout).pad
-    text = (f"busiest / mean  {max(ratios):.3f}\n"
-            f"speed-up        {sum(work) / max(work):.2f}x (ideal {pcp}x)\n"
-            f"padding         {pad} rows")
+    text = (
+        f"busiest / mean  {max(ratios):.3f}\n"
+        f"speed-up        {sum(work) / max(work):.2f}x (ideal {pcp}x)\n"
+        f"padding         {pad} rows"
+    )
     return chart + pre(text)
 
 
@@ -33,11 +39,13 @@ def work_explorer() -> Explorer:
     """Split × PCP size × prompt length: 48 precomputed states of :func:`work_readout`."""
     return explorer(
         work_readout,
-        {"layout": Control(PARTITION_LAYOUTS, label="split"),
-         "pcp": Control(PCP_SIZES, label="PCP size"),
-         "seq_len": Control(SEQ_LENS, names=[f"{n:,}" for n in SEQ_LENS],
-                            label="prompt tokens")},
+        {
+            "layout": Control(PARTITION_LAYOUTS, label="split"),
+            "pcp": Control(PCP_SIZES, label="PCP size"),
+            "seq_len": Control(SEQ_LENS, names=[f"{n:,}" for n in SEQ_LENS], label="prompt tokens"),
+        },
         value={"layout": "contiguous", "pcp": 4, "seq_len": 1000},
         caption="Exact causal work per rank, counted by cpbook.pcp.zigzag.causal_work. "
-                "Short prompts show the padding's cost; long ones the limits 2 - 1/K "
-                "(contiguous) and 1 (zigzag, striped).")
+        "Short prompts show the padding's cost; long ones the limits 2 - 1/K "
+        "(contiguous) and 1 (zigzag, striped).",
+    )
