@@ -29,7 +29,12 @@ from cpbook.costmodel.calibration import calibrate, is_validation, load_points
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", action="store_true", help="print JSON lines (the default output)")
-    p.add_argument("--results", type=Path, default=None, help="folder of stored runs (default: the package copies in cpbook/data)")
+    p.add_argument(
+        "--results",
+        type=Path,
+        default=None,
+        help="folder of stored runs (default: the package copies in cpbook/data)",
+    )
     p.add_argument("--cores", type=int, default=2, help="cores of the machine that ran them")
     a = p.parse_args(argv)
     points = load_points(a.results, a.cores)

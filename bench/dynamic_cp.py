@@ -24,7 +24,8 @@ import json
 import sys
 import time
 
-from cpbook.dynamic.simulator import POLICIES, Cluster, make_workload, simulate, sweep
+from cpbook.dynamic.simulator import POLICIES, Cluster, simulate, sweep
+from cpbook.dynamic.workload import make_workload
 from cpbook.timing import machine_record
 
 RATES = (1.0, 2.0, 4.0, 6.0, 8.0)

@@ -13,8 +13,8 @@ Prints, after a ``{"name": "engine_run", "date_utc": ..., "machine": ...}`` line
 * ``{"name": "engine_capacity", "model", "dcp1", "dcp4", "ratio"}`` (target: ratio >= 4);
 * ``{"name": "engine_decode_overhead", "model", "batch": 8, "engine_tokens_per_s",
   "plain_tokens_per_s", "ratio"}``: one rank, 8 requests all decoding, the engine's decode
-  steps against a plain loop of :func:`cpbook.engine.models.reference_forward` (one request at a time,
-  contiguous KV cache) over the same tokens; medians of ``--repeats`` rounds, taken in turns
+  steps against a plain loop of :func:`cpbook.engine.models.reference_forward` (one request at a
+  time, contiguous KV cache) over the same tokens; medians of ``--repeats`` rounds, taken in turns
   (target: ratio >= 0.5).
 
 One intra-op thread (tiny tensors; several threads only contend on a shared CPU).
@@ -36,27 +36,42 @@ from cpbook.engine.models import TinyModel, reference_forward
 from cpbook.timing import machine_record, serve_timing
 
 BLOCKS, LONG = 64, 255
-CONFIGS = [("tiny-gqa", 1, 1, 1), ("tiny-mla", 1, 1, 1), ("tiny-gqa", 4, 1, 1),
-           ("tiny-gqa", 4, 2, 1), ("tiny-mla", 4, 1, 1), ("tiny-mla", 4, 2, 1),
-           ("tiny-mla", 4, 4, 1), ("tiny-mla", 2, 2, 2)]
+CONFIGS = [
+    ("tiny-gqa", 1, 1, 1),
+    ("tiny-mla", 1, 1, 1),
+    ("tiny-gqa", 4, 1, 1),
+    ("tiny-gqa", 4, 2, 1),
+    ("tiny-mla", 4, 1, 1),
+    ("tiny-mla", 4, 2, 1),
+    ("tiny-mla", 4, 4, 1),
+    ("tiny-mla", 2, 2, 2),
+]
 
 
 def capacity(model: str, tp: int, dcp: int, pcp: int) -> int:
-    return max_concurrent_long_requests(engine_config(model, tp, dcp, pcp, block_size=16),
-                                        BLOCKS, LONG)
+    return max_concurrent_long_requests(
+        engine_config(model, tp, dcp, pcp, block_size=16), BLOCKS, LONG
+    )
 
 
-def decode_overhead(model: str, batch: int, prompt_len: int, steps: int,
-                    repeats: int) -> dict[str, float]:
+def decode_overhead(
+    model: str, batch: int, prompt_len: int, steps: int, repeats: int
+) -> dict[str, float]:
     """Median seconds per decode step of ``batch`` requests: engine vs plain reference loop."""
     m = TinyModel.from_name(model)
     gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(m.config.vocab_size, (prompt_len,), generator=gen).tolist()
-               for _ in range(batch)]
+    prompts = [
+        torch.randint(m.config.vocab_size, (prompt_len,), generator=gen).tolist()
+        for _ in range(batch)
+    ]
     eng_t, plain_t = [], []
     for _ in range(repeats + 1):
-        eng = Engine(m, num_kv_blocks=batch * (prompt_len + steps + 8) // 4 + 8,
-                     max_num_batched_tokens=batch * prompt_len, max_num_seqs=batch)
+        eng = Engine(
+            m,
+            num_kv_blocks=batch * (prompt_len + steps + 8) // 4 + 8,
+            max_num_batched_tokens=batch * prompt_len,
+            max_num_seqs=batch,
+        )
         ids = [eng.add_request(p, steps + 1) for p in prompts]
         eng.step()  # every prompt's prefill in one step
         assert all(eng.scheduler.requests[i].prefill_done for i in ids)
@@ -84,24 +99,66 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     print(json.dumps({"name": "engine_run", **machine_record()}), flush=True)
     for model, tp, dcp, pcp in CONFIGS:
-        res = run(serve_timing, tp * pcp, "inline",
-                  {"model": model, "tensor_parallel_size": tp,
-                   "decode_context_parallel_size": dcp, "prefill_context_parallel_size": pcp,
-                   "num_requests": a.requests, "max_new_tokens": 8}, report=False)[0]
-        print(json.dumps({"name": "engine", "model": model, "tp": tp, "dcp": dcp, "pcp": pcp,
-                          "requests": a.requests, "tokens_per_s": round(res["tokens_per_s"], 1),
-                          "max_concurrent_long_requests": capacity(model, tp, dcp, pcp)}),
-              flush=True)
+        res = run(
+            serve_timing,
+            tp * pcp,
+            "inline",
+            {
+                "model": model,
+                "tensor_parallel_size": tp,
+                "decode_context_parallel_size": dcp,
+                "prefill_context_parallel_size": pcp,
+                "num_requests": a.requests,
+                "max_new_tokens": 8,
+            },
+            report=False,
+        )[0]
+        print(
+            json.dumps(
+                {
+                    "name": "engine",
+                    "model": model,
+                    "tp": tp,
+                    "dcp": dcp,
+                    "pcp": pcp,
+                    "requests": a.requests,
+                    "tokens_per_s": round(res["tokens_per_s"], 1),
+                    "max_concurrent_long_requests": capacity(model, tp, dcp, pcp),
+                }
+            ),
+            flush=True,
+        )
     one, four = capacity("tiny-mla", 4, 1, 1), capacity("tiny-mla", 4, 4, 1)
-    print(json.dumps({"name": "engine_capacity", "model": "tiny-mla", "blocks_per_rank": BLOCKS,
-                      "block_size": 16, "request_tokens": LONG + 1, "dcp1": one, "dcp4": four,
-                      "ratio": four / one}), flush=True)
+    print(
+        json.dumps(
+            {
+                "name": "engine_capacity",
+                "model": "tiny-mla",
+                "blocks_per_rank": BLOCKS,
+                "block_size": 16,
+                "request_tokens": LONG + 1,
+                "dcp1": one,
+                "dcp4": four,
+                "ratio": four / one,
+            }
+        ),
+        flush=True,
+    )
     for model in ("tiny-gqa", "tiny-mla"):
         t = decode_overhead(model, 8, 64, 16, a.repeats)
-        print(json.dumps({"name": "engine_decode_overhead", "model": model, "batch": 8,
-                          "engine_tokens_per_s": round(8 / t["engine"], 1),
-                          "plain_tokens_per_s": round(8 / t["plain"], 1),
-                          "ratio": round(t["plain"] / t["engine"], 3)}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "name": "engine_decode_overhead",
+                    "model": model,
+                    "batch": 8,
+                    "engine_tokens_per_s": round(8 / t["engine"], 1),
+                    "plain_tokens_per_s": round(8 / t["plain"], 1),
+                    "ratio": round(t["plain"] / t["engine"], 3),
+                }
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -77,7 +77,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--num-kv-blocks", type=int, default=20, help="KV blocks per rank")
     s.add_argument("--dcp-comm-backend", choices=["ag_rs", "a2a"], default="ag_rs")
     s.add_argument(
-        "--strategy", choices=["auto", "allgather_q", "allgather_kv"], default="auto",
+        "--strategy",
+        choices=["auto", "allgather_q", "allgather_kv"],
+        default="auto",
         help="chunked-prefill strategy (auto: the chapter 5 selector)",
     )
     s.add_argument("--backend", choices=["inline", "torchrun"], default="inline")
@@ -92,38 +94,64 @@ def _parser() -> argparse.ArgumentParser:
 def _serve_lines(res: dict, as_json: bool) -> list[str]:
     """Rank 0's result as JSON lines (one per request, then the summary) or a short table."""
     summary = {
-        "name": "engine_summary", "model": res["model"], "tp": res["tp"], "dcp": res["dcp"],
-        "pcp": res["pcp"], "steps": res["steps"],
+        "name": "engine_summary",
+        "model": res["model"],
+        "tp": res["tp"],
+        "dcp": res["dcp"],
+        "pcp": res["pcp"],
+        "steps": res["steps"],
         "tokens_per_s": round(res["tokens_per_s"], 1),
-        "prefix_hit_tokens": res["prefix_hit_tokens"], "preemptions": res["preemptions"],
+        "prefix_hit_tokens": res["prefix_hit_tokens"],
+        "preemptions": res["preemptions"],
     }
     if as_json:
         lines = [
-            json.dumps({"name": "request", "id": i, "prompt_len": len(p), "tokens": t,
-                        **({"error": e} if e else {})})
+            json.dumps(
+                {
+                    "name": "request",
+                    "id": i,
+                    "prompt_len": len(p),
+                    "tokens": t,
+                    **({"error": e} if e else {}),
+                }
+            )
             for i, (p, t, e) in enumerate(zip(res["prompts"], res["tokens"], res["errors"]))
         ]
         return lines + [json.dumps(summary)]
     lines = [f"{res['model']}  tp={res['tp']} dcp={res['dcp']} pcp={res['pcp']}"]
     for i, (p, t, e) in enumerate(zip(res["prompts"], res["tokens"], res["errors"])):
         lines.append(f"  request {i}: prompt {len(p):3d} tokens -> {e or t}")
-    lines.append(f"  {res['steps']} steps, {summary['tokens_per_s']} tokens/s, prefix hits "
-                 f"{res['prefix_hit_tokens']} tokens, {res['preemptions']} preemptions")
+    lines.append(
+        f"  {res['steps']} steps, {summary['tokens_per_s']} tokens/s, prefix hits "
+        f"{res['prefix_hit_tokens']} tokens, {res['preemptions']} preemptions"
+    )
     return lines
 
 
 def _serve(a: argparse.Namespace) -> int:
 
     engine_config(a.model, a.tp, a.dcp, a.pcp)  # a bad grid fails here, before any process
-    kwargs = dict(model=a.model, tensor_parallel_size=a.tp, decode_context_parallel_size=a.dcp,
-                  prefill_context_parallel_size=a.pcp, dcp_comm_backend=a.dcp_comm_backend,
-                  num_requests=a.requests, max_new_tokens=a.max_new_tokens,
-                  num_kv_blocks=a.num_kv_blocks, strategy=a.strategy, seed=a.seed)
+    kwargs = dict(
+        model=a.model,
+        tensor_parallel_size=a.tp,
+        decode_context_parallel_size=a.dcp,
+        prefill_context_parallel_size=a.pcp,
+        dcp_comm_backend=a.dcp_comm_backend,
+        num_requests=a.requests,
+        max_new_tokens=a.max_new_tokens,
+        num_kv_blocks=a.num_kv_blocks,
+        strategy=a.strategy,
+        seed=a.seed,
+    )
     world = a.tp * a.pcp
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # we are a torchrun worker
         if int(os.environ["WORLD_SIZE"]) != world:
-            raise ConfigError("grid-matches-world", "tp * pcp == world_size",
-                              grid_world_size=world, world_size=int(os.environ["WORLD_SIZE"]))
+            raise ConfigError(
+                "grid-matches-world",
+                "tp * pcp == world_size",
+                grid_world_size=world,
+                world_size=int(os.environ["WORLD_SIZE"]),
+            )
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         ctx = worker_context(pick_backend(world, local), a.timeout)
         res = serve_timing(ctx, **kwargs)

@@ -25,7 +25,8 @@ from cpbook.core.heads import attention_kv_heads, kv_heads_of, q_heads_of, tpa_c
 from cpbook.dcp.tpa import TPABlock, attention_block
 from cpbook.demos.ch05_chunked import chunked_prefill_problem
 from cpbook.engine.engine import serve_rank
-from cpbook.pcp.chunked import chunked_prefill_attention, context_shard
+from cpbook.kv.context import context_shard
+from cpbook.pcp.chunked import chunked_prefill_attention
 from cpbook.pcp.chunked_plan import STRATEGIES
 from cpbook.pcp.prefill import pcp_prefill_attention, pcp_shard
 from cpbook.pcp.ring import RingLayout, ring_attention
@@ -207,7 +208,13 @@ def chunked_prefill_timing(
         def call() -> Any:  # ends at a barrier: the layer is done when every rank is
             with ctx.traced() as comm:
                 res = chunked_prefill_attention(
-                    ql, kl, vl, context, meta, groups, strategy=strategy,
+                    ql,
+                    kl,
+                    vl,
+                    context,
+                    meta,
+                    groups,
+                    strategy=strategy,
                     workspace_size=workspace_size,
                 )
             sent[strategy] = sum(b for _, b in comm)

@@ -12,11 +12,11 @@ from cpbook.core.context import RankContext
 from cpbook.core.groups import make_groups
 from cpbook.core.launch import run
 from cpbook.demos.ch05_chunked import chunked_prefill_rank
+from cpbook.kv.context import context_shard
 from cpbook.pcp.chunked import (
     allgather_kv_attention,
     allgather_q_attention,
     chunked_prefill_attention,
-    context_shard,
 )
 from cpbook.pcp.chunked_plan import STRATEGIES, choose_strategy, chunked_comm_bytes
 from cpbook.pcp.zigzag import zigzag_partition
@@ -24,12 +24,24 @@ from cpbook.pcp.zigzag import zigzag_partition
 # (tp, pcp, dcp, num_q_heads, num_kv_heads, use_mla): every PCP × DCP pairing vLLM accepts with
 # pcp in {1..4}, dcp in {1, 2, 4} (and dcp = pcp = 3), GQA with several KV heads, MQA, MLA
 GRIDS = [
-    (1, 1, 1, 4, 2, False), (2, 1, 2, 4, 1, False), (4, 1, 4, 8, 1, False),
-    (4, 1, 2, 8, 2, False), (1, 2, 1, 4, 2, False), (2, 2, 1, 4, 2, False),
-    (1, 2, 2, 4, 2, False), (2, 2, 2, 4, 1, False), (2, 2, 4, 4, 1, False),
-    (1, 3, 1, 6, 3, False), (1, 3, 3, 6, 1, False), (2, 3, 1, 4, 2, False),
-    (1, 4, 1, 4, 1, False), (1, 4, 4, 4, 2, False), (2, 2, 4, 4, 1, True),
-    (1, 4, 4, 4, 1, True), (2, 1, 2, 4, 1, True), (2, 4, 1, 4, 1, True),
+    (1, 1, 1, 4, 2, False),
+    (2, 1, 2, 4, 1, False),
+    (4, 1, 4, 8, 1, False),
+    (4, 1, 2, 8, 2, False),
+    (1, 2, 1, 4, 2, False),
+    (2, 2, 1, 4, 2, False),
+    (1, 2, 2, 4, 2, False),
+    (2, 2, 2, 4, 1, False),
+    (2, 2, 4, 4, 1, False),
+    (1, 3, 1, 6, 3, False),
+    (1, 3, 3, 6, 1, False),
+    (2, 3, 1, 4, 2, False),
+    (1, 4, 1, 4, 1, False),
+    (1, 4, 4, 4, 2, False),
+    (2, 2, 4, 4, 1, True),
+    (1, 4, 4, 4, 1, True),
+    (2, 1, 2, 4, 1, True),
+    (2, 4, 1, 4, 1, True),
 ]
 
 
@@ -41,13 +53,24 @@ def _kwargs(grid, rng: random.Random, strategy: str, **over) -> dict:
     ctx = [rng.choice([0, rng.randint(1, 3), rng.randint(0, 60)]) for _ in range(n)]
     chunk = [rng.choice([1, rng.randint(1, 2 * pcp), rng.randint(1, 30)]) for _ in range(n)]
     stripes = max(1, sum(c > 0 for c in ctx)) * dcp * il
-    kw = dict(context_lens=tuple(ctx), query_lens=tuple(chunk), tensor_parallel_size=tp,
-              prefill_context_parallel_size=pcp, decode_context_parallel_size=dcp,
-              num_q_heads=hq, num_kv_heads=hkv, head_dim=12 if mla else rng.choice([4, 8]),
-              v_head_dim=8 if mla else rng.choice([None, 6]), use_mla=mla, block_size=block,
-              cp_kv_cache_interleave_size=il, strategy=strategy,
-              workspace_size=rng.randint(stripes, 4 * stripes),
-              dcp_comm_backend=rng.choice(["a2a", "ag_rs"]), seed=rng.randint(0, 2**31))
+    kw = dict(
+        context_lens=tuple(ctx),
+        query_lens=tuple(chunk),
+        tensor_parallel_size=tp,
+        prefill_context_parallel_size=pcp,
+        decode_context_parallel_size=dcp,
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=12 if mla else rng.choice([4, 8]),
+        v_head_dim=8 if mla else rng.choice([None, 6]),
+        use_mla=mla,
+        block_size=block,
+        cp_kv_cache_interleave_size=il,
+        strategy=strategy,
+        workspace_size=rng.randint(stripes, 4 * stripes),
+        dcp_comm_backend=rng.choice(["a2a", "ag_rs"]),
+        seed=rng.randint(0, 2**31),
+    )
     return kw | over
 
 
@@ -68,8 +91,13 @@ def _cases(n: int, seed: int = 0):
 
 
 @pytest.mark.parametrize(
-    "kw", _cases(36), ids=lambda k: "tp{tensor_parallel_size}-pcp{prefill_context_parallel_size}-"
-    "dcp{decode_context_parallel_size}-{strategy}".format(**k))
+    "kw",
+    _cases(36),
+    ids=lambda k: (
+        "tp{tensor_parallel_size}-pcp{prefill_context_parallel_size}-"
+        "dcp{decode_context_parallel_size}-{strategy}".format(**k)
+    ),
+)
 def test_exact_and_bytes_match_formula(kw):
     world = kw["tensor_parallel_size"] * kw["prefill_context_parallel_size"]
     res = run(chunked_prefill_rank, world, fn_kwargs=kw, report=False)
@@ -78,8 +106,11 @@ def test_exact_and_bytes_match_formula(kw):
 
 
 @settings(max_examples=25, deadline=None)
-@given(grid=st.sampled_from(GRIDS), strategy=st.sampled_from([*STRATEGIES, "auto"]),
-       seed=st.integers(0, 2**31))
+@given(
+    grid=st.sampled_from(GRIDS),
+    strategy=st.sampled_from([*STRATEGIES, "auto"]),
+    seed=st.integers(0, 2**31),
+)
 def test_exact_on_random_batches(grid, strategy, seed):
     kw = _kwargs(grid, random.Random(seed), strategy)
     _check(run(chunked_prefill_rank, grid[0] * grid[1], fn_kwargs=kw, report=False), kw)
@@ -93,12 +124,28 @@ def test_edge_cases(strategy):
     for grid, over in [
         ((1, 4, 4, 4, 1, False), dict(context_lens=(0, 0), query_lens=(1, 7))),
         ((2, 2, 4, 4, 1, False), dict(context_lens=(50, 0, 3), query_lens=(1, 2, 3))),
-        ((1, 3, 3, 6, 1, False), dict(context_lens=(61,), query_lens=(5,), workspace_size=3,
-                                      cp_kv_cache_interleave_size=1)),
-        ((1, 2, 2, 4, 2, False), dict(context_lens=(33, 17), query_lens=(9, 4), block_size=4,
-                                      cp_kv_cache_interleave_size=4, workspace_size=16)),
-        ((2, 2, 4, 4, 1, True), dict(context_lens=(29,), query_lens=(3,), workspace_size=4,
-                                     cp_kv_cache_interleave_size=1)),
+        (
+            (1, 3, 3, 6, 1, False),
+            dict(
+                context_lens=(61,), query_lens=(5,), workspace_size=3, cp_kv_cache_interleave_size=1
+            ),
+        ),
+        (
+            (1, 2, 2, 4, 2, False),
+            dict(
+                context_lens=(33, 17),
+                query_lens=(9, 4),
+                block_size=4,
+                cp_kv_cache_interleave_size=4,
+                workspace_size=16,
+            ),
+        ),
+        (
+            (2, 2, 4, 4, 1, True),
+            dict(
+                context_lens=(29,), query_lens=(3,), workspace_size=4, cp_kv_cache_interleave_size=1
+            ),
+        ),
     ]:
         kw = _kwargs(grid, rng, strategy, **over)
         res = run(chunked_prefill_rank, grid[0] * grid[1], fn_kwargs=kw, report=False)
@@ -108,11 +155,21 @@ def test_edge_cases(strategy):
 
 
 def test_degenerate_grids_move_nothing_they_need_not():
-    base = dict(context_lens=(40, 9), query_lens=(10, 3), num_q_heads=4, num_kv_heads=1,
-                head_dim=8, workspace_size=64)
+    base = dict(
+        context_lens=(40, 9),
+        query_lens=(10, 3),
+        num_q_heads=4,
+        num_kv_heads=1,
+        head_dim=8,
+        workspace_size=64,
+    )
     for st_ in STRATEGIES:  # one rank: nothing to move
-        assert chunked_comm_bytes(st_, (40, 9), (10, 3), num_q_heads=4, num_kv_heads=1,
-                                  head_dim=8, workspace_size=64) == []
+        assert (
+            chunked_comm_bytes(
+                st_, (40, 9), (10, 3), num_q_heads=4, num_kv_heads=1, head_dim=8, workspace_size=64
+            )
+            == []
+        )
     # dcp = 1 under PCP: the context is everywhere; AllGather-KV moves only the chunk's K/V
     kw = base | dict(prefill_context_parallel_size=2, decode_context_parallel_size=1)
     res = run(chunked_prefill_rank, 2, fn_kwargs=kw | dict(strategy="allgather_kv"), report=False)
@@ -120,8 +177,12 @@ def test_degenerate_grids_move_nothing_they_need_not():
     assert res[0]["comm"] == [("all_gather", rows * 1 * (8 + 8) * 8)]
     assert res[0]["context_rows"] == [40, 9]
     # pcp = 1: the chunk is everywhere; AllGather-KV moves only context pieces over DCP
-    kw = base | dict(tensor_parallel_size=2, prefill_context_parallel_size=1,
-                     decode_context_parallel_size=2, strategy="allgather_kv")
+    kw = base | dict(
+        tensor_parallel_size=2,
+        prefill_context_parallel_size=1,
+        decode_context_parallel_size=2,
+        strategy="allgather_kv",
+    )
     res = run(chunked_prefill_rank, 2, fn_kwargs=kw, report=False)
     assert [(c.op, c.group) for c in res.traces[0]] == [("all_gather", "dcp")] * 2  # 2 pieces
     assert res[0]["stats"]["num_pieces"] == 2 and res[0]["max_abs_err"] <= 1e-10
@@ -130,12 +191,23 @@ def test_degenerate_grids_move_nothing_they_need_not():
 def test_bytes_scale_as_the_article_says():
     """Q-side bytes never grow with the context; KV-side bytes grow with it; the selector
     gathers KV for long chunks on short contexts and Q for short chunks on long contexts."""
-    kw = dict(num_q_heads=8, num_kv_heads=1, head_dim=64, workspace_size=16384,
-              prefill_context_parallel_size=2, decode_context_parallel_size=2, elem_bytes=2)
-    q = [sum(b for _, b in chunked_comm_bytes("allgather_q", [c], [1024], **kw))
-         for c in (0, 4096, 65536)]
-    kv = [sum(b for _, b in chunked_comm_bytes("allgather_kv", [c], [1024], **kw))
-          for c in (0, 4096, 65536)]
+    kw = dict(
+        num_q_heads=8,
+        num_kv_heads=1,
+        head_dim=64,
+        workspace_size=16384,
+        prefill_context_parallel_size=2,
+        decode_context_parallel_size=2,
+        elem_bytes=2,
+    )
+    q = [
+        sum(b for _, b in chunked_comm_bytes("allgather_q", [c], [1024], **kw))
+        for c in (0, 4096, 65536)
+    ]
+    kv = [
+        sum(b for _, b in chunked_comm_bytes("allgather_kv", [c], [1024], **kw))
+        for c in (0, 4096, 65536)
+    ]
     assert q[0] == q[1] == q[2] and kv[0] < kv[1] < kv[2]
     grid = [(t, c) for t in (256, 1024, 4096) for c in (0, 4096, 16384, 65536)]
     pick = {(t, c): choose_strategy(t, c, 8, 1, 64, 2, 2, 2).strategy for t, c in grid}
@@ -146,14 +218,22 @@ def test_bytes_scale_as_the_article_says():
             assert all(pick[t2, c] == "allgather_q" for t2 in (256, 1024) if t2 < t)
     choice = choose_strategy([256, 256], [0, 65536], 8, 1, 64, 2, 2, 2, alpha=1e-5, beta=1e-10)
     assert choice.seconds["allgather_q"] == pytest.approx(
-        1e-5 * choice.calls["allgather_q"] + 1e-10 * choice.bytes["allgather_q"])
+        1e-5 * choice.calls["allgather_q"] + 1e-10 * choice.bytes["allgather_q"]
+    )
 
 
 def test_auto_runs_what_the_selector_picks():
     ran = set()
     for ctx_len, chunk in ((200, 4), (0, 40)):  # a long context, then a long chunk
-        kw = dict(context_lens=(ctx_len,), query_lens=(chunk,), num_q_heads=8, num_kv_heads=1,
-                  head_dim=8, workspace_size=64, strategy="auto")
+        kw = dict(
+            context_lens=(ctx_len,),
+            query_lens=(chunk,),
+            num_q_heads=8,
+            num_kv_heads=1,
+            head_dim=8,
+            workspace_size=64,
+            strategy="auto",
+        )
         res = run(chunked_prefill_rank, 2, fn_kwargs=kw, report=False)
         want = choose_strategy(chunk, ctx_len, 8, 1, 8, 8, 2, 2, workspace_size=64).strategy
         assert res[0]["strategy"] == res[1]["strategy"] == want
@@ -162,17 +242,40 @@ def test_auto_runs_what_the_selector_picks():
     assert ran == set(STRATEGIES)
 
 
-@pytest.mark.parametrize("bad, rule", [
-    (dict(num_q_heads=6, tensor_parallel_size=4, decode_context_parallel_size=4),
-     "heads-divisible-by-tp"),
-    (dict(tensor_parallel_size=2, prefill_context_parallel_size=1, decode_context_parallel_size=2,
-          num_kv_heads=2), "gqa-dcp-needs-replicated-kv"),
-    (dict(prefill_context_parallel_size=2, decode_context_parallel_size=4, tensor_parallel_size=2,
-          num_kv_heads=1, strategy="ring"), "chunked-strategy"),
-    (dict(prefill_context_parallel_size=3, decode_context_parallel_size=2), "pcp-dcp-combination"),
-    (dict(context_lens=(4, 4), query_lens=(3,)), "chunked-lens"),
-    (dict(query_lens=(0,), context_lens=(4,)), "chunked-lens"),
-])
+@pytest.mark.parametrize(
+    "bad, rule",
+    [
+        (
+            dict(num_q_heads=6, tensor_parallel_size=4, decode_context_parallel_size=4),
+            "heads-divisible-by-tp",
+        ),
+        (
+            dict(
+                tensor_parallel_size=2,
+                prefill_context_parallel_size=1,
+                decode_context_parallel_size=2,
+                num_kv_heads=2,
+            ),
+            "gqa-dcp-needs-replicated-kv",
+        ),
+        (
+            dict(
+                prefill_context_parallel_size=2,
+                decode_context_parallel_size=4,
+                tensor_parallel_size=2,
+                num_kv_heads=1,
+                strategy="ring",
+            ),
+            "chunked-strategy",
+        ),
+        (
+            dict(prefill_context_parallel_size=3, decode_context_parallel_size=2),
+            "pcp-dcp-combination",
+        ),
+        (dict(context_lens=(4, 4), query_lens=(3,)), "chunked-lens"),
+        (dict(query_lens=(0,), context_lens=(4,)), "chunked-lens"),
+    ],
+)
 def test_bad_input_rejected_before_any_collective(bad, rule):
     ctx = RankContext(0, 4, "inline", torch.device("cpu"))  # no world: a collective would fail
     kw = dict(prefill_context_parallel_size=2, decode_context_parallel_size=2) | bad
@@ -183,24 +286,43 @@ def test_bad_input_rejected_before_any_collective(bad, rule):
 
 def _mismatch(ctx, case: str) -> tuple[str, int]:
     """Build a valid pcp = dcp = 2 rank, then hand a strategy one inconsistent input."""
-    cfg = ParallelConfig(prefill_context_parallel_size=2, decode_context_parallel_size=2,
-                         tensor_parallel_size=ctx.world_size // 2, num_q_heads=4, num_kv_heads=1,
-                         head_dim=8)
+    cfg = ParallelConfig(
+        prefill_context_parallel_size=2,
+        decode_context_parallel_size=2,
+        tensor_parallel_size=ctx.world_size // 2,
+        num_q_heads=4,
+        num_kv_heads=1,
+        head_dim=8,
+    )
     groups = make_groups(ctx, cfg, "v0.14" if case == "layout" else "current")
     c = groups.coords
     meta = zigzag_partition((6,), 2 if case != "meta" else 1).metadata(
-        c.pcp_rank if case != "meta" else 0)
+        c.pcp_rank if case != "meta" else 0
+    )
     k_ctx = [torch.randn(10, 1, 8, dtype=torch.float64)]
-    context = context_shard(k_ctx, [k_ctx[0].clone()], 8, 1 if case == "dcp" else 2,
-                            0 if case == "dcp" else c.dcp_rank, 1)
+    context = context_shard(
+        k_ctx,
+        [k_ctx[0].clone()],
+        8,
+        1 if case == "dcp" else 2,
+        0 if case == "dcp" else c.dcp_rank,
+        1,
+    )
     rows = meta.num_tokens
     q = torch.randn(rows, 3 if case == "heads" else 4, 8, dtype=torch.float64)
     k = torch.randn(rows, 2 if case == "heads" else 1, 8, dtype=torch.float64)
-    fn = {"meta": allgather_q_attention, "dcp": allgather_kv_attention,
-          "heads": allgather_q_attention, "workspace": allgather_kv_attention,
-          "strategy": chunked_prefill_attention, "layout": allgather_q_attention}[case]
-    extra = {"allgather_kv_attention": dict(workspace_size=1 if case == "workspace" else 64),
-             "chunked_prefill_attention": dict(strategy="pass_q", workspace_size=64)}
+    fn = {
+        "meta": allgather_q_attention,
+        "dcp": allgather_kv_attention,
+        "heads": allgather_q_attention,
+        "workspace": allgather_kv_attention,
+        "strategy": chunked_prefill_attention,
+        "layout": allgather_q_attention,
+    }[case]
+    extra = {
+        "allgather_kv_attention": dict(workspace_size=1 if case == "workspace" else 64),
+        "chunked_prefill_attention": dict(strategy="pass_q", workspace_size=64),
+    }
     first = len(ctx.trace)
     try:
         fn(q, k, k.clone(), context, meta, groups, **extra.get(fn.__name__, {}))
@@ -209,11 +331,17 @@ def _mismatch(ctx, case: str) -> tuple[str, int]:
     return "", len(ctx.trace) - first
 
 
-@pytest.mark.parametrize("case, rule", [
-    ("meta", "pcp-group-matches-metadata"), ("dcp", "dcp-group-matches-context"),
-    ("heads", "gqa-group-divisible-by-kv-heads"), ("workspace", "workspace-fits-requests"),
-    ("strategy", "chunked-strategy"), ("layout", "chunked-dcp-spans-pcp"),
-])
+@pytest.mark.parametrize(
+    "case, rule",
+    [
+        ("meta", "pcp-group-matches-metadata"),
+        ("dcp", "dcp-group-matches-context"),
+        ("heads", "gqa-group-divisible-by-kv-heads"),
+        ("workspace", "workspace-fits-requests"),
+        ("strategy", "chunked-strategy"),
+        ("layout", "chunked-dcp-spans-pcp"),
+    ],
+)
 def test_inconsistent_inputs_rejected_before_any_collective(case, rule):
     """(v0.14's DCP groups sit inside TP, so they cannot hold a PCP-split chunk's keys.)"""
     world = 4 if case == "layout" else 2
@@ -223,12 +351,23 @@ def test_inconsistent_inputs_rejected_before_any_collective(case, rule):
 
 @pytest.mark.torchrun
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy, grid", [
-    ("allgather_q", dict(prefill_context_parallel_size=2, decode_context_parallel_size=2)),
-    ("allgather_kv", dict(tensor_parallel_size=2, prefill_context_parallel_size=1,
-                          decode_context_parallel_size=2,
-                          cp_kv_cache_interleave_size=2, context_lens=(40, 0), query_lens=(3, 9))),
-])
+@pytest.mark.parametrize(
+    "strategy, grid",
+    [
+        ("allgather_q", dict(prefill_context_parallel_size=2, decode_context_parallel_size=2)),
+        (
+            "allgather_kv",
+            dict(
+                tensor_parallel_size=2,
+                prefill_context_parallel_size=1,
+                decode_context_parallel_size=2,
+                cp_kv_cache_interleave_size=2,
+                context_lens=(40, 0),
+                query_lens=(3, 9),
+            ),
+        ),
+    ],
+)
 def test_under_torchrun(strategy, grid):
     kw = dict(strategy=strategy) | grid
     res = run(chunked_prefill_rank, 2, backend="torchrun", fn_kwargs=kw, report=False)

@@ -24,21 +24,43 @@ STATUSES = ("reproduced", "corrected", "not reproducible")
 
 # The article's checkable claims the ledger must cover (issue 14); the names are fixed.
 REQUIRED = (
-    "8k-4gpu-2k-each", "ownership-table-i4-r4", "d20-rank1-slots-384-387", "d27-rank2",
-    "interleave1-fill-25pct", "dcp-kvheads-le-tp", "tp6-dcp3-2kvheads-shapes",
-    "mla-no-q-allgather", "step3-all2all", "reorg-kvcache-order", "dcp-pcp-naming",
-    "contiguous-imbalance", "pcp3-pairing", "pcp2-8token-layout", "dcp-group-eq-pcp-group",
-    "pcp-ttft-x-ranks", "dcp-no-prefill-compute", "agq-agkv-crossover",
-    "agq-agkv-merge-status", "tpa-removes-allgather", "tpot-gain-past-128k",
-    "break-even-32k-vs-128k", "dynamic-tpa-4k", "1m-8xh200", "1m-8x910c",
-    "pcp-between-dp-tp", "pcp-best-32k-256k", "decision-path",
+    "8k-4gpu-2k-each",
+    "ownership-table-i4-r4",
+    "d20-rank1-slots-384-387",
+    "d27-rank2",
+    "interleave1-fill-25pct",
+    "dcp-kvheads-le-tp",
+    "tp6-dcp3-2kvheads-shapes",
+    "mla-no-q-allgather",
+    "step3-all2all",
+    "reorg-kvcache-order",
+    "dcp-pcp-naming",
+    "contiguous-imbalance",
+    "pcp3-pairing",
+    "pcp2-8token-layout",
+    "dcp-group-eq-pcp-group",
+    "pcp-ttft-x-ranks",
+    "dcp-no-prefill-compute",
+    "agq-agkv-crossover",
+    "agq-agkv-merge-status",
+    "tpa-removes-allgather",
+    "tpot-gain-past-128k",
+    "break-even-32k-vs-128k",
+    "dynamic-tpa-4k",
+    "1m-8xh200",
+    "1m-8x910c",
+    "pcp-between-dp-tp",
+    "pcp-best-32k-256k",
+    "decision-path",
 )
 
 REF = re.compile(r"\{ref\}`Ch\. (\d+) <claim-([a-z0-9-]+)>`")
 STATUS = re.compile(r"\*\*(reproduced|corrected|not reproducible)\*\*")
 LABEL = re.compile(r"^\(claim-([a-z0-9-]+)\)=\s*$", re.M)
-COUNTS = re.compile(r"Of the (\d+) claims below, (\d+) are \*\*reproduced\*\*, (\d+) "
-                    r"\*\*corrected\*\* and (\d+) \*\*not reproducible\*\*")
+COUNTS = re.compile(
+    r"Of the (\d+) claims below, (\d+) are \*\*reproduced\*\*, (\d+) "
+    r"\*\*corrected\*\* and (\d+) \*\*not reproducible\*\*"
+)
 
 
 def _rows() -> list[str]:
@@ -67,8 +89,9 @@ def _cells(path: Path) -> list[dict]:
 
 def _asserts(source: str) -> bool:
     """True if the cell's code holds an ``assert`` statement (IPython magics removed)."""
-    code = "\n".join(line for line in source.splitlines()
-                     if not line.lstrip().startswith(("%", "!")))
+    code = "\n".join(
+        line for line in source.splitlines() if not line.lstrip().startswith(("%", "!"))
+    )
     return any(isinstance(n, ast.Assert) for n in ast.walk(ast.parse(code)))
 
 
@@ -87,7 +110,7 @@ def _claims_in(path: Path) -> tuple[set[str], dict[str, list[str]]]:
         elif c["cell_type"] == "code":
             for tag in c.get("metadata", {}).get("tags", []):
                 if tag.startswith("claim-"):
-                    tagged.setdefault(tag[len("claim-"):], []).append(c["source"])
+                    tagged.setdefault(tag[len("claim-") :], []).append(c["source"])
     return labels, tagged
 
 
@@ -97,8 +120,9 @@ def test_every_row_has_one_status_and_a_source():
         assert REF.search(row) or "{doc}`" in row, row
         if "**corrected**" in row or "**not reproducible**" in row:
             # the evidence: a vLLM file at a tag, a citation, or a chapter's computation
-            assert "github.com/vllm-project/vllm/blob/" in row or "{cite}`" in row \
-                or REF.search(row), row
+            assert (
+                "github.com/vllm-project/vllm/blob/" in row or "{cite}`" in row or REF.search(row)
+            ), row
 
 
 def test_doc_links_name_existing_chapters():

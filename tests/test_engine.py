@@ -51,13 +51,21 @@ def check_grid(runs: list[dict], worlds: list[int], backend: str, refs: dict) ->
     checked = 0
     for world in worlds:
         res = run(serve_grid_rank, world, backend, {"runs": runs}, report=False)
-        mine = [r for r in runs
-                if r["tensor_parallel_size"] * r["prefill_context_parallel_size"] == world]
+        mine = [
+            r
+            for r in runs
+            if r["tensor_parallel_size"] * r["prefill_context_parallel_size"] == world
+        ]
         assert len(res[0]) == len(mine)
         for j, r in enumerate(res[0]):
             for rank in res:
-                assert rank[j]["tokens"] == refs[r["model"]], (world, r["model"], r["tp"],
-                                                               r["dcp"], r["pcp"])
+                assert rank[j]["tokens"] == refs[r["model"]], (
+                    world,
+                    r["model"],
+                    r["tp"],
+                    r["dcp"],
+                    r["pcp"],
+                )
             assert all(e is None for e in r["errors"])
             checked += 1
     return checked
@@ -65,8 +73,17 @@ def check_grid(runs: list[dict], worlds: list[int], backend: str, refs: dict) ->
 
 def test_the_grid_from_the_issue():
     assert valid_grid("tiny-gqa") == [
-        (1, 1, 1), (1, 1, 2), (1, 2, 2), (2, 1, 1), (2, 1, 2), (2, 2, 2), (4, 1, 1), (4, 2, 1),
-        (4, 1, 2), (4, 2, 2)]
+        (1, 1, 1),
+        (1, 1, 2),
+        (1, 2, 2),
+        (2, 1, 1),
+        (2, 1, 2),
+        (2, 2, 2),
+        (4, 1, 1),
+        (4, 2, 1),
+        (4, 1, 2),
+        (4, 2, 2),
+    ]
     assert len(valid_grid("tiny-mla")) == 13
     assert (4, 2, 1) in valid_grid("tiny-gqa") and (2, 2, 1) in valid_grid("tiny-mla")
 
@@ -90,20 +107,39 @@ def test_inline_grid_subset(refs):
     """One DCP layout per kind: inside TP (GQA 4x2x1), over PCP (GQA 1x2x2), MLA inside TP
     (2x2x1) and over the whole world (2x4x2).  All 23 layouts run inline in
     notebooks/09_engine.ipynb, which nbval re-executes."""
-    pick = {("tiny-gqa", 1, 2, 2), ("tiny-mla", 2, 2, 1), ("tiny-gqa", 4, 2, 1),
-            ("tiny-mla", 2, 4, 2)}
-    runs = [r for r in grid_runs(**WORK)
-            if (r["model"], r["tensor_parallel_size"], r["decode_context_parallel_size"],
-                r["prefill_context_parallel_size"]) in pick]
+    pick = {
+        ("tiny-gqa", 1, 2, 2),
+        ("tiny-mla", 2, 2, 1),
+        ("tiny-gqa", 4, 2, 1),
+        ("tiny-mla", 2, 4, 2),
+    }
+    runs = [
+        r
+        for r in grid_runs(**WORK)
+        if (
+            r["model"],
+            r["tensor_parallel_size"],
+            r["decode_context_parallel_size"],
+            r["prefill_context_parallel_size"],
+        )
+        in pick
+    ]
     assert check_grid(runs, [2, 4], "inline", refs) == 4
 
 
 @pytest.mark.torchrun
 def test_torchrun_world_2_subset():
-    runs = [r for r in grid_runs(**SMALL)
-            if (r["model"], r["tensor_parallel_size"], r["decode_context_parallel_size"],
-                r["prefill_context_parallel_size"]) in {("tiny-gqa", 1, 2, 2),
-                                                         ("tiny-mla", 2, 2, 1)}]
+    runs = [
+        r
+        for r in grid_runs(**SMALL)
+        if (
+            r["model"],
+            r["tensor_parallel_size"],
+            r["decode_context_parallel_size"],
+            r["prefill_context_parallel_size"],
+        )
+        in {("tiny-gqa", 1, 2, 2), ("tiny-mla", 2, 2, 1)}
+    ]
     assert check_grid(runs, [2], "torchrun", references(SMALL)) == 2
 
 
@@ -161,14 +197,39 @@ def test_engine_is_deterministic_across_strategies():
 def test_serve_cli_json_and_errors(capsys):
     from cpbook.__main__ import main
 
-    assert main(["serve", "--model", "tiny-mla", "--tp", "2", "--dcp", "2", "--requests", "3",
-                 "--max-new-tokens", "3", "--json"]) == 0
+    assert (
+        main(
+            [
+                "serve",
+                "--model",
+                "tiny-mla",
+                "--tp",
+                "2",
+                "--dcp",
+                "2",
+                "--requests",
+                "3",
+                "--max-new-tokens",
+                "3",
+                "--json",
+            ]
+        )
+        == 0
+    )
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     assert [x["name"] for x in lines] == ["request"] * 3 + ["engine_summary"]
     ref = reference_generate(TinyModel.from_name("tiny-mla"), make_prompts(3, 0)[1], 3)
     assert lines[1]["tokens"] == ref and lines[1]["prompt_len"] == len(make_prompts(3, 0)[1])
-    assert {"model", "tp", "dcp", "pcp", "steps", "tokens_per_s", "prefix_hit_tokens",
-            "preemptions"} <= set(lines[-1])
+    assert {
+        "model",
+        "tp",
+        "dcp",
+        "pcp",
+        "steps",
+        "tokens_per_s",
+        "prefix_hit_tokens",
+        "preemptions",
+    } <= set(lines[-1])
     assert main(["serve", "--model", "tiny-gqa", "--tp", "2", "--dcp", "2"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("cpbook: error: [gqa-dcp-needs-replicated-kv] requires")
@@ -186,17 +247,45 @@ def test_serve_under_torchrun_and_a_world_mismatch():
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
     def serve(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                               "--nproc-per-node=2", "-m", "cpbook", "serve", *args],
-                              capture_output=True, text=True, env=env, timeout=300)
+        return subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node=2",
+                "-m",
+                "cpbook",
+                "serve",
+                *args,
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+        )
 
-    ok = serve("--model", "tiny-mla", "--tp", "1", "--dcp", "2", "--pcp", "2", "--requests",
-               "3", "--max-new-tokens", "3", "--json")
+    ok = serve(
+        "--model",
+        "tiny-mla",
+        "--tp",
+        "1",
+        "--dcp",
+        "2",
+        "--pcp",
+        "2",
+        "--requests",
+        "3",
+        "--max-new-tokens",
+        "3",
+        "--json",
+    )
     assert ok.returncode == 0, ok.stderr[-2000:]
     lines = [json.loads(x) for x in ok.stdout.splitlines() if x.startswith("{")]
     assert [x["name"] for x in lines] == ["request"] * 3 + ["engine_summary"]
-    assert lines[1]["tokens"] == reference_generate(TinyModel.from_name("tiny-mla"),
-                                                    make_prompts(3, 0)[1], 3)
+    assert lines[1]["tokens"] == reference_generate(
+        TinyModel.from_name("tiny-mla"), make_prompts(3, 0)[1], 3
+    )
     bad = serve("--model", "tiny-gqa", "--tp", "4", "--dcp", "2")
     assert bad.returncode != 0
     assert "cpbook: error: [grid-matches-world] requires tp * pcp == world_size" in bad.stderr

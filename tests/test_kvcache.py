@@ -41,9 +41,7 @@ def _table(seq_len: int, block_size: int, dcp: int, seed: int) -> torch.Tensor:
 # -- the examples the book quotes ---------------------------------------------------------
 def test_vllm_hand_example():
     """tests/v1/worker/test_block_table_slot_mapping.py: dcp 2, rank 1, blocks [5, 6], B 16."""
-    slots = slot_mapping(
-        torch.arange(64), [5, 6], block_size=16, dcp=2, dcp_rank=1, interleave=1
-    )
+    slots = slot_mapping(torch.arange(64), [5, 6], block_size=16, dcp=2, dcp_rank=1, interleave=1)
     assert slots[[1, 3, 5, 33]].tolist() == [80, 81, 82, 96]
     assert (slots[0::2] == PAD_SLOT_ID).all()
 

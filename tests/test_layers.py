@@ -59,8 +59,11 @@ def row_of(mod: str, table: dict[str, int]) -> tuple[str, int]:
 
 def test_table_covers_every_subpackage():
     table = layers()
-    tops = {p.stem if p.is_file() else p.name for p in PKG.iterdir()
-            if (p.suffix == ".py" and p.stem != "__init__") or (p / "__init__.py").exists()}
+    tops = {
+        p.stem if p.is_file() else p.name
+        for p in PKG.iterdir()
+        if (p.suffix == ".py" and p.stem != "__init__") or (p / "__init__.py").exists()
+    }
     assert tops == set(table), f"table {sorted(table)} vs package {sorted(tops)}"
 
 

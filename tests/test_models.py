@@ -41,12 +41,17 @@ def test_tp_slices_sum_to_the_full_layer(model, tp):
     """Per-rank partial projections (heads, MLP columns) sum to the single-device result."""
     cfg, gen = model.config, torch.Generator().manual_seed(3)
     x = torch.randn(5, cfg.hidden_size, generator=gen, dtype=torch.float64)
-    attn = torch.randn(5, cfg.num_attention_heads,
-                       cfg.kv_lora_rank if cfg.use_mla else cfg.head_dim, generator=gen,
-                       dtype=torch.float64)
+    attn = torch.randn(
+        5,
+        cfg.num_attention_heads,
+        cfg.kv_lora_rank if cfg.use_mla else cfg.head_dim,
+        generator=gen,
+        dtype=torch.float64,
+    )
     h, i = cfg.num_attention_heads // tp, cfg.intermediate_size // tp
-    o = sum(model.o_proj(0, attn[:, r * h:(r + 1) * h], slice(r * h, (r + 1) * h))
-            for r in range(tp))
+    o = sum(
+        model.o_proj(0, attn[:, r * h : (r + 1) * h], slice(r * h, (r + 1) * h)) for r in range(tp)
+    )
     m = sum(model.mlp(0, x, slice(r * i, (r + 1) * i)) for r in range(tp))
     assert torch.allclose(o, model.o_proj(0, attn, slice(None)), atol=1e-12, rtol=0)
     assert torch.allclose(m, model.mlp(0, x, slice(None)), atol=1e-12, rtol=0)

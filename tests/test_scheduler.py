@@ -20,7 +20,7 @@ def expected_output(prompt: list[int], n: int) -> list[int]:
     toks = list(prompt)
     for _ in range(n):
         toks.append(fake_next(toks))
-    return toks[len(prompt):]
+    return toks[len(prompt) :]
 
 
 def check_blocks(kv: KVCacheManager) -> None:
@@ -50,9 +50,10 @@ def run_to_completion(sched: Scheduler, max_steps: int = 2000) -> list:
             req = sched.requests[c.request_id]
             assert c.start == req.num_computed_tokens  # no token skipped or computed twice
             assert c.num_tokens >= 1 and c.start + c.num_tokens <= req.num_tokens
-            assert list(c.token_ids) == req.all_tokens[c.start:c.start + c.num_tokens]
-            assert all(b in sched.written for b in
-                       c.block_table[: c.start // sched.kv.virtual_block_size])
+            assert list(c.token_ids) == req.all_tokens[c.start : c.start + c.num_tokens]
+            assert all(
+                b in sched.written for b in c.block_table[: c.start // sched.kv.virtual_block_size]
+            )
             if c.sample:
                 sampled[c.request_id] = fake_next(req.all_tokens)
         assert len({c.request_id for c in out.chunks}) == len(out.chunks)
@@ -62,23 +63,29 @@ def run_to_completion(sched: Scheduler, max_steps: int = 2000) -> list:
     raise AssertionError("requests did not finish")
 
 
-workloads = st.fixed_dictionaries({
-    "num_blocks": st.integers(4, 24),
-    "block_size": st.sampled_from([2, 4]),
-    "dcp": st.sampled_from([1, 2, 4]),
-    "budget": st.integers(1, 24),
-    "max_num_seqs": st.integers(1, 6),
-    "caching": st.booleans(),
-    "prompts": st.lists(st.tuples(st.integers(0, 2), st.integers(1, 40), st.integers(1, 6)),
-                        min_size=1, max_size=7),
-})
+workloads = st.fixed_dictionaries(
+    {
+        "num_blocks": st.integers(4, 24),
+        "block_size": st.sampled_from([2, 4]),
+        "dcp": st.sampled_from([1, 2, 4]),
+        "budget": st.integers(1, 24),
+        "max_num_seqs": st.integers(1, 6),
+        "caching": st.booleans(),
+        "prompts": st.lists(
+            st.tuples(st.integers(0, 2), st.integers(1, 40), st.integers(1, 6)),
+            min_size=1,
+            max_size=7,
+        ),
+    }
+)
 
 
 @given(workloads)
 @settings(max_examples=150, deadline=None)
 def test_every_admitted_request_finishes_with_its_exact_tokens(w):
-    kv = KVCacheManager(w["num_blocks"], w["block_size"], w["dcp"],
-                        enable_prefix_caching=w["caching"])
+    kv = KVCacheManager(
+        w["num_blocks"], w["block_size"], w["dcp"], enable_prefix_caching=w["caching"]
+    )
     sched = Scheduler(kv, w["budget"], w["max_num_seqs"])
     family = {f: [(f * 7 + i) % VOCAB for i in range(40)] for f in range(3)}
     reqs = []
@@ -122,5 +129,4 @@ def test_budget_splits_a_long_prompt_into_chunks():
     sched = Scheduler(KVCacheManager(32, 4), max_num_batched_tokens=8)
     sched.add_request(Request("a", list(range(20)), 1))
     kinds = [[(c.kind, c.num_tokens) for c in s.chunks] for s in run_to_completion(sched)]
-    assert kinds == [[("chunked_prefill", 8)], [("chunked_prefill", 8)],
-                     [("chunked_prefill", 4)]]
+    assert kinds == [[("chunked_prefill", 8)], [("chunked_prefill", 8)], [("chunked_prefill", 4)]]

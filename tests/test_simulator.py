@@ -1,4 +1,5 @@
-"""cpbook.dynamic.simulator: deterministic, conserves requests and tokens, policies behave as routed."""
+"""cpbook.dynamic.simulator: deterministic, conserves requests and tokens, policies behave as
+routed."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cpbook.dynamic.router import Router
-from cpbook.dynamic.simulator import POLICIES, Cluster, make_workload, simulate
+from cpbook.dynamic.simulator import POLICIES, Cluster, simulate
+from cpbook.dynamic.workload import make_workload
 
 CLUSTER = Cluster()
 

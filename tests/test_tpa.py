@@ -94,7 +94,10 @@ def test_heads_and_costs():
 def test_tpa_under_torchrun():
     """GQA and MLA TPA on 4 processes, one torchrun launch."""
     calls = [
-        ("cpbook.demos.ch06_tpa:tpa_rank", _kw(a, 4, 4, 8, 2 if a == "gqa" else 1, "tpa", seq_lens=(21, 3)))
+        (
+            "cpbook.demos.ch06_tpa:tpa_rank",
+            _kw(a, 4, 4, 8, 2 if a == "gqa" else 1, "tpa", seq_lens=(21, 3)),
+        )
         for a in ("gqa", "mla")
     ]
     res = run(in_sequence, 4, "torchrun", dict(calls=calls), report=False)

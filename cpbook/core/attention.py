@@ -22,7 +22,16 @@ from typing import Sequence
 
 import torch
 
-__all__ = ['dense_attention', 'attention_with_lse', 'merge_attn_states', 'merge_attn_states_', 'empty_attention', 'rope', 'merge_comm_bytes']
+__all__ = [
+    "dense_attention",
+    "attention_with_lse",
+    "merge_attn_states",
+    "merge_attn_states_",
+    "empty_attention",
+    "rope",
+    "merge_comm_bytes",
+]
+
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:

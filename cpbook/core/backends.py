@@ -19,7 +19,8 @@ import torch
 
 from cpbook.core.comm import DEFAULT_TIMEOUT_S, CommAborted, CommTimeout, Group, Pending, Trace
 
-__all__ = ['SimGroup', 'SimWorld', 'TorchGroup']
+__all__ = ["SimGroup", "SimWorld", "TorchGroup"]
+
 
 # ------------------------------------------------------------------------------------------
 # Simulated ranks: one thread per rank

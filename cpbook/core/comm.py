@@ -33,7 +33,15 @@ from typing import Sequence
 
 import torch
 
-__all__ = ['CommRecord', 'Trace', 'CommTimeout', 'CommAborted', 'Group', 'Pending', 'DEFAULT_TIMEOUT_S']
+__all__ = [
+    "CommRecord",
+    "Trace",
+    "CommTimeout",
+    "CommAborted",
+    "Group",
+    "Pending",
+    "DEFAULT_TIMEOUT_S",
+]
 
 DEFAULT_TIMEOUT_S = 60.0
 

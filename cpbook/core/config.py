@@ -78,7 +78,13 @@ from typing import Any, Protocol
 __all__ = [
     "AttentionShaped",
     "COMM_BACKENDS",
-    "check_comm_backend",'ConfigError', 'ParallelConfig', 'check_positive', 'check_interleave']
+    "check_comm_backend",
+    "ConfigError",
+    "ParallelConfig",
+    "check_positive",
+    "check_interleave",
+]
+
 
 class ConfigError(ValueError):
     """A configuration rule is violated.  ``rule`` names it; the message gives the values."""

@@ -17,7 +17,8 @@ import torch
 from cpbook.core.backends import SimGroup, SimWorld, TorchGroup
 from cpbook.core.comm import DEFAULT_TIMEOUT_S, Group, Trace
 
-__all__ = ['RankContext']
+__all__ = ["RankContext"]
+
 
 # ------------------------------------------------------------------------------------------
 # What a per-rank function receives

@@ -24,8 +24,7 @@ from cpbook.core.comm import Group
 from cpbook.core.config import ConfigError, ParallelConfig, check_positive
 from cpbook.core.context import RankContext
 
-__all__ = ['GRID_LAYOUTS', 'RankCoords', 'RankGrid', 'ParallelGroups', 'make_groups']
-
+__all__ = ["GRID_LAYOUTS", "RankCoords", "RankGrid", "ParallelGroups", "make_groups"]
 
 
 GRID_LAYOUTS = ("v0.14", "current")

@@ -18,7 +18,15 @@ from typing import Any
 
 from cpbook.core.config import ParallelConfig
 
-__all__ = ['q_heads_of', 'kv_heads_of', 'TPA_MODES', 'tpa_config', 'q_proj_heads', 'attention_kv_heads']
+__all__ = [
+    "q_heads_of",
+    "kv_heads_of",
+    "TPA_MODES",
+    "tpa_config",
+    "q_proj_heads",
+    "attention_kv_heads",
+]
+
 
 def q_heads_of(config: ParallelConfig, tp_rank: int) -> slice:
     """The query heads TP rank ``tp_rank`` owns (a contiguous block of ``num_q_heads / tp``)."""

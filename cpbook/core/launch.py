@@ -38,7 +38,8 @@ from cpbook.core.backends import SimWorld
 from cpbook.core.comm import DEFAULT_TIMEOUT_S, CommAborted, Trace
 from cpbook.core.context import RankContext
 
-__all__ = ['run', 'RankResults', 'pick_backend', 'format_report']
+__all__ = ["run", "RankResults", "pick_backend", "format_report"]
+
 
 class RankResults(list):
     """Per-rank return values (a list, rank order) plus each rank's trace and stdout."""

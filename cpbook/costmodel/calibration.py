@@ -8,10 +8,11 @@ A CPU run of one step costs, on the slowest rank,
 
 with the compute terms (FLOPs, bytes read) stretched by ``max(worst rank, all ranks / cores) /
 worst rank`` when ranks share cores; a rank waiting in a collective leaves its core to others.
-Every count comes from the mechanism modules' own formulas (:func:`cpbook.pcp.prefill.pcp_comm_bytes`,
-:func:`cpbook.pcp.chunked_plan.chunked_comm_bytes`, :func:`cpbook.dcp.tpa.tpa_comm_bytes`,
-:func:`cpbook.dcp.tpa.tpa_costs`); the five constants are fitted by non-negative least squares on
-relative error.  No clock is read here: the times are the stored runs in :mod:`cpbook.data`.
+Every count comes from the mechanism modules' own formulas
+(:func:`cpbook.pcp.prefill.pcp_comm_bytes`, :func:`cpbook.pcp.chunked_plan.chunked_comm_bytes`,
+:func:`cpbook.dcp.tpa.tpa_comm_bytes`, :func:`cpbook.dcp.tpa.tpa_costs`); the five constants are
+fitted by non-negative least squares on relative error.  No clock is read here: the times are the
+stored runs in :mod:`cpbook.data`.
 """
 
 from __future__ import annotations
@@ -245,9 +246,7 @@ def fit(points: Sequence[Point]) -> CPUFit:
 
     count = {b: sum(q.bench == b for q in points) for b in {q.bench for q in points}}
     w = np.array([count[p.bench] ** -0.5 for p in points])  # every bench weighs the same
-    a = np.array(
-        [[x / p.measured_s for x in p.scaled_work()] for p in points]
-    )
+    a = np.array([[x / p.measured_s for x in p.scaled_work()] for p in points])
     scale = np.where(a.max(axis=0) > 0, a.max(axis=0), 1.0)
     c = _nnls(a / scale * w[:, None], w) / scale
     inv = [1 / x if x > 0 else math.inf for x in c[2:]]

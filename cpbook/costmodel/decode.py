@@ -66,9 +66,13 @@ def _decode_config(model: ModelSpec, mode: str, tp: int, dcp: int) -> ParallelCo
     if mode not in DECODE_MODES:
         raise ValueError(f"[decode-mode] requires mode in {DECODE_MODES}; got mode={mode!r}")
     if mode == "no_cp":
-        return ParallelConfig.for_model(model, tensor_parallel_size=tp, decode_context_parallel_size=1)
+        return ParallelConfig.for_model(
+            model, tensor_parallel_size=tp, decode_context_parallel_size=1
+        )
     if mode == "dcp":
-        return ParallelConfig.for_model(model, tensor_parallel_size=tp, decode_context_parallel_size=dcp)
+        return ParallelConfig.for_model(
+            model, tensor_parallel_size=tp, decode_context_parallel_size=dcp
+        )
     return tpa_config(
         "tpa",
         tensor_parallel_size=tp,

@@ -261,9 +261,10 @@ def tpot_break_even(
     never does below it.  Assumes one crossing (the DCP terms are linear in the context)."""
 
     def slower(c: int) -> bool:
-        return tpot(model, gpu, layout, c, batch).total_s > tpot(
-            model, gpu, baseline, c, batch
-        ).total_s
+        return (
+            tpot(model, gpu, layout, c, batch).total_s
+            > tpot(model, gpu, baseline, c, batch).total_s
+        )
 
     while hi - lo > resolution:
         mid = (lo + hi) // 2

@@ -108,8 +108,12 @@ def kv_budget_bytes_per_gpu(
     Raises ValueError when the result is not positive (the model does not fit).
     """
     return _kv_budget(
-        model, gpu, weight_bytes_per_gpu(model, tp), f"at tp={tp}",
-        gpu_memory_utilization, activation_reserve_bytes,
+        model,
+        gpu,
+        weight_bytes_per_gpu(model, tp),
+        f"at tp={tp}",
+        gpu_memory_utilization,
+        activation_reserve_bytes,
     )
 
 
@@ -224,10 +228,10 @@ def layout_weight_bytes(model: ModelSpec, layout: Layout) -> float:
 def layout_kv_bytes_per_token(model: ModelSpec, layout: Layout, kv_dtype: str = "bf16") -> float:
     """KV bytes one GPU stores per token of a request under ``layout``.
 
-    The GPU's KV heads are :func:`cpbook.core.heads.attention_kv_heads` of its replica's configuration
-    (TP heads, or TPA's attention shard); DCP divides the tokens by ``dcp``.  PCP alone does not
-    shard the cache: vLLM all-gathers K/V over the PCP group before writing it, so every PCP
-    rank keeps the request's full cache unless ``dcp`` spans the PCP ranks.
+    The GPU's KV heads are :func:`cpbook.core.heads.attention_kv_heads` of its replica's
+    configuration (TP heads, or TPA's attention shard); DCP divides the tokens by ``dcp``.  PCP
+    alone does not shard the cache: vLLM all-gathers K/V over the PCP group before writing it, so
+    every PCP rank keeps the request's full cache unless ``dcp`` spans the PCP ranks.
     """
 
     cfg = layout.config(model)
@@ -245,8 +249,12 @@ def layout_kv_budget(
 ) -> float:
     """Bytes left for KV on one GPU of ``layout``; ValueError when the weights do not fit."""
     return _kv_budget(
-        model, gpu, layout_weight_bytes(model, layout), f"as {layout.label}",
-        gpu_memory_utilization, activation_reserve_bytes,
+        model,
+        gpu,
+        layout_weight_bytes(model, layout),
+        f"as {layout.label}",
+        gpu_memory_utilization,
+        activation_reserve_bytes,
     )
 
 

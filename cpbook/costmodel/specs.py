@@ -77,8 +77,12 @@ class ModelSpec:
     @property
     def attention_shape(self) -> dict[str, Any]:
         """What :meth:`~cpbook.core.config.ParallelConfig.for_model` reads."""
-        return dict(num_q_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads,
-                    head_dim=self.head_dim, use_mla=self.use_mla)
+        return dict(
+            num_q_heads=self.num_q_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            use_mla=self.use_mla,
+        )
 
     @property
     def params_per_token(self) -> float:

@@ -1,10 +1,11 @@
 """The stored measurements the package reads, shipped inside it as package data.
 
 Three CPU runs of this book's benches (2-core machine, gloo): ``decode_step.json``
-(``bench/decode_step.py``, chapter 6's break-even, behind :meth:`cpbook.dynamic.router.Router.measured`),
-``pcp_prefill.json`` (``bench/pcp_prefill.py``, chapter 4) and ``chunked_prefill.jsonl``
-(``bench/chunked_prefill.py``, chapter 5); :mod:`cpbook.costmodel.calibration` fits on all three.
-They are read with :mod:`importlib.resources`, so an installed wheel works outside the checkout.
+(``bench/decode_step.py``, chapter 6's break-even, behind
+:meth:`cpbook.dynamic.router.Router.measured`), ``pcp_prefill.json`` (``bench/pcp_prefill.py``,
+chapter 4) and ``chunked_prefill.jsonl`` (``bench/chunked_prefill.py``, chapter 5);
+:mod:`cpbook.costmodel.calibration` fits on all three. They are read with
+:mod:`importlib.resources`, so an installed wheel works outside the checkout.
 """
 
 from __future__ import annotations

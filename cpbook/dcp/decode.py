@@ -40,8 +40,15 @@ from cpbook.core.attention import attention_with_lse, merge_attn_states
 from cpbook.core.comm import Group
 from cpbook.core.config import check_comm_backend
 
-__all__ = ['correct_attn_out', 'cp_lse_ag_out_rs', 'dcp_a2a_lse_reduce', 'dcp_combine', 'local_attention', 'dcp_decode_attention', 'decode_comm_bytes']
-
+__all__ = [
+    "correct_attn_out",
+    "cp_lse_ag_out_rs",
+    "dcp_a2a_lse_reduce",
+    "dcp_combine",
+    "local_attention",
+    "dcp_decode_attention",
+    "decode_comm_bytes",
+]
 
 
 # ------------------------------------------------------------------------------------------

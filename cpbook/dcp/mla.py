@@ -10,7 +10,8 @@ RoPE part, ``qk_rope_head_dim`` values, rotated before caching).  Head ``h`` see
 query ``[ql_nope, q_pe]`` (width ``C + R``) that attends the cached latents directly, as MQA
 with one KV head.  Under DCP the latent queries of the group are **all-gathered over heads**,
 each rank attends its latent shard, the partial latent outputs are combined with the LSE
-(:func:`cpbook.dcp.decode.dcp_combine`), and ``_v_up_proj`` maps them through ``W_UV`` on local heads.
+(:func:`cpbook.dcp.decode.dcp_combine`), and ``_v_up_proj`` maps them through ``W_UV`` on local
+heads.
 
 **Prefill with cached context (MHA form; ``_context_parallel_compute_prefill_context``).**
 Queries stay put.  The context is walked in chunks that fit a workspace: each rank copies its
@@ -18,7 +19,8 @@ latent rows of every request's chunk, padded to rank 0's count, the DCP group
 **all-gathers** them, and :func:`reorg_kvcache` drops the padding and lays each request out
 contiguously, rank-major (not re-interleaved: attention over the context is non-causal and
 RoPE is already in ``k_pe``).  Each chunk is up-projected and attended; chunk results and the
-causal attention over the new tokens are merged with :func:`cpbook.core.attention.merge_attn_states`.
+causal attention over the new tokens are merged with
+:func:`cpbook.core.attention.merge_attn_states`.
 
 Bytes each rank sends (``N`` = dcp, ``h`` local heads, ``C``/``R`` latent/rope widths, ``e``):
 decode ``T`` tokens by moving Q (ag_rs): ``T·h·e·(C+R + C + N·e_lse/e)·(N−1)``;
@@ -39,7 +41,15 @@ from cpbook.dcp.decode import dcp_combine, local_attention
 from cpbook.kv.gather import context_chunk_len, reorg_kvcache
 from cpbook.kv.layout import local_seq_len
 
-__all__ = ['TinyMLA', 'mla_decode_attention', 'mla_context_attention', 'q_move_bytes', 'kv_move_bytes', 'crossover_context_len']
+__all__ = [
+    "TinyMLA",
+    "mla_decode_attention",
+    "mla_context_attention",
+    "q_move_bytes",
+    "kv_move_bytes",
+    "crossover_context_len",
+]
+
 
 @dataclass(frozen=True)
 class TinyMLA:

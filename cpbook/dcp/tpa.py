@@ -50,7 +50,8 @@ from cpbook.dcp.decode import (
 )
 from cpbook.dcp.mla import TinyMLA, mla_decode_attention
 
-__all__ = ['TPABlock', 'attention_block', 'tpa_comm_bytes', 'tpa_costs']
+__all__ = ["TPABlock", "attention_block", "tpa_comm_bytes", "tpa_costs"]
+
 
 @dataclass(frozen=True)
 class TPABlock:

@@ -16,7 +16,7 @@ import typing
 from collections.abc import Sequence
 from typing import Any, Callable
 
-__all__ = ['DEMOS', 'get_demo', 'demo_params', 'parse_params']
+__all__ = ["DEMOS", "get_demo", "demo_params", "parse_params"]
 
 #: name -> (chapter, "module:function")
 DEMOS: dict[str, tuple[int, str]] = {

@@ -16,7 +16,8 @@ from cpbook.core.attention import (
 )
 from cpbook.core.context import RankContext
 
-__all__ = ['merge_problem', 'merge_rank']
+__all__ = ["merge_problem", "merge_rank"]
+
 
 # ------------------------------------------------------------------------------------------
 # chapter 1's per-rank function: split the keys, merge by the LSE

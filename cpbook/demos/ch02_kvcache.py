@@ -13,7 +13,8 @@ from cpbook.kv.layout import block_fill, check_layout, num_virtual_blocks
 from cpbook.kv.paged import PagedKVCache
 from cpbook.kv.transfer import kvcache_comm_bytes
 
-__all__ = ['kvcache_problem', 'kvcache_rank']
+__all__ = ["kvcache_problem", "kvcache_rank"]
+
 
 # ------------------------------------------------------------------------------------------
 # the per-rank demo: write own tokens, read back, all-gather, reconstruct

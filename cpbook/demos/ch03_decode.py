@@ -19,7 +19,14 @@ from cpbook.dcp.mla import TinyMLA, mla_context_attention, mla_decode_attention
 from cpbook.kv.gather import context_gather_comm_bytes
 from cpbook.kv.paged import shard_kv_cache
 
-__all__ = ['gqa_decode_problem', 'gqa_decode_rank', 'mla_problem', 'mla_decode_rank', 'mla_context_rank']
+__all__ = [
+    "gqa_decode_problem",
+    "gqa_decode_rank",
+    "mla_problem",
+    "mla_decode_rank",
+    "mla_context_rank",
+]
+
 
 # ------------------------------------------------------------------------------------------
 # the per-rank demo: GQA decode under TP × DCP

@@ -27,7 +27,8 @@ from cpbook.pcp.prefill import (
 )
 from cpbook.pcp.zigzag import PCPMetadata, pcp_partition
 
-__all__ = ['pcp_prefill_problem', 'pcp_prefill_rank']
+__all__ = ["pcp_prefill_problem", "pcp_prefill_rank"]
+
 
 # ------------------------------------------------------------------------------------------
 # Per-rank functions (run inline, under torchrun, and by the tests)

@@ -15,7 +15,8 @@ from cpbook.core.config import ConfigError, ParallelConfig
 from cpbook.core.context import RankContext
 from cpbook.core.groups import make_groups
 from cpbook.core.heads import kv_heads_of, q_heads_of
-from cpbook.pcp.chunked import chunked_prefill_attention, context_shard
+from cpbook.kv.context import context_shard
+from cpbook.pcp.chunked import chunked_prefill_attention
 from cpbook.pcp.chunked_plan import (
     STRATEGIES,
     chunked_comm_bytes,
@@ -25,15 +26,28 @@ from cpbook.pcp.ring import ring_attention
 from cpbook.pcp.ring_plan import RingLayout, check_mode, ring_comm_bytes
 from cpbook.pcp.zigzag import zigzag_partition
 
-__all__ = ['chunked_prefill_problem', 'chunked_prefill_rank', 'ring_prefill_problem', 'ring_prefill_rank']
+__all__ = [
+    "chunked_prefill_problem",
+    "chunked_prefill_rank",
+    "ring_prefill_problem",
+    "ring_prefill_rank",
+]
+
 
 # ------------------------------------------------------------------------------------------
 # the per-rank function: one chunked-prefill layer on a TP × PCP × DCP grid
 # ------------------------------------------------------------------------------------------
-def chunked_prefill_problem(context_lens: Sequence[int], query_lens: Sequence[int],
-                            num_q_heads: int, num_kv_heads: int, head_dim: int,
-                            v_head_dim: int | None = None, use_mla: bool = False, seed: int = 0,
-                            dtype: torch.dtype = torch.float64):
+def chunked_prefill_problem(
+    context_lens: Sequence[int],
+    query_lens: Sequence[int],
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    v_head_dim: int | None = None,
+    use_mla: bool = False,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float64,
+):
     """Random inputs, identical on every rank.  Per request: the chunk's queries
     ``q [T_i, Hq, D]`` and the keys ``k [C_i + T_i, Hkv, D]`` of context and chunk, and values
     ``v [C_i + T_i, Hkv, Dv]`` (``None`` for MLA: the value is ``k[..., :Dv]``)."""
@@ -45,29 +59,50 @@ def chunked_prefill_problem(context_lens: Sequence[int], query_lens: Sequence[in
 
     qs = [randn(t, num_q_heads, head_dim) for t in query_lens]
     ks = [randn(c + t, num_kv_heads, head_dim) for c, t in zip(context_lens, query_lens)]
-    vs = None if use_mla else [randn(c + t, num_kv_heads, dv)
-                               for c, t in zip(context_lens, query_lens)]
+    vs = (
+        None
+        if use_mla
+        else [randn(c + t, num_kv_heads, dv) for c, t in zip(context_lens, query_lens)]
+    )
     return qs, ks, vs
 
 
 def _lens(context_lens: Sequence[int], query_lens: Sequence[int]) -> None:
-    ok = len(context_lens) == len(query_lens) > 0 and all(
-        isinstance(c, int) and c >= 0 for c in context_lens) and all(
-        isinstance(t, int) and t >= 1 for t in query_lens)
+    ok = (
+        len(context_lens) == len(query_lens) > 0
+        and all(isinstance(c, int) and c >= 0 for c in context_lens)
+        and all(isinstance(t, int) and t >= 1 for t in query_lens)
+    )
     if not ok:
-        raise ConfigError("chunked-lens", "one context length >= 0 and one chunk length >= 1 per "
-                          "request", context_lens=list(context_lens), query_lens=list(query_lens))
+        raise ConfigError(
+            "chunked-lens",
+            "one context length >= 0 and one chunk length >= 1 per request",
+            context_lens=list(context_lens),
+            query_lens=list(query_lens),
+        )
 
 
-def chunked_prefill_rank(ctx: RankContext, *, context_lens: Sequence[int] = (40, 13, 0),
-                         query_lens: Sequence[int] = (9, 5, 3), tensor_parallel_size: int = 1,
-                         prefill_context_parallel_size: int = 2,
-                         decode_context_parallel_size: int = 2, num_q_heads: int = 4,
-                         num_kv_heads: int = 1, head_dim: int = 16, v_head_dim: int | None = None,
-                         use_mla: bool = False, block_size: int = 8,
-                         cp_kv_cache_interleave_size: int = 1, strategy: str = "auto",
-                         workspace_size: int = 32, dcp_comm_backend: str = "a2a", seed: int = 0,
-                         dtype: str = "float64") -> dict[str, Any]:
+def chunked_prefill_rank(
+    ctx: RankContext,
+    *,
+    context_lens: Sequence[int] = (40, 13, 0),
+    query_lens: Sequence[int] = (9, 5, 3),
+    tensor_parallel_size: int = 1,
+    prefill_context_parallel_size: int = 2,
+    decode_context_parallel_size: int = 2,
+    num_q_heads: int = 4,
+    num_kv_heads: int = 1,
+    head_dim: int = 16,
+    v_head_dim: int | None = None,
+    use_mla: bool = False,
+    block_size: int = 8,
+    cp_kv_cache_interleave_size: int = 1,
+    strategy: str = "auto",
+    workspace_size: int = 32,
+    dcp_comm_backend: str = "a2a",
+    seed: int = 0,
+    dtype: str = "float64",
+) -> dict[str, Any]:
     """One chunked-prefill attention layer on this rank, checked against dense float64.
 
     Builds the :class:`~cpbook.core.config.ParallelConfig` (``world = tp · pcp``) and its groups,
@@ -79,23 +114,46 @@ def chunked_prefill_rank(ctx: RankContext, *, context_lens: Sequence[int] = (40,
     """
     _lens(context_lens, query_lens)
     if strategy not in (*STRATEGIES, "auto"):
-        raise ConfigError("chunked-strategy", f"strategy in {(*STRATEGIES, 'auto')}",
-                          strategy=strategy)
-    cfg = ParallelConfig(tensor_parallel_size=tensor_parallel_size,
-                         prefill_context_parallel_size=prefill_context_parallel_size,
-                         decode_context_parallel_size=decode_context_parallel_size,
-                         cp_kv_cache_interleave_size=cp_kv_cache_interleave_size,
-                         block_size=block_size, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
-                         head_dim=head_dim, use_mla=use_mla, dcp_comm_backend=dcp_comm_backend)
+        raise ConfigError(
+            "chunked-strategy", f"strategy in {(*STRATEGIES, 'auto')}", strategy=strategy
+        )
+    cfg = ParallelConfig(
+        tensor_parallel_size=tensor_parallel_size,
+        prefill_context_parallel_size=prefill_context_parallel_size,
+        decode_context_parallel_size=decode_context_parallel_size,
+        cp_kv_cache_interleave_size=cp_kv_cache_interleave_size,
+        block_size=block_size,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        use_mla=use_mla,
+        dcp_comm_backend=dcp_comm_backend,
+    )
     groups = make_groups(ctx, cfg)
     c = groups.coords
     qh, kvh = q_heads_of(cfg, c.tp_rank), kv_heads_of(cfg, c.tp_rank)
-    qs, ks, vs = chunked_prefill_problem(context_lens, query_lens, num_q_heads, num_kv_heads,
-                                         head_dim, v_head_dim, use_mla, seed, getattr(torch, dtype))
+    qs, ks, vs = chunked_prefill_problem(
+        context_lens,
+        query_lens,
+        num_q_heads,
+        num_kv_heads,
+        head_dim,
+        v_head_dim,
+        use_mla,
+        seed,
+        getattr(torch, dtype),
+    )
     dev = ctx.device
-    context = context_shard([k[:n, kvh] for k, n in zip(ks, context_lens)],
-                            None if vs is None else [v[:n, kvh] for v, n in zip(vs, context_lens)],
-                            block_size, cfg.dcp, c.dcp_rank, cfg.interleave, v_head_dim, dev)
+    context = context_shard(
+        [k[:n, kvh] for k, n in zip(ks, context_lens)],
+        None if vs is None else [v[:n, kvh] for v, n in zip(vs, context_lens)],
+        block_size,
+        cfg.dcp,
+        c.dcp_rank,
+        cfg.interleave,
+        v_head_dim,
+        dev,
+    )
     meta = zigzag_partition(tuple(query_lens), cfg.pcp).metadata(c.pcp_rank)
 
     def chunk_rows(ts: list[torch.Tensor], heads: slice, skip: bool) -> torch.Tensor:
@@ -107,9 +165,18 @@ def chunked_prefill_rank(ctx: RankContext, *, context_lens: Sequence[int] = (40,
     v = None if vs is None else chunk_rows(vs, kvh, True)
     stats = {}
     with ctx.traced() as comm:
-        out, lse = chunked_prefill_attention(q, k, v, context, meta, groups, strategy=strategy,
-                                             workspace_size=workspace_size, stats=stats,
-                                             dcp_comm_backend=dcp_comm_backend)
+        out, lse = chunked_prefill_attention(
+            q,
+            k,
+            v,
+            context,
+            meta,
+            groups,
+            strategy=strategy,
+            workspace_size=workspace_size,
+            stats=stats,
+            dcp_comm_backend=dcp_comm_backend,
+        )
     err, real = 0.0, 0
     for s in meta.segments:  # dense float64 reference for this rank's real rows and heads
         n, cl = max(0, min(s.end, query_lens[s.request]) - s.start), context_lens[s.request]
@@ -117,28 +184,60 @@ def chunked_prefill_rank(ctx: RankContext, *, context_lens: Sequence[int] = (40,
             keys = slice(0, cl + s.start + n)
             kk = ks[s.request][keys, kvh].double()
             vv = kk[..., :v_head_dim] if vs is None else vs[s.request][keys, kvh].double()
-            o, lref = dense_attention(qs[s.request][s.start:s.start + n, qh].double(), kk, vv,
-                                      causal=True, q_offset=cl + s.start)
-            err = max(err, (out[s.row:s.row + n].cpu().double() - o).abs().max().item(),
-                      (lse[s.row:s.row + n].cpu().double() - lref).abs().max().item())
+            o, lref = dense_attention(
+                qs[s.request][s.start : s.start + n, qh].double(),
+                kk,
+                vv,
+                causal=True,
+                q_offset=cl + s.start,
+            )
+            err = max(
+                err,
+                (out[s.row : s.row + n].cpu().double() - o).abs().max().item(),
+                (lse[s.row : s.row + n].cpu().double() - lref).abs().max().item(),
+            )
             real += n
     expected = chunked_comm_bytes(
-        stats["strategy"], context_lens, query_lens, num_q_heads=num_q_heads,
-        num_kv_heads=num_kv_heads, head_dim=head_dim, workspace_size=workspace_size,
-        tensor_parallel_size=cfg.tp, prefill_context_parallel_size=cfg.pcp,
-        decode_context_parallel_size=cfg.dcp, v_head_dim=v_head_dim, use_mla=use_mla,
-        cp_kv_cache_interleave_size=cfg.interleave, elem_bytes=q.element_size(),
-        dcp_comm_backend=dcp_comm_backend)
+        stats["strategy"],
+        context_lens,
+        query_lens,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        workspace_size=workspace_size,
+        tensor_parallel_size=cfg.tp,
+        prefill_context_parallel_size=cfg.pcp,
+        decode_context_parallel_size=cfg.dcp,
+        v_head_dim=v_head_dim,
+        use_mla=use_mla,
+        cp_kv_cache_interleave_size=cfg.interleave,
+        elem_bytes=q.element_size(),
+        dcp_comm_backend=dcp_comm_backend,
+    )
     held = [int(x.shape[0]) for x in context.keys]
     sent = sum(b for _, b in comm)
-    print(f"pcp {c.pcp_rank} tp {c.tp_rank} dcp {c.dcp_rank}/{cfg.dcp} {stats['strategy']}: "
-          f"{meta.num_tokens} rows ({real} real), heads {qh.start}-{qh.stop - 1}")
-    print(f"  holds {sum(held)}/{sum(context_lens)} context tokens; == dense (<= 1e-10): "
-          f"{err <= 1e-10}")
+    print(
+        f"pcp {c.pcp_rank} tp {c.tp_rank} dcp {c.dcp_rank}/{cfg.dcp} {stats['strategy']}: "
+        f"{meta.num_tokens} rows ({real} real), heads {qh.start}-{qh.stop - 1}"
+    )
+    print(
+        f"  holds {sum(held)}/{sum(context_lens)} context tokens; == dense (<= 1e-10): "
+        f"{err <= 1e-10}"
+    )
     print(f"  sent {sent:,} B in {len(comm)} calls; == formula: {comm == expected}")
-    return {"strategy": stats["strategy"], "max_abs_err": err, "comm": comm, "expected": expected,
-            "stats": stats, "rows": meta.num_tokens, "real_rows": real, "context_rows": held,
-            "q_heads": (qh.start, qh.stop), "out": out.cpu(), "lse": lse.cpu()}
+    return {
+        "strategy": stats["strategy"],
+        "max_abs_err": err,
+        "comm": comm,
+        "expected": expected,
+        "stats": stats,
+        "rows": meta.num_tokens,
+        "real_rows": real,
+        "context_rows": held,
+        "q_heads": (qh.start, qh.stop),
+        "out": out.cpu(),
+        "lse": lse.cpu(),
+    }
 
 
 # ------------------------------------------------------------------------------------------

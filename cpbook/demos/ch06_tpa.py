@@ -16,7 +16,8 @@ from cpbook.dcp.mla import TinyMLA
 from cpbook.dcp.tpa import TPABlock, attention_block, tpa_comm_bytes, tpa_costs
 from cpbook.kv.paged import shard_kv_cache
 
-__all__ = ['reference_block', 'tpa_problem', 'tpa_rank']
+__all__ = ["reference_block", "tpa_problem", "tpa_rank"]
+
 
 def tpa_problem(
     attention: str,

@@ -17,7 +17,8 @@ from cpbook.kv.layout import check_layout, local_seq_len
 from cpbook.kv.manager import KVCacheManager
 from cpbook.kv.paged import PagedKVCache
 
-__all__ = ['migration_problem', 'migration_rank']
+__all__ = ["migration_problem", "migration_rank"]
+
 
 def migration_problem(
     seq_len: int,

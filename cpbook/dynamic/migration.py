@@ -31,7 +31,8 @@ from cpbook.core.comm import Group
 from cpbook.kv.layout import check_layout, local_positions
 from cpbook.kv.paged import PagedKVCache
 
-__all__ = ['migration_plan', 'migration_bytes', 'migration_comm_bytes', 'migrate_kv']
+__all__ = ["migration_plan", "migration_bytes", "migration_comm_bytes", "migrate_kv"]
+
 
 def migration_plan(
     seq_len: int, old_size: int, new_size: int, old_interleave: int = 1, new_interleave: int = 1

@@ -9,8 +9,8 @@ does not fit in the KV memory of that many replicas is sent to the smallest size
 Where the thresholds come from:
 
 * :meth:`Router.measured` — chapter 6's measured break-even length on 2 gloo ranks
-  (``decode_step.json`` in :mod:`cpbook.data`): the length above which DCP (or DCP + TPA) decoded one
-  step faster than one rank.
+  (``decode_step.json`` in :mod:`cpbook.data`): the length above which DCP (or DCP + TPA) decoded
+  one step faster than one rank.
 * :meth:`Router.modelled` — the cost model (:func:`cpbook.costmodel.decode_layer_time`) for a
   model and GPU: for every length, the CP size whose decode-attention step is shortest (the
   lower envelope of one line per size).  A CP group of ``N`` replicas of ``replica_tp`` GPUs
@@ -34,8 +34,7 @@ from cpbook import costmodel as cm
 from cpbook.core.config import ConfigError
 from cpbook.data import stored_rows, stored_text
 
-__all__ = ['Route', 'Router', 'cp_line', 'valid_cp_size']
-
+__all__ = ["Route", "Router", "cp_line", "valid_cp_size"]
 
 
 @dataclass(frozen=True)

@@ -38,50 +38,20 @@ import numpy as np
 from cpbook import costmodel as cm
 from cpbook.dynamic.migration import migration_plan
 from cpbook.dynamic.router import Router, cp_line
+from cpbook.dynamic.workload import SimWorkload, make_workload
 
-__all__ = ['SimWorkload', 'Cluster', 'POLICIES', 'make_workload', 'policy_router', 'simulate', 'sweep']
+__all__ = [
+    "Cluster",
+    "POLICIES",
+    "policy_router",
+    "simulate",
+    "sweep",
+]
 
 POLICIES = ("static_dp", "static_cp", "dynamic_cp", "dynamic_cp_tpa")
 
 
 _NEVER = np.iinfo(np.int64).max // 2  # steps until a migration that never comes
-
-
-@dataclass(frozen=True)
-class SimWorkload:
-    """``n`` requests: arrival times (s), prompt and output lengths (tokens), arrival order."""
-
-    arrival: np.ndarray
-    prompt: np.ndarray
-    output: np.ndarray
-
-    @property
-    def total(self) -> np.ndarray:
-        return self.prompt + self.output
-
-
-def make_workload(
-    num_requests: int = 10_000,
-    rate: float = 4.0,
-    *,
-    long_fraction: float = 0.1,
-    short_median: int = 2_000,
-    long_median: int = 48_000,
-    sigma: float = 0.8,
-    max_prompt: int = 512_000,
-    output_median: int = 400,
-    max_output: int = 4_096,
-    seed: int = 0,
-) -> SimWorkload:
-    """Poisson arrivals at ``rate`` req/s; prompts a mixture of two log-normals (a short body
-    and a long tail of ``long_fraction``), outputs log-normal; all clipped, seeded."""
-    rng = np.random.default_rng(seed)
-    arrival = np.cumsum(rng.exponential(1.0 / rate, num_requests))
-    is_long = rng.random(num_requests) < long_fraction
-    median = np.where(is_long, long_median, short_median)
-    prompt = np.clip(median * np.exp(sigma * rng.standard_normal(num_requests)), 16, max_prompt)
-    output = np.clip(output_median * np.exp(0.7 * rng.standard_normal(num_requests)), 2, max_output)
-    return SimWorkload(arrival, prompt.astype(np.int64), output.astype(np.int64))
 
 
 @dataclass(frozen=True)
@@ -185,7 +155,8 @@ def simulate(
     ``expected_output`` tokens and, if its true length routes it higher, **migrates** when its
     context reaches that size's threshold (or its first GPU's capacity): every GPU waits while
     the tokens that change owner cross one link (``alpha + bytes / bandwidth``, the bytes of
-    :func:`cpbook.dynamic.migration.migration_plan`).  The destination's KV is reserved at admission.
+    :func:`cpbook.dynamic.migration.migration_plan`).  The destination's KV is reserved at
+    admission.
     """
     router = policy_router(cluster, policy) if router is None else router
     tpa = router.tpa

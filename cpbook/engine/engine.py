@@ -2,11 +2,12 @@
 
 :class:`Engine` is vLLM's ``LLMEngine`` in miniature.  Every rank of the grid builds the same
 engine (same model weights from the seed, same deterministic
-:class:`~cpbook.engine.scheduler.Scheduler`) and its own :class:`~cpbook.engine.runner.ModelRunner`; a step
-is ``schedule -> execute -> update``.  ``generate`` is greedy; the step API (``add_request``,
-``step``) shows each step's batch.  :func:`serve_rank` is the per-rank function behind
-``python -m cpbook serve`` and the chapter's grids; :func:`serve_grid_rank` runs several
-configurations in one launch (one torchrun start for all of a world size).
+:class:`~cpbook.engine.scheduler.Scheduler`) and its own
+:class:`~cpbook.engine.runner.ModelRunner`; a step is ``schedule -> execute -> update``.
+``generate`` is greedy; the step API (``add_request``, ``step``) shows each step's batch.
+:func:`serve_rank` is the per-rank function behind ``python -m cpbook serve``; chapter 9's grids
+run it through :func:`cpbook.demos.ch09_engine.serve_grid_rank`, several configurations in one
+launch.
 """
 
 from __future__ import annotations
@@ -20,31 +21,55 @@ from cpbook.core.backends import SimWorld
 from cpbook.core.config import ConfigError, ParallelConfig
 from cpbook.core.context import RankContext
 from cpbook.core.groups import make_groups
-from cpbook.engine.models import TinyModel, get_engine_model
+from cpbook.engine.models import ModelConfig, TinyModel, get_engine_model
 from cpbook.engine.runner import ModelRunner
 from cpbook.engine.scheduler import Request, Scheduler, SchedulerOutput
 from cpbook.kv.manager import KVCacheManager
 
-__all__ = ['engine_config', 'single_rank_context', 'Engine', 'StepRecord', 'RequestOutput', 'make_prompts', 'valid_grid', 'serve_rank']
+__all__ = [
+    "engine_config",
+    "single_rank_context",
+    "Engine",
+    "StepRecord",
+    "RequestOutput",
+    "make_prompts",
+    "valid_grid",
+    "serve_rank",
+]
 
-def engine_config(model: str, tensor_parallel_size: int = 1,
-                  decode_context_parallel_size: int = 1, prefill_context_parallel_size: int = 1,
-                  *, block_size: int = 4, cp_kv_cache_interleave_size: int = 1,
-                  dcp_comm_backend: str = "ag_rs") -> ParallelConfig:
+
+def engine_config(
+    model: str | ModelConfig,
+    tensor_parallel_size: int = 1,
+    decode_context_parallel_size: int = 1,
+    prefill_context_parallel_size: int = 1,
+    *,
+    block_size: int = 4,
+    cp_kv_cache_interleave_size: int = 1,
+    dcp_comm_backend: str = "ag_rs",
+) -> ParallelConfig:
     """The validated :class:`~cpbook.core.config.ParallelConfig` of engine model ``model`` (a
-    name) on a TP×DCP×PCP grid: :meth:`~cpbook.core.config.ParallelConfig.for_model` of
-    :func:`~cpbook.engine.models.get_engine_model`.  Raises
+    name of :data:`~cpbook.engine.models.ENGINE_MODELS`, or its :class:`ModelConfig`) on a
+    TP×DCP×PCP grid, by :meth:`~cpbook.core.config.ParallelConfig.for_model`.  Raises
     :class:`~cpbook.core.config.ConfigError` naming the rule."""
     return ParallelConfig.for_model(
-        get_engine_model(model), tensor_parallel_size=tensor_parallel_size,
+        get_engine_model(model) if isinstance(model, str) else model,
+        tensor_parallel_size=tensor_parallel_size,
         decode_context_parallel_size=decode_context_parallel_size,
         prefill_context_parallel_size=prefill_context_parallel_size,
-        cp_kv_cache_interleave_size=cp_kv_cache_interleave_size, block_size=block_size,
-        dcp_comm_backend=dcp_comm_backend)
+        cp_kv_cache_interleave_size=cp_kv_cache_interleave_size,
+        block_size=block_size,
+        dcp_comm_backend=dcp_comm_backend,
+    )
 
 
-def valid_grid(model: str, tps: Sequence[int] = (1, 2, 4), dcps: Sequence[int] = (1, 2, 4),
-               pcps: Sequence[int] = (1, 2), max_world: int = 8) -> list[tuple[int, int, int]]:
+def valid_grid(
+    model: str,
+    tps: Sequence[int] = (1, 2, 4),
+    dcps: Sequence[int] = (1, 2, 4),
+    pcps: Sequence[int] = (1, 2),
+    max_world: int = 8,
+) -> list[tuple[int, int, int]]:
     """Every ``(tp, dcp, pcp)`` of the given sizes that ``model`` accepts, ``tp*pcp <=
     max_world``, ordered by world size."""
     out = []
@@ -107,42 +132,72 @@ class Engine:
     the engine with the same arguments and drive it the same way.
     """
 
-    def __init__(self, model: str | TinyModel, num_kv_blocks: int = 64, *,
-                 tensor_parallel_size: int = 1, decode_context_parallel_size: int = 1,
-                 prefill_context_parallel_size: int = 1, block_size: int = 4,
-                 cp_kv_cache_interleave_size: int = 1, dcp_comm_backend: str = "ag_rs",
-                 ctx: RankContext | None = None, max_num_batched_tokens: int = 32,
-                 max_num_seqs: int = 8, enable_prefix_caching: bool = True,
-                 strategy: str = "auto", workspace_size: int = 64, alpha: float | None = None,
-                 beta: float | None = None, seed: int = 0, dtype: str = "float64") -> None:
+    def __init__(
+        self,
+        model: str | TinyModel,
+        num_kv_blocks: int = 64,
+        *,
+        tensor_parallel_size: int = 1,
+        decode_context_parallel_size: int = 1,
+        prefill_context_parallel_size: int = 1,
+        block_size: int = 4,
+        cp_kv_cache_interleave_size: int = 1,
+        dcp_comm_backend: str = "ag_rs",
+        ctx: RankContext | None = None,
+        max_num_batched_tokens: int = 32,
+        max_num_seqs: int = 8,
+        enable_prefix_caching: bool = True,
+        strategy: str = "auto",
+        workspace_size: int = 64,
+        alpha: float | None = None,
+        beta: float | None = None,
+        seed: int = 0,
+        dtype: str = "float64",
+    ) -> None:
         if isinstance(model, str):
             model = TinyModel.from_name(model, seed, getattr(torch, dtype))
-        cfg = ParallelConfig.for_model(
-            model.config, tensor_parallel_size=tensor_parallel_size,
-            decode_context_parallel_size=decode_context_parallel_size,
-            prefill_context_parallel_size=prefill_context_parallel_size, block_size=block_size,
+        cfg = engine_config(
+            model.config,
+            tensor_parallel_size,
+            decode_context_parallel_size,
+            prefill_context_parallel_size,
+            block_size=block_size,
             cp_kv_cache_interleave_size=cp_kv_cache_interleave_size,
-            dcp_comm_backend=dcp_comm_backend)
+            dcp_comm_backend=dcp_comm_backend,
+        )
         self.ctx = ctx or single_rank_context()
         self.model, self.config = model, cfg
         self.groups = make_groups(self.ctx, cfg)  # raises grid-matches-world before collectives
         self.kv = KVCacheManager.from_config(cfg, num_kv_blocks, enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, max_num_batched_tokens, max_num_seqs)
-        self.runner = ModelRunner(model, cfg, self.groups, num_kv_blocks, strategy=strategy,
-                                  workspace_size=workspace_size, alpha=alpha, beta=beta)
+        self.runner = ModelRunner(
+            model,
+            cfg,
+            self.groups,
+            num_kv_blocks,
+            strategy=strategy,
+            workspace_size=workspace_size,
+            alpha=alpha,
+            beta=beta,
+        )
         self.logits: dict[str, list[torch.Tensor]] = {}
         self.history: list[StepRecord] = []
         self._next_id = 0
 
-    def add_request(self, prompt: Sequence[int], max_new_tokens: int,
-                    request_id: str | None = None) -> str:
+    def add_request(
+        self, prompt: Sequence[int], max_new_tokens: int, request_id: str | None = None
+    ) -> str:
         """Queue a prompt; returns its id.  A request too long for the cache fails alone."""
         rid = request_id if request_id is not None else str(self._next_id)
         self._next_id += 1
         bad = [t for t in prompt if not 0 <= int(t) < self.model.config.vocab_size]
         if bad:
-            raise ConfigError("tokens-in-vocab", "0 <= token < vocab_size",
-                              token=bad[0], vocab_size=self.model.config.vocab_size)
+            raise ConfigError(
+                "tokens-in-vocab",
+                "0 <= token < vocab_size",
+                token=bad[0],
+                vocab_size=self.model.config.vocab_size,
+            )
         self.scheduler.add_request(Request(rid, [int(t) for t in prompt], max_new_tokens))
         self.logits[rid] = []
         return rid
@@ -160,20 +215,32 @@ class Engine:
             for rid, row in rows.items():
                 self.logits[rid].append(row)
         finished = self.scheduler.update(out, sampled)
-        rec = StepRecord(out.step,
-                         tuple((c.request_id, c.kind, c.start, c.num_tokens) for c in out.chunks),
-                         out.admitted, out.preempted, tuple(r.request_id for r in finished),
-                         out.num_batched_tokens, self.kv.num_free_blocks)
+        rec = StepRecord(
+            out.step,
+            tuple((c.request_id, c.kind, c.start, c.num_tokens) for c in out.chunks),
+            out.admitted,
+            out.preempted,
+            tuple(r.request_id for r in finished),
+            out.num_batched_tokens,
+            self.kv.num_free_blocks,
+        )
         self.history.append(rec)
         return rec
 
     def output(self, request_id: str) -> RequestOutput:
         r = self.scheduler.requests[request_id]
-        return RequestOutput(r.request_id, len(r.prompt), tuple(r.output), r.error,
-                             r.preemptions, r.prefix_hit_tokens)
+        return RequestOutput(
+            r.request_id,
+            len(r.prompt),
+            tuple(r.output),
+            r.error,
+            r.preemptions,
+            r.prefix_hit_tokens,
+        )
 
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                 max_steps: int = 10_000) -> list[RequestOutput]:
+    def generate(
+        self, prompts: Sequence[Sequence[int]], max_new_tokens: int, max_steps: int = 10_000
+    ) -> list[RequestOutput]:
         """Greedy-generate ``max_new_tokens`` for every prompt (all queued at once)."""
         ids = [self.add_request(p, max_new_tokens) for p in prompts]
         for _ in range(max_steps):
@@ -189,8 +256,13 @@ class Engine:
         return self.kv.stats["hit_tokens"]
 
 
-def make_prompts(num_requests: int, seed: int = 0, vocab_size: int = 96,
-                 shared_prefix_len: int = 24, max_len: int = 48) -> list[list[int]]:
+def make_prompts(
+    num_requests: int,
+    seed: int = 0,
+    vocab_size: int = 96,
+    shared_prefix_len: int = 24,
+    max_len: int = 48,
+) -> list[list[int]]:
     """Deterministic prompts: mixed lengths (up to ``max_len``, some longer than one chunk of
     32 tokens); every third request starts with one shared prefix of ``shared_prefix_len``."""
     gen = torch.Generator().manual_seed(seed)
@@ -203,46 +275,79 @@ def make_prompts(num_requests: int, seed: int = 0, vocab_size: int = 96,
     return out
 
 
-def serve_rank(ctx: RankContext, *, model: str = "tiny-gqa", tensor_parallel_size: int = 1,
-               decode_context_parallel_size: int = 1, prefill_context_parallel_size: int = 1,
-               dcp_comm_backend: str = "ag_rs", num_requests: int = 6, max_new_tokens: int = 8,
-               num_kv_blocks: int = 20, block_size: int = 4, cp_kv_cache_interleave_size: int = 1,
-               max_num_batched_tokens: int = 32, max_num_seqs: int = 8, strategy: str = "auto",
-               seed: int = 0, dtype: str = "float64") -> dict[str, Any]:
+def serve_rank(
+    ctx: RankContext,
+    *,
+    model: str = "tiny-gqa",
+    tensor_parallel_size: int = 1,
+    decode_context_parallel_size: int = 1,
+    prefill_context_parallel_size: int = 1,
+    dcp_comm_backend: str = "ag_rs",
+    num_requests: int = 6,
+    max_new_tokens: int = 8,
+    num_kv_blocks: int = 20,
+    block_size: int = 4,
+    cp_kv_cache_interleave_size: int = 1,
+    max_num_batched_tokens: int = 32,
+    max_num_seqs: int = 8,
+    strategy: str = "auto",
+    seed: int = 0,
+    dtype: str = "float64",
+) -> dict[str, Any]:
     """Serve :func:`make_prompts` (``num_requests``, ``seed``) greedily on this rank of the grid.
 
     The configuration is validated (and the grid checked against the world size) before any
     collective.  Returns per-request ``tokens`` and the ``logits`` rows they came from, the
     step count, prefix-cache hits, preemptions, the prefill strategies used and this rank's
     traced ``comm`` (:func:`cpbook.timing.serve_timing` adds the wall time).  Exactness is
-    checked by the caller against :func:`cpbook.engine.models.reference_generate` (a whole engine run
-    has no closed-form byte count, so there is no ``expected`` list).
+    checked by the caller against :func:`cpbook.engine.models.reference_generate` (a whole engine
+    run has no closed-form byte count, so there is no ``expected`` list).
     """
     with ctx.traced() as comm:
-        eng = Engine(model, num_kv_blocks, tensor_parallel_size=tensor_parallel_size,
-                     decode_context_parallel_size=decode_context_parallel_size,
-                     prefill_context_parallel_size=prefill_context_parallel_size,
-                     block_size=block_size,
-                     cp_kv_cache_interleave_size=cp_kv_cache_interleave_size,
-                     dcp_comm_backend=dcp_comm_backend, ctx=ctx,
-                     max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                     strategy=strategy, seed=seed, dtype=dtype)
+        eng = Engine(
+            model,
+            num_kv_blocks,
+            tensor_parallel_size=tensor_parallel_size,
+            decode_context_parallel_size=decode_context_parallel_size,
+            prefill_context_parallel_size=prefill_context_parallel_size,
+            block_size=block_size,
+            cp_kv_cache_interleave_size=cp_kv_cache_interleave_size,
+            dcp_comm_backend=dcp_comm_backend,
+            ctx=ctx,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            strategy=strategy,
+            seed=seed,
+            dtype=dtype,
+        )
         prompts = make_prompts(num_requests, seed, eng.model.config.vocab_size)
         outs = eng.generate(prompts, max_new_tokens)
     cfg = eng.config
     c = eng.groups.coords
-    print(f"{model} tp {cfg.tp} dcp {cfg.dcp} pcp {cfg.pcp}, rank {ctx.rank} (tp {c.tp_rank}, "
-          f"pcp {c.pcp_rank}, dcp {c.dcp_rank}): {len(eng.history)} steps, "
-          f"{eng.scheduler.num_preemptions} preemptions, {eng.prefix_hit_tokens} prefix-hit "
-          f"tokens; request 0 -> {list(outs[0].tokens)}")
+    print(
+        f"{model} tp {cfg.tp} dcp {cfg.dcp} pcp {cfg.pcp}, rank {ctx.rank} (tp {c.tp_rank}, "
+        f"pcp {c.pcp_rank}, dcp {c.dcp_rank}): {len(eng.history)} steps, "
+        f"{eng.scheduler.num_preemptions} preemptions, {eng.prefix_hit_tokens} prefix-hit "
+        f"tokens; request 0 -> {list(outs[0].tokens)}"
+    )
     return {
-        "model": model, "tp": cfg.tp, "dcp": cfg.dcp, "pcp": cfg.pcp, "rank": ctx.rank,
-        "prompts": prompts, "tokens": [list(o.tokens) for o in outs],
+        "model": model,
+        "tp": cfg.tp,
+        "dcp": cfg.dcp,
+        "pcp": cfg.pcp,
+        "rank": ctx.rank,
+        "prompts": prompts,
+        "tokens": [list(o.tokens) for o in outs],
         "errors": [o.error for o in outs],
-        "logits": [torch.stack(eng.logits[o.request_id]) if eng.logits[o.request_id] else None
-                   for o in outs],
-        "dcp_comm_backend": dcp_comm_backend, "steps": len(eng.history),
+        "logits": [
+            torch.stack(eng.logits[o.request_id]) if eng.logits[o.request_id] else None
+            for o in outs
+        ],
+        "dcp_comm_backend": dcp_comm_backend,
+        "steps": len(eng.history),
         "prefix_hit_tokens": eng.prefix_hit_tokens,
-        "preemptions": eng.scheduler.num_preemptions, "strategies": dict(eng.runner.strategies),
-        "history": eng.history, "comm": comm,
+        "preemptions": eng.scheduler.num_preemptions,
+        "strategies": dict(eng.runner.strategies),
+        "history": eng.history,
+        "comm": comm,
     }

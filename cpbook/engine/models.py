@@ -23,7 +23,15 @@ from cpbook.core.attention import dense_attention, rope
 from cpbook.core.config import ConfigError
 from cpbook.dcp.mla import TinyMLA
 
-__all__ = ['ModelConfig', 'ENGINE_MODELS', 'get_engine_model', 'TinyModel', 'reference_forward', 'reference_generate']
+__all__ = [
+    "ModelConfig",
+    "ENGINE_MODELS",
+    "get_engine_model",
+    "TinyModel",
+    "reference_forward",
+    "reference_generate",
+]
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -49,8 +57,12 @@ class ModelConfig:
     @property
     def attention_shape(self) -> dict[str, Any]:
         """What :meth:`~cpbook.core.config.ParallelConfig.for_model` reads."""
-        return dict(num_q_heads=self.num_attention_heads, num_kv_heads=self.num_key_value_heads,
-                    head_dim=self.qk_head_dim, use_mla=self.use_mla)
+        return dict(
+            num_q_heads=self.num_attention_heads,
+            num_kv_heads=self.num_key_value_heads,
+            head_dim=self.qk_head_dim,
+            use_mla=self.use_mla,
+        )
 
     @property
     def qk_head_dim(self) -> int:
@@ -103,8 +115,9 @@ class TinyModel:
     mla: list[TinyMLA] = field(default_factory=list)
 
     @classmethod
-    def from_name(cls, name: str, seed: int = 0, dtype: torch.dtype = torch.float64,
-                  **overrides: object) -> "TinyModel":
+    def from_name(
+        cls, name: str, seed: int = 0, dtype: torch.dtype = torch.float64, **overrides: object
+    ) -> "TinyModel":
         """The model ``name`` (a key of :data:`ENGINE_MODELS`) with weights drawn from ``seed``."""
         cfg = replace(get_engine_model(name), **overrides)
         gen = torch.Generator().manual_seed(seed)
@@ -118,21 +131,34 @@ class TinyModel:
         for _ in range(cfg.num_hidden_layers):
             lw = {"attn_norm": torch.ones(H, dtype=dtype), "mlp_norm": torch.ones(H, dtype=dtype)}
             if cfg.use_mla:
-                lw.update(wq=w(H, n, cfg.qk_head_dim, fan_in=H), w_dkv=w(H, cfg.kv_lora_rank,
-                          fan_in=H), w_kr=w(H, cfg.qk_rope_head_dim, fan_in=H),
-                          kv_norm=torch.ones(cfg.kv_lora_rank, dtype=dtype))
-                m = TinyMLA.random(n, cfg.kv_lora_rank, cfg.qk_nope_head_dim,
-                                   cfg.qk_rope_head_dim, cfg.v_head_dim,
-                                   int(torch.randint(1 << 30, (1,), generator=gen)), dtype)
+                lw.update(
+                    wq=w(H, n, cfg.qk_head_dim, fan_in=H),
+                    w_dkv=w(H, cfg.kv_lora_rank, fan_in=H),
+                    w_kr=w(H, cfg.qk_rope_head_dim, fan_in=H),
+                    kv_norm=torch.ones(cfg.kv_lora_rank, dtype=dtype),
+                )
+                m = TinyMLA.random(
+                    n,
+                    cfg.kv_lora_rank,
+                    cfg.qk_nope_head_dim,
+                    cfg.qk_rope_head_dim,
+                    cfg.v_head_dim,
+                    int(torch.randint(1 << 30, (1,), generator=gen)),
+                    dtype,
+                )
                 mlas.append(m)
             else:
-                lw.update(wq=w(H, n, cfg.head_dim, fan_in=H), wk=w(H, k, cfg.head_dim, fan_in=H),
-                          wv=w(H, k, cfg.head_dim, fan_in=H))
-            lw.update(wo=w(n, cfg.out_head_dim, H, fan_in=n * cfg.out_head_dim,
-                           gain=cfg.o_proj_gain),
-                      w_gate=w(H, cfg.intermediate_size, fan_in=H),
-                      w_up=w(H, cfg.intermediate_size, fan_in=H),
-                      w_down=w(cfg.intermediate_size, H, fan_in=cfg.intermediate_size))
+                lw.update(
+                    wq=w(H, n, cfg.head_dim, fan_in=H),
+                    wk=w(H, k, cfg.head_dim, fan_in=H),
+                    wv=w(H, k, cfg.head_dim, fan_in=H),
+                )
+            lw.update(
+                wo=w(n, cfg.out_head_dim, H, fan_in=n * cfg.out_head_dim, gain=cfg.o_proj_gain),
+                w_gate=w(H, cfg.intermediate_size, fan_in=H),
+                w_up=w(H, cfg.intermediate_size, fan_in=H),
+                w_down=w(cfg.intermediate_size, H, fan_in=cfg.intermediate_size),
+            )
             layers.append(lw)
         embed = w(cfg.vocab_size, H, fan_in=1)
         lm_head = w(H, cfg.vocab_size, fan_in=H, gain=4.0)
@@ -143,8 +169,9 @@ class TinyModel:
         """RMSNorm before attention: ``[T, H] -> [T, H]``."""
         return _rms(x, self.layers[layer]["attn_norm"], self.config.rms_norm_eps)
 
-    def qkv(self, layer: int, h: torch.Tensor, positions: torch.Tensor, heads: slice,
-            kv_heads: slice) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def qkv(
+        self, layer: int, h: torch.Tensor, positions: torch.Tensor, heads: slice, kv_heads: slice
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Projections of the normed rows ``h [T, H]`` at ``positions [T]``, RoPE applied.
 
         GQA: ``q [T, h, D]``, ``k``/``v [T, k, D]`` for ``heads``/``kv_heads``.  MLA: the
@@ -161,8 +188,9 @@ class TinyModel:
         q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
         return self.mla[layer].absorb_q(q_nope, q_pe, heads), latent[:, None], None
 
-    def mla_q_and_latent(self, layer: int, h: torch.Tensor, positions: torch.Tensor,
-                         heads: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
+    def mla_q_and_latent(
+        self, layer: int, h: torch.Tensor, positions: torch.Tensor, heads: slice = slice(None)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """MLA's MHA-form query ``[q_nope, rope(q_pe)]`` (``[T, h, Dn+R]``) and cache row
         ``[norm(kv_c), rope(k_pe)]`` (``[T, C+R]``)."""
         lw, cfg = self.layers[layer], self.config
@@ -170,8 +198,10 @@ class TinyModel:
         q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
         kv_c = _rms(h @ lw["w_dkv"], lw["kv_norm"], cfg.rms_norm_eps)
         k_pe = rope((h @ lw["w_kr"])[:, None], positions, cfg.rope_theta)[:, 0]
-        return (torch.cat([q_nope, rope(q_pe, positions, cfg.rope_theta)], dim=-1),
-                torch.cat([kv_c, k_pe], dim=-1))
+        return (
+            torch.cat([q_nope, rope(q_pe, positions, cfg.rope_theta)], dim=-1),
+            torch.cat([kv_c, k_pe], dim=-1),
+        )
 
     def attn_scale(self, layer: int) -> float | None:
         """Softmax scale (``None``: ``1/sqrt(head_dim)``; MLA: the MHA form's scale)."""
@@ -196,8 +226,9 @@ class TinyModel:
         return _rms(x, self.final_norm, self.config.rms_norm_eps) @ self.lm_head
 
 
-def reference_forward(model: TinyModel, token_ids: list[int], start: int,
-                      cache: list[list[torch.Tensor]]) -> torch.Tensor:
+def reference_forward(
+    model: TinyModel, token_ids: list[int], start: int, cache: list[list[torch.Tensor]]
+) -> torch.Tensor:
     """One single-device forward of ``token_ids`` at positions ``start, start+1, ...`` over a
     contiguous KV cache (``cache[layer]``: ``[K, V]`` or MLA's ``[latent]``, ``start`` rows
     long, extended in place).  Causal; MLA in its MHA form.  Returns logits ``[T, vocab]``."""
@@ -211,8 +242,9 @@ def reference_forward(model: TinyModel, token_ids: list[int], start: int,
             q, lat = model.mla_q_and_latent(layer, h, pos)
             cache[layer] = [torch.cat(cache[layer] + [lat])]
             kk, vv = model.mla[layer].expand_kv(cache[layer][0], every)
-            a = dense_attention(q, kk, vv, causal=True, q_offset=start,
-                                scale=model.mla[layer].scale)[0]
+            a = dense_attention(
+                q, kk, vv, causal=True, q_offset=start, scale=model.mla[layer].scale
+            )[0]
             x = x + torch.einsum("tnd,ndh->th", a, model.layers[layer]["wo"])
         else:
             q, k, v = model.qkv(layer, h, pos, every, every)
@@ -225,8 +257,9 @@ def reference_forward(model: TinyModel, token_ids: list[int], start: int,
     return model.logits(x)
 
 
-def reference_generate(model: TinyModel, prompt: list[int], max_new_tokens: int,
-                       return_logits: bool = False):
+def reference_generate(
+    model: TinyModel, prompt: list[int], max_new_tokens: int, return_logits: bool = False
+):
     """Greedy tokens of ``prompt`` on one device: a full prefill, then one token per forward
     (:func:`reference_forward`, contiguous KV cache, no paging or batching), in the model's
     dtype.  Returns the ``max_new_tokens`` new tokens, and with ``return_logits`` also the

@@ -12,9 +12,9 @@ code inline and under torchrun (vLLM's ``GPUModelRunner.execute_model``):
   DCP group (AllGather Q, attention over the local shard, ``ag_rs`` or ``a2a`` combine).  MLA
   runs the same function on its absorbed latent queries against the cached latents.
 * **Prefill rows** (whole or chunked prompts): split zigzag over the PCP group
-  (:mod:`cpbook.pcp.zigzag`), attended by :func:`cpbook.pcp.chunked.chunked_prefill_attention` (context
-  from the paged cache, AllGather-Q or AllGather-KV picked by the selector), then the new K/V is
-  all-gathered over PCP and written through the slot mapping.
+  (:mod:`cpbook.pcp.zigzag`), attended by :func:`cpbook.pcp.chunked.chunked_prefill_attention`
+  (context from the paged cache, AllGather-Q or AllGather-KV picked by the selector), then the new
+  K/V is all-gathered over PCP and written through the slot mapping.
 * **Sampling**: greedy, on the last row of every request whose chunk reaches its last token;
   rank 0's tokens are shared with every rank (one all-gather), as vLLM's driver broadcasts.
 """
@@ -31,20 +31,31 @@ from cpbook.core.heads import kv_heads_of, q_heads_of
 from cpbook.dcp.decode import dcp_decode_attention, local_attention
 from cpbook.engine.models import TinyModel
 from cpbook.engine.scheduler import ScheduledChunk, SchedulerOutput
+from cpbook.kv.context import ContextShard
 from cpbook.kv.paged import PagedKVCache
-from cpbook.pcp.chunked import ContextShard, chunked_prefill_attention
+from cpbook.pcp.chunked import chunked_prefill_attention
 from cpbook.pcp.prefill import pcp_restore, pcp_shard
 from cpbook.pcp.zigzag import PCPMetadata, zigzag_partition
 
-__all__ = ['ModelRunner']
+__all__ = ["ModelRunner"]
+
 
 class ModelRunner:
     """This rank's heads, MLP columns and per-layer :class:`~cpbook.kv.paged.PagedKVCache`
     (``num_blocks`` physical blocks of ``block_size`` slots, DCP layout of ``config``)."""
 
-    def __init__(self, model: TinyModel, config: ParallelConfig, groups: ParallelGroups,
-                 num_blocks: int, *, strategy: str = "auto", workspace_size: int = 64,
-                 alpha: float | None = None, beta: float | None = None) -> None:
+    def __init__(
+        self,
+        model: TinyModel,
+        config: ParallelConfig,
+        groups: ParallelGroups,
+        num_blocks: int,
+        *,
+        strategy: str = "auto",
+        workspace_size: int = 64,
+        alpha: float | None = None,
+        beta: float | None = None,
+    ) -> None:
         mc, c = model.config, groups.coords
         self.model, self.config, self.groups = model, config, groups
         self.strategy, self.workspace_size = strategy, workspace_size
@@ -55,9 +66,17 @@ class ModelRunner:
         self.cols = slice(c.tp_rank * inter // tp, (c.tp_rank + 1) * inter // tp)
         nkv = self.kv_heads.stop - self.kv_heads.start
         self.caches = [
-            PagedKVCache(num_blocks, config.block_size, nkv, mc.kv_cache_dim,
-                         0 if mc.use_mla else None, dcp=config.dcp, dcp_rank=c.dcp_rank,
-                         interleave=config.interleave, dtype=model.embed.dtype)
+            PagedKVCache(
+                num_blocks,
+                config.block_size,
+                nkv,
+                mc.kv_cache_dim,
+                0 if mc.use_mla else None,
+                dcp=config.dcp,
+                dcp_rank=c.dcp_rank,
+                interleave=config.interleave,
+                dtype=model.embed.dtype,
+            )
             for _ in range(mc.num_hidden_layers)
         ]
         self.strategies: Counter[str] = Counter()
@@ -76,8 +95,14 @@ class ModelRunner:
         return k[..., : self.model.config.kv_lora_rank] if v is None else v
 
     # -- attention ----------------------------------------------------------------------------
-    def _decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
-                chunks: list[ScheduledChunk]) -> torch.Tensor:
+    def _decode(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor | None,
+        chunks: list[ScheduledChunk],
+    ) -> torch.Tensor:
         cache = self.caches[layer]
         slots = torch.cat([cache.slot_mapping([c.start], c.block_table) for c in chunks])
         cache.write(k, v, slots)
@@ -94,8 +119,15 @@ class ModelRunner:
             vs = [x.repeat(1, grp.size, 1) for x in vs]
         return dcp_decode_attention(q, ks, vs, grp, self.config.dcp_comm_backend, scale)
 
-    def _prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
-                 chunks: list[ScheduledChunk], meta: PCPMetadata) -> torch.Tensor:
+    def _prefill(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor | None,
+        chunks: list[ScheduledChunk],
+        meta: PCPMetadata,
+    ) -> torch.Tensor:
         cache, cfg = self.caches[layer], self.config
         keys, values = [], []
         for c in chunks:
@@ -103,21 +135,41 @@ class ModelRunner:
             keys.append(kk)
             values.append(vv)
         mla = self.model.config.use_mla
-        context = ContextShard(tuple(c.start for c in chunks), tuple(keys),
-                               None if mla else tuple(values), cfg.dcp,
-                               self.groups.coords.dcp_rank, cfg.interleave,
-                               self.model.config.kv_lora_rank if mla else None)
+        context = ContextShard(
+            tuple(c.start for c in chunks),
+            tuple(keys),
+            None if mla else tuple(values),
+            cfg.dcp,
+            self.groups.coords.dcp_rank,
+            cfg.interleave,
+            self.model.config.kv_lora_rank if mla else None,
+        )
         stats: dict = {}
         out, _ = chunked_prefill_attention(
-            q, k, v, context, meta, self.groups, strategy=self.strategy,
-            workspace_size=self.workspace_size, dcp_comm_backend=cfg.dcp_comm_backend,
-            alpha=self.alpha, beta=self.beta, scale=self.model.attn_scale(layer), stats=stats)
+            q,
+            k,
+            v,
+            context,
+            meta,
+            self.groups,
+            strategy=self.strategy,
+            workspace_size=self.workspace_size,
+            dcp_comm_backend=cfg.dcp_comm_backend,
+            alpha=self.alpha,
+            beta=self.beta,
+            scale=self.model.attn_scale(layer),
+            stats=stats,
+        )
         self.strategies[stats["strategy"]] += 1
         d = k.shape[-1]
         new = self._restore(k if v is None else torch.cat([k, v], dim=-1), meta)  # one gather
         new_k, new_v = (new, None) if v is None else (new[..., :d], new[..., d:])
-        slots = torch.cat([cache.slot_mapping(torch.arange(c.start, c.start + c.num_tokens),
-                                              c.block_table) for c in chunks])
+        slots = torch.cat(
+            [
+                cache.slot_mapping(torch.arange(c.start, c.start + c.num_tokens), c.block_table)
+                for c in chunks
+            ]
+        )
         cache.write(new_k, new_v, slots)
         return out
 
@@ -133,7 +185,8 @@ class ModelRunner:
         meta = None
         if pre:
             meta = zigzag_partition([c.num_tokens for c in pre], self.config.pcp).metadata(
-                groups.coords.pcp_rank)
+                groups.coords.pcp_rank
+            )
             flat = torch.tensor([t for c in pre for t in c.token_ids], dtype=torch.long)
             ids.append(pcp_shard(flat, meta))
             starts = torch.tensor([c.start for c in pre], dtype=torch.long)
@@ -145,11 +198,13 @@ class ModelRunner:
             q, k, v = model.qkv(layer, h, pos_t, self.heads, self.kv_heads)
             parts = []
             if dec:
-                parts.append(self._decode(layer, q[:nd], k[:nd], None if v is None else v[:nd],
-                                          dec))
+                parts.append(
+                    self._decode(layer, q[:nd], k[:nd], None if v is None else v[:nd], dec)
+                )
             if pre:
-                parts.append(self._prefill(layer, q[nd:], k[nd:], None if v is None else v[nd:],
-                                           pre, meta))
+                parts.append(
+                    self._prefill(layer, q[nd:], k[nd:], None if v is None else v[nd:], pre, meta)
+                )
             attn = torch.cat(parts)
             x = x + self._tp_sum(model.o_proj(layer, attn, self.heads))
             x = x + self._tp_sum(model.mlp(layer, x, self.cols))
@@ -164,5 +219,7 @@ class ModelRunner:
         tokens = logits.argmax(dim=-1)
         if groups.world.size > 1:  # everyone continues with rank 0's tokens
             tokens = groups.world.all_gather(tokens[None], dim=0)[0]
-        return ({n: int(t) for n, t in zip(names, tokens)},
-                {n: row for n, row in zip(names, logits)})
+        return (
+            {n: int(t) for n, t in zip(names, tokens)},
+            {n: row for n, row in zip(names, logits)},
+        )

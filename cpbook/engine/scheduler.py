@@ -30,7 +30,8 @@ from cpbook.core.config import ConfigError, check_positive
 from cpbook.kv.layout import num_virtual_blocks
 from cpbook.kv.manager import AllocationError, KVCacheManager
 
-__all__ = ['Request', 'ScheduledChunk', 'SchedulerOutput', 'Scheduler']
+__all__ = ["Request", "ScheduledChunk", "SchedulerOutput", "Scheduler"]
+
 
 @dataclass
 class Request:
@@ -94,8 +95,9 @@ class SchedulerOutput:
 class Scheduler:
     """FCFS continuous batching over one :class:`KVCacheManager` (the DCP group's block ids)."""
 
-    def __init__(self, kv_manager: KVCacheManager, max_num_batched_tokens: int = 32,
-                 max_num_seqs: int = 8) -> None:
+    def __init__(
+        self, kv_manager: KVCacheManager, max_num_batched_tokens: int = 32, max_num_seqs: int = 8
+    ) -> None:
         check_positive(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs)
         self.kv = kv_manager
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
@@ -111,18 +113,25 @@ class Scheduler:
         """Queue ``request``; one that can never fit the cache is failed at once (status
         ``"error"``, rule ``request-fits-cache``), the others are unaffected."""
         if request.request_id in self.requests:
-            raise ConfigError("new-request-id", "a request id not already added",
-                              request_id=request.request_id)
+            raise ConfigError(
+                "new-request-id", "a request id not already added", request_id=request.request_id
+            )
         check_positive(prompt_len=len(request.prompt), max_new_tokens=request.max_new_tokens)
         self.requests[request.request_id] = request
         total = len(request.prompt) + request.max_new_tokens
         need = num_virtual_blocks(total, self.kv.block_size, self.kv.dcp)
         if need > self.kv.num_blocks:
             request.status = "error"
-            request.error = str(AllocationError(
-                "request-fits-cache", "prompt + max_new_tokens within the whole KV cache",
-                request_id=request.request_id, tokens=total, blocks_needed=need,
-                num_blocks=self.kv.num_blocks))
+            request.error = str(
+                AllocationError(
+                    "request-fits-cache",
+                    "prompt + max_new_tokens within the whole KV cache",
+                    request_id=request.request_id,
+                    tokens=total,
+                    blocks_needed=need,
+                    num_blocks=self.kv.num_blocks,
+                )
+            )
             return request
         self.waiting.append(request)
         return request
@@ -152,12 +161,21 @@ class Scheduler:
     def _chunk(self, req: Request, n: int) -> ScheduledChunk:
         start = req.num_computed_tokens
         end = start + n
-        kind = ("decode" if req.prefill_done else
-                "prefill" if end == req.num_tokens and start == req.prefix_hit_tokens
-                else "chunked_prefill")
-        return ScheduledChunk(req.request_id, kind, start, tuple(req.all_tokens[start:end]),
-                              tuple(self.kv.block_table(req.request_id).tolist()),
-                              end == req.num_tokens)
+        kind = (
+            "decode"
+            if req.prefill_done
+            else "prefill"
+            if end == req.num_tokens and start == req.prefix_hit_tokens
+            else "chunked_prefill"
+        )
+        return ScheduledChunk(
+            req.request_id,
+            kind,
+            start,
+            tuple(req.all_tokens[start:end]),
+            tuple(self.kv.block_table(req.request_id).tolist()),
+            end == req.num_tokens,
+        )
 
     def schedule(self) -> SchedulerOutput:
         """Pick this step's chunks within the token budget; admit, and preempt if needed."""
@@ -181,8 +199,9 @@ class Scheduler:
             chunks.append(self._chunk(req, n))
             budget -= n
             i += 1
-        while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
-               and not preempted):  # vLLM admits nobody in a step that preempted
+        while (
+            self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted
+        ):  # vLLM admits nobody in a step that preempted
             req = self.waiting[0]
             tokens = req.all_tokens
             if any(b not in self.written for b in self.kv.cached_prefix(tokens)):
@@ -192,7 +211,8 @@ class Scheduler:
             except AllocationError:
                 break
             self.written.difference_update(
-                self.kv.block_table(req.request_id).tolist()[hit.num_blocks:])
+                self.kv.block_table(req.request_id).tolist()[hit.num_blocks :]
+            )
             self.waiting.popleft()
             req.status, req.num_computed_tokens = "running", hit.num_tokens
             req.prefix_hit_tokens = hit.num_tokens

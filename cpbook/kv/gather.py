@@ -16,7 +16,8 @@ import torch
 from cpbook.core.config import ConfigError
 from cpbook.kv.layout import local_seq_len
 
-__all__ = ['context_chunk_len', 'reorg_kvcache', 'context_gather_comm_bytes']
+__all__ = ["context_chunk_len", "reorg_kvcache", "context_gather_comm_bytes"]
+
 
 # ------------------------------------------------------------------------------------------
 # prefill with cached context: all-gather the latent KV in workspace chunks
@@ -85,11 +86,11 @@ def context_gather_comm_bytes(
         (
             "all_gather",
             sum(
-            local_seq_len(min(max(L - c * chunk, 0), chunk), dcp, 0, interleave)
-            for L in context_lens
-        )
-        * latent_dim
-        * elem_bytes
+                local_seq_len(min(max(L - c * chunk, 0), chunk), dcp, 0, interleave)
+                for L in context_lens
+            )
+            * latent_dim
+            * elem_bytes
             * (dcp - 1),
         )
         for c in range(num_chunks)

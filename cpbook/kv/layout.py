@@ -30,7 +30,16 @@ import torch
 
 from cpbook.core.config import ConfigError, check_interleave, check_positive
 
-__all__ = ['PAD_SLOT_ID', 'check_layout', 'token_owner', 'slot_mapping', 'local_seq_len', 'local_positions', 'num_virtual_blocks', 'block_fill']
+__all__ = [
+    "PAD_SLOT_ID",
+    "check_layout",
+    "token_owner",
+    "slot_mapping",
+    "local_seq_len",
+    "local_positions",
+    "num_virtual_blocks",
+    "block_fill",
+]
 
 PAD_SLOT_ID = -1
 
@@ -49,9 +58,7 @@ def check_layout(
     if dcp_rank is not None and (
         isinstance(dcp_rank, bool) or not isinstance(dcp_rank, int) or not 0 <= dcp_rank < dcp
     ):
-        raise ConfigError(
-            "dcp-rank-in-range", "0 <= dcp_rank < dcp", dcp_rank=dcp_rank, dcp=dcp
-        )
+        raise ConfigError("dcp-rank-in-range", "0 <= dcp_rank < dcp", dcp_rank=dcp_rank, dcp=dcp)
 
 
 def _as_long(x: torch.Tensor | Sequence[int] | int, name: str) -> torch.Tensor:
@@ -71,9 +78,7 @@ def _seq_len(seq_len: int) -> None:
 # ------------------------------------------------------------------------------------------
 # the layout
 # ------------------------------------------------------------------------------------------
-def token_owner(
-    positions: torch.Tensor | Sequence[int], dcp: int, interleave: int
-) -> torch.Tensor:
+def token_owner(positions: torch.Tensor | Sequence[int], dcp: int, interleave: int) -> torch.Tensor:
     """The DCP rank storing each position: ``(p // interleave) % dcp`` (same shape, int64)."""
     check_layout(dcp, interleave)
     p = _as_long(positions, "positions")
@@ -173,7 +178,7 @@ def block_fill(seq_len: int, block_size: int, dcp: int, interleave: int) -> torc
     """
     check_layout(dcp, interleave, block_size)
     vb = block_size * dcp
-    in_block = (
-        seq_len - torch.arange(num_virtual_blocks(seq_len, block_size, dcp)) * vb
-    ).clamp(0, vb)
+    in_block = (seq_len - torch.arange(num_virtual_blocks(seq_len, block_size, dcp)) * vb).clamp(
+        0, vb
+    )
     return torch.stack([local_seq_len(in_block, dcp, r, interleave) for r in range(dcp)])

@@ -25,7 +25,8 @@ import torch
 from cpbook.core.config import ConfigError, ParallelConfig, check_positive
 from cpbook.kv.layout import block_fill, check_layout, num_virtual_blocks
 
-__all__ = ['AllocationError', 'KVCacheManager', 'PrefixHit']
+__all__ = ["AllocationError", "KVCacheManager", "PrefixHit"]
+
 
 class AllocationError(RuntimeError):
     """The cache has too few free block ids for a request: a state of the cache, not a bad

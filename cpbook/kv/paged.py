@@ -22,7 +22,8 @@ from cpbook.kv.layout import (
     slot_mapping,
 )
 
-__all__ = ['PagedKVCache', 'shard_kv_cache']
+__all__ = ["PagedKVCache", "shard_kv_cache"]
+
 
 # ------------------------------------------------------------------------------------------
 # one rank's paged store
@@ -183,9 +184,7 @@ class PagedKVCache:
         return (
             k,
             v,
-            local_positions(seq_len, self.dcp, self.dcp_rank, self.interleave).to(
-                slots.device
-            ),
+            local_positions(seq_len, self.dcp, self.dcp_rank, self.interleave).to(slots.device),
         )
 
 

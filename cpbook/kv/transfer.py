@@ -12,7 +12,8 @@ import torch
 from cpbook.core.config import check_positive
 from cpbook.kv.layout import block_fill, local_seq_len
 
-__all__ = ['TransferPlan', 'transfer_plan', 'kvcache_comm_bytes']
+__all__ = ["TransferPlan", "transfer_plan", "kvcache_comm_bytes"]
+
 
 # ------------------------------------------------------------------------------------------
 # P/D disaggregation: which blocks a decode node must receive

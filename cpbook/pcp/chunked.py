@@ -6,8 +6,8 @@ holds either side whole: the chunk is split zigzag over the PCP group (:mod:`cpb
 ``R`` local rows, padding included, ``h`` query heads per TP rank), and the context lies
 DCP-interleaved in the paged cache (:mod:`cpbook.kv.layout`).  With ``dcp = 1`` every rank holds
 the whole context (vLLM's current PCP keeps full KV on every PCP rank).  On the current vLLM
-grid (:mod:`cpbook.core.groups`), the *attention group* ``G`` (the DCP group if ``dcp > 1``, else the
-PCP group) is the smallest group holding one KV head's whole context and whole chunk:
+grid (:mod:`cpbook.core.groups`), the *attention group* ``G`` (the DCP group if ``dcp > 1``, else
+the PCP group) is the smallest group holding one KV head's whole context and whole chunk:
 
 =====================  ====================  =========================  =============
 config                 context held by       new K/V held by            ``G``
@@ -47,7 +47,6 @@ exact byte formulas (:func:`~cpbook.pcp.chunked_plan.chunked_comm_bytes`) and th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -61,9 +60,9 @@ from cpbook.core.comm import Group
 from cpbook.core.config import ConfigError, check_comm_backend
 from cpbook.core.groups import ParallelGroups
 from cpbook.dcp.decode import dcp_combine
+from cpbook.kv.context import ContextShard
 from cpbook.kv.gather import context_chunk_len, reorg_kvcache
 from cpbook.kv.layout import local_seq_len
-from cpbook.kv.paged import shard_kv_cache
 from cpbook.pcp.chunked_plan import (
     STRATEGIES,
     comm_plan,
@@ -71,44 +70,14 @@ from cpbook.pcp.chunked_plan import (
 )
 from cpbook.pcp.zigzag import PCPMetadata, Segment, pcp_partition
 
-__all__ = ['ContextShard', 'context_shard', 'attention_group', 'allgather_q_attention', 'allgather_kv_attention', 'chunked_prefill_attention']
+__all__ = [
+    "attention_group",
+    "allgather_q_attention",
+    "allgather_kv_attention",
+    "chunked_prefill_attention",
+]
 
 Attn = tuple[torch.Tensor, torch.Tensor]  # (out [R, h, Dv], lse [R, h])
-
-
-@dataclass(frozen=True)
-class ContextShard:
-    """This rank's DCP shard of every request's cached context, read from its paged cache.
-
-    ``keys[i] [n_i, k, D]`` (and ``values[i] [n_i, k, Dv]``) are its ``n_i = local_seq_len(
-    context_lens[i], dcp, dcp_rank, interleave)`` tokens of request ``i``, position order.
-    ``values is None``: MLA's latent cache, the value is the key's first ``v_head_dim`` columns
-    (all of them if ``None``).
-    """
-
-    context_lens: tuple[int, ...]
-    keys: tuple[torch.Tensor, ...]
-    values: tuple[torch.Tensor, ...] | None
-    dcp: int = 1
-    dcp_rank: int = 0
-    interleave: int = 1
-    v_head_dim: int | None = None
-
-    def value(self, k: torch.Tensor, v: torch.Tensor | None) -> torch.Tensor:
-        """``v``, or the latent view ``k[..., :v_head_dim]`` when the cache has no values."""
-        return k[..., : self.v_head_dim] if v is None else v
-
-
-def context_shard(ks: Sequence[torch.Tensor], vs: Sequence[torch.Tensor] | None, block_size: int,
-                  dcp: int, dcp_rank: int, interleave: int, v_head_dim: int | None = None,
-                  device: torch.device | str = "cpu") -> ContextShard:
-    """Write every request's context ``ks[i] [C_i, k, D]`` through this rank's slot mapping and
-    read back its share (:func:`cpbook.kv.paged.shard_kv_cache`); ``vs=None`` for MLA's latent."""
-    local, _ = shard_kv_cache(ks, [None] * len(ks) if vs is None else vs, block_size, dcp,
-                              dcp_rank, interleave, device)
-    return ContextShard(tuple(k.shape[0] for k in ks), tuple(k for k, _, _ in local),
-                        None if vs is None else tuple(v for _, v, _ in local), dcp, dcp_rank,
-                        interleave, v_head_dim)
 
 
 def attention_group(groups: ParallelGroups) -> Group:
@@ -116,9 +85,12 @@ def attention_group(groups: ParallelGroups) -> Group:
     if groups.dcp.size == 1:
         return groups.pcp
     if not set(groups.pcp.ranks) <= set(groups.dcp.ranks):
-        raise ConfigError("chunked-dcp-spans-pcp", "a DCP group that contains its PCP group "
-                          "(vLLM's current layout)", dcp_ranks=list(groups.dcp.ranks),
-                          pcp_ranks=list(groups.pcp.ranks))
+        raise ConfigError(
+            "chunked-dcp-spans-pcp",
+            "a DCP group that contains its PCP group (vLLM's current layout)",
+            dcp_ranks=list(groups.dcp.ranks),
+            pcp_ranks=list(groups.pcp.ranks),
+        )
     return groups.dcp
 
 
@@ -137,34 +109,71 @@ def _request_rows(segments: Sequence[Segment], lens: Sequence[int]) -> dict[int,
     return rows
 
 
-def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, context: ContextShard,
-           meta: PCPMetadata, groups: ParallelGroups) -> None:
+def _check(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor | None,
+    context: ContextShard,
+    meta: PCPMetadata,
+    groups: ParallelGroups,
+) -> None:
     pcp, dcp = groups.pcp, groups.dcp
     if (pcp.size, pcp.rank) != (meta.pcp, meta.pcp_rank):
-        raise ConfigError("pcp-group-matches-metadata", "PCP group size/rank == metadata's",
-                          pcp_group=(pcp.size, pcp.rank), metadata=(meta.pcp, meta.pcp_rank))
+        raise ConfigError(
+            "pcp-group-matches-metadata",
+            "PCP group size/rank == metadata's",
+            pcp_group=(pcp.size, pcp.rank),
+            metadata=(meta.pcp, meta.pcp_rank),
+        )
     if (dcp.size, dcp.rank) != (context.dcp, context.dcp_rank):
-        raise ConfigError("dcp-group-matches-context", "DCP group size/rank == context shard's",
-                          dcp_group=(dcp.size, dcp.rank),
-                          context=(context.dcp, context.dcp_rank))
+        raise ConfigError(
+            "dcp-group-matches-context",
+            "DCP group size/rank == context shard's",
+            dcp_group=(dcp.size, dcp.rank),
+            context=(context.dcp, context.dcp_rank),
+        )
     if len(context.context_lens) != len(meta.seq_lens):
-        raise ConfigError("one-context-per-request", "one context length per chunk request",
-                          context_lens=context.context_lens, query_lens=meta.seq_lens)
+        raise ConfigError(
+            "one-context-per-request",
+            "one context length per chunk request",
+            context_lens=context.context_lens,
+            query_lens=meta.seq_lens,
+        )
     if not q.shape[0] == k.shape[0] == (k if v is None else v).shape[0] == meta.num_tokens:
-        raise ConfigError("chunked-local-rows", "q, k, v with meta.num_tokens rows",
-                          q=tuple(q.shape), k=tuple(k.shape), num_tokens=meta.num_tokens)
+        raise ConfigError(
+            "chunked-local-rows",
+            "q, k, v with meta.num_tokens rows",
+            q=tuple(q.shape),
+            k=tuple(k.shape),
+            num_tokens=meta.num_tokens,
+        )
     if q.shape[1] % k.shape[1]:
-        raise ConfigError("gqa-group-divisible-by-kv-heads", "local q heads % local kv heads == 0",
-                          q_heads=q.shape[1], kv_heads=k.shape[1])
+        raise ConfigError(
+            "gqa-group-divisible-by-kv-heads",
+            "local q heads % local kv heads == 0",
+            q_heads=q.shape[1],
+            kv_heads=k.shape[1],
+        )
     if (v is None) != (context.values is None):
-        raise ConfigError("latent-values", "values for both chunk and context, or for neither "
-                          "(MLA latent)", chunk_v=v is not None,
-                          context_v=context.values is not None)
+        raise ConfigError(
+            "latent-values",
+            "values for both chunk and context, or for neither (MLA latent)",
+            chunk_v=v is not None,
+            context_v=context.values is not None,
+        )
 
 
-def _attend(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-            v: torch.Tensor, scale: float | None, causal: bool = False, q_offset: int = 0,
-            k_offset: int = 0) -> None:
+def _attend(
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float | None,
+    causal: bool = False,
+    q_offset: int = 0,
+    k_offset: int = 0,
+) -> None:
     """Fold ``q``'s attention to ``(k, v)`` into the accumulator ``(out, lse)`` (views), exactly."""
     if q.shape[0] and k.shape[0] and (not causal or k_offset <= q_offset + q.shape[0] - 1):
         part = attention_with_lse(q, k, v, causal, q_offset, k_offset, scale)
@@ -174,10 +183,18 @@ def _attend(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k: torch.Tens
 # ------------------------------------------------------------------------------------------
 # the two strategies
 # ------------------------------------------------------------------------------------------
-def allgather_q_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
-                          context: ContextShard, meta: PCPMetadata, groups: ParallelGroups, *,
-                          dcp_comm_backend: str = "a2a", scale: float | None = None,
-                          stats: dict[str, Any] | None = None) -> Attn:
+def allgather_q_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor | None,
+    context: ContextShard,
+    meta: PCPMetadata,
+    groups: ParallelGroups,
+    *,
+    dcp_comm_backend: str = "a2a",
+    scale: float | None = None,
+    stats: dict[str, Any] | None = None,
+) -> Attn:
     """AllGather-Q: ``q [R, h, D]``, ``k [R, k, D]``, ``v [R, k, Dv]`` (or ``None``) are this
     rank's chunk rows; returns ``(out [R, h, Dv], lse [R, h])`` over context and chunk, exact.
 
@@ -202,27 +219,49 @@ def allgather_q_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | No
             for i, (lo, n) in _request_rows(segs, lens).items():
                 kc = context.keys[i]
                 vc = context.value(kc, None if context.values is None else context.values[i])
-                _attend(out[lo:lo + n, hs], lse[lo:lo + n, hs], qb[lo:lo + n], kc, vc, scale)
+                _attend(out[lo : lo + n, hs], lse[lo : lo + n, hs], qb[lo : lo + n], kc, vc, scale)
         if grp.ranks[b] % tp != groups.coords.tp_rank:
             continue  # those heads' new keys are counted by the rank of their own TP rank
         for qs in segs:  # chunk: the new keys this rank holds, causal at absolute positions
             nq = _real(qs, lens)
             for ks in (s for s in meta.segments if s.request == qs.request):
                 kr = slice(ks.row, ks.row + _real(ks, lens))
-                _attend(out[qs.row:qs.row + nq, hs], lse[qs.row:qs.row + nq, hs],
-                        qb[qs.row:qs.row + nq], k[kr], vn[kr], scale, True, qs.start, ks.start)
+                _attend(
+                    out[qs.row : qs.row + nq, hs],
+                    lse[qs.row : qs.row + nq, hs],
+                    qb[qs.row : qs.row + nq],
+                    k[kr],
+                    vn[kr],
+                    scale,
+                    True,
+                    qs.start,
+                    ks.start,
+                )
     if stats is not None:
-        stats.update(group=grp.name, group_size=grp.size, q=tuple(q.shape),
-                     q_gathered=(q.shape[0], grp.size * h, q.shape[2]), partial=tuple(out.shape))
+        stats.update(
+            group=grp.name,
+            group_size=grp.size,
+            q=tuple(q.shape),
+            q_gathered=(q.shape[0], grp.size * h, q.shape[2]),
+            partial=tuple(out.shape),
+        )
     if grp.size == 1:
         return out, lse
     return dcp_combine(out, lse.to(out.dtype), grp, dcp_comm_backend, return_lse=True)
 
 
-def allgather_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
-                           context: ContextShard, meta: PCPMetadata, groups: ParallelGroups, *,
-                           workspace_size: int, scale: float | None = None,
-                           stats: dict[str, Any] | None = None) -> Attn:
+def allgather_kv_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor | None,
+    context: ContextShard,
+    meta: PCPMetadata,
+    groups: ParallelGroups,
+    *,
+    workspace_size: int,
+    scale: float | None = None,
+    stats: dict[str, Any] | None = None,
+) -> Attn:
     """AllGather-KV: same inputs and result as :func:`allgather_q_attention`.
 
     Collectives: one AllGather of the packed new K/V over PCP, started first, then one
@@ -247,12 +286,16 @@ def allgather_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | N
     rows = _request_rows(meta.segments, meta.seq_lens)
     pieces, peak = max([-(-c // chunk) for c in lens] + [0]), 0
     for c in range(pieces):
-        counts = [[local_seq_len(min(max(L - c * chunk, 0), chunk), n, r, il) for L in lens]
-                  for r in range(n)]
+        counts = [
+            [local_seq_len(min(max(L - c * chunk, 0), chunk), n, r, il) for L in lens]
+            for r in range(n)
+        ]
         lo, mine = c * chunk // n, []
         for i, kc in enumerate(context.keys):
-            x = pack(kc[lo:lo + counts[me][i]],
-                     None if latent else context.values[i][lo:lo + counts[me][i]])
+            x = pack(
+                kc[lo : lo + counts[me][i]],
+                None if latent else context.values[i][lo : lo + counts[me][i]],
+            )
             mine += [x, x.new_zeros(counts[0][i] - x.shape[0], *x.shape[1:])]
         local = torch.cat(mine)  # [Σ rows₀, k, W/k]: this rank's rows, padded to rank 0's
         gathered = groups.dcp.all_gather(local, dim=0) if n > 1 else local
@@ -260,47 +303,95 @@ def allgather_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | N
         ws, cu = reorg_kvcache(gathered.flatten(1), counts, counts[0])
         ws = ws.view(-1, *local.shape[1:])
         for i, (r0, nq) in rows.items():
-            _attend(out[r0:r0 + nq], lse[r0:r0 + nq], q[r0:r0 + nq], *unpack(ws[cu[i]:cu[i + 1]]),
-                    scale)
+            _attend(
+                out[r0 : r0 + nq],
+                lse[r0 : r0 + nq],
+                q[r0 : r0 + nq],
+                *unpack(ws[cu[i] : cu[i + 1]]),
+                scale,
+            )
     kv_seq = new if pending is None else torch.cat(pending.wait())
     kv_seq = kv_seq[meta.restore_index.to(q.device)]
     ks, vs = unpack(kv_seq)  # every request's new K/V in sequence order, padding dropped
     cu = meta.cu_seq_lens
     for s in meta.segments:
         nq, end = _real(s, meta.seq_lens), cu[s.request] + min(s.end, meta.seq_lens[s.request])
-        _attend(out[s.row:s.row + nq], lse[s.row:s.row + nq], q[s.row:s.row + nq],
-                ks[cu[s.request]:end], vs[cu[s.request]:end], scale, True, s.start, 0)
+        _attend(
+            out[s.row : s.row + nq],
+            lse[s.row : s.row + nq],
+            q[s.row : s.row + nq],
+            ks[cu[s.request] : end],
+            vs[cu[s.request] : end],
+            scale,
+            True,
+            s.start,
+            0,
+        )
     if stats is not None:
-        stats.update(chunk_len=chunk, num_pieces=pieces, workspace_rows=peak,
-                     kv_gathered=tuple(kv_seq.shape))
+        stats.update(
+            chunk_len=chunk, num_pieces=pieces, workspace_rows=peak, kv_gathered=tuple(kv_seq.shape)
+        )
     return out, lse
 
 
-def chunked_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
-                              context: ContextShard, meta: PCPMetadata, groups: ParallelGroups, *,
-                              strategy: str = "auto", workspace_size: int,
-                              dcp_comm_backend: str = "a2a", alpha: float | None = None,
-                              beta: float | None = None, scale: float | None = None,
-                              stats: dict[str, Any] | None = None) -> Attn:
+def chunked_prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor | None,
+    context: ContextShard,
+    meta: PCPMetadata,
+    groups: ParallelGroups,
+    *,
+    strategy: str = "auto",
+    workspace_size: int,
+    dcp_comm_backend: str = "a2a",
+    alpha: float | None = None,
+    beta: float | None = None,
+    scale: float | None = None,
+    stats: dict[str, Any] | None = None,
+) -> Attn:
     """Run ``strategy``; ``"auto"`` asks :func:`~cpbook.pcp.chunked_plan.select_strategy` (link
     ``alpha``/``beta``) about this batch's exact bytes.  ``stats["strategy"]`` says which ran."""
     if strategy not in (*STRATEGIES, "auto"):
-        raise ConfigError("chunked-strategy", f"strategy in {(*STRATEGIES, 'auto')}",
-                          strategy=strategy)
+        raise ConfigError(
+            "chunked-strategy", f"strategy in {(*STRATEGIES, 'auto')}", strategy=strategy
+        )
     _check(q, k, v, context, meta, groups)
     if strategy == "auto":
-        plans = {st: comm_plan(st, context.context_lens, meta.seq_lens, q_heads=q.shape[1],
-                               kv_heads=k.shape[1], head_dim=k.shape[2],
-                               v_head_dim=context.value(k, v).shape[2], latent=v is None,
-                               pcp=meta.pcp, dcp=context.dcp,
-                               interleave=context.interleave, workspace_size=workspace_size,
-                               elem_bytes=q.element_size(), dcp_comm_backend=dcp_comm_backend)
-                 for st in STRATEGIES}
+        plans = {
+            st: comm_plan(
+                st,
+                context.context_lens,
+                meta.seq_lens,
+                q_heads=q.shape[1],
+                kv_heads=k.shape[1],
+                head_dim=k.shape[2],
+                v_head_dim=context.value(k, v).shape[2],
+                latent=v is None,
+                pcp=meta.pcp,
+                dcp=context.dcp,
+                interleave=context.interleave,
+                workspace_size=workspace_size,
+                elem_bytes=q.element_size(),
+                dcp_comm_backend=dcp_comm_backend,
+            )
+            for st in STRATEGIES
+        }
         strategy = select_strategy(plans, alpha, beta).strategy
     if stats is not None:
         stats["strategy"] = strategy
     if strategy == "allgather_q":
-        return allgather_q_attention(q, k, v, context, meta, groups, scale=scale, stats=stats,
-                                     dcp_comm_backend=dcp_comm_backend)
-    return allgather_kv_attention(q, k, v, context, meta, groups, workspace_size=workspace_size,
-                                  scale=scale, stats=stats)
+        return allgather_q_attention(
+            q,
+            k,
+            v,
+            context,
+            meta,
+            groups,
+            scale=scale,
+            stats=stats,
+            dcp_comm_backend=dcp_comm_backend,
+        )
+    return allgather_kv_attention(
+        q, k, v, context, meta, groups, workspace_size=workspace_size, scale=scale, stats=stats
+    )

@@ -21,10 +21,10 @@ allgather_kv    all_gather new K/V          PCP    ``R·W·e·(P−1)``
 
 ``rows₀(i)`` is rank 0's share of request ``i``'s context piece (every rank pads to it); the
 pieces are ``workspace_size // requests`` tokens, a multiple of ``N·interleave``
-(:func:`cpbook.kv.gather.context_gather_comm_bytes`), and sum to ``≈ C_i / N``.  So AllGather-Q's bytes
-grow with the chunk and the query heads and never with the context; AllGather-KV's grow with
-the context and the KV heads.  With ``dcp = 1`` the context is already everywhere and
-AllGather-KV moves only the chunk's K/V, which never costs more than moving Q and outputs.
+(:func:`cpbook.kv.gather.context_gather_comm_bytes`), and sum to ``≈ C_i / N``.  So AllGather-Q's
+bytes grow with the chunk and the query heads and never with the context; AllGather-KV's grow with
+the context and the KV heads.  With ``dcp = 1`` the context is already everywhere and AllGather-KV
+moves only the chunk's K/V, which never costs more than moving Q and outputs.
 
 The selector prices a call list as ``calls·α + bytes·β`` (a link's latency and inverse
 bandwidth) and takes the cheaper; ties go to AllGather-KV (no combine afterwards).  Both
@@ -45,7 +45,16 @@ from cpbook.core.heads import kv_heads_of
 from cpbook.kv.gather import context_gather_comm_bytes
 from cpbook.pcp.zigzag import padded_len
 
-__all__ = ['STRATEGIES', 'CPU_ALPHA_S', 'CPU_BETA_S_PER_BYTE', 'comm_plan', 'chunked_comm_bytes', 'StrategyChoice', 'select_strategy', 'choose_strategy']
+__all__ = [
+    "STRATEGIES",
+    "CPU_ALPHA_S",
+    "CPU_BETA_S_PER_BYTE",
+    "comm_plan",
+    "chunked_comm_bytes",
+    "StrategyChoice",
+    "select_strategy",
+    "choose_strategy",
+]
 
 STRATEGIES = ("allgather_q", "allgather_kv")
 
@@ -64,10 +73,23 @@ def _strategy(strategy: str) -> None:
         raise ConfigError("chunked-strategy", f"strategy in {STRATEGIES}", strategy=strategy)
 
 
-def comm_plan(strategy: str, context_lens: Sequence[int], query_lens: Sequence[int], *,
-              q_heads: int, kv_heads: int, head_dim: int, v_head_dim: int, latent: bool,
-              pcp: int, dcp: int, interleave: int, workspace_size: int, elem_bytes: int,
-              dcp_comm_backend: str = "a2a") -> list[tuple[str, int]]:
+def comm_plan(
+    strategy: str,
+    context_lens: Sequence[int],
+    query_lens: Sequence[int],
+    *,
+    q_heads: int,
+    kv_heads: int,
+    head_dim: int,
+    v_head_dim: int,
+    latent: bool,
+    pcp: int,
+    dcp: int,
+    interleave: int,
+    workspace_size: int,
+    elem_bytes: int,
+    dcp_comm_backend: str = "a2a",
+) -> list[tuple[str, int]]:
     """The table above from per-rank sizes (``q_heads`` = ``h``, ``kv_heads`` = ``k``)."""
     _strategy(strategy)
     check_comm_backend(dcp_comm_backend)
@@ -79,40 +101,73 @@ def comm_plan(strategy: str, context_lens: Sequence[int], query_lens: Sequence[i
         gather_q = ("all_gather", r * h * head_dim * e * (g - 1))
         if dcp_comm_backend == "a2a":
             return [gather_q, ("all_to_all", r * h * (v_head_dim + 1) * e * (g - 1))]
-        return [gather_q, ("all_gather", r * g * h * e * (g - 1)),
-                ("reduce_scatter", r * h * v_head_dim * e * (g - 1))]
+        return [
+            gather_q,
+            ("all_gather", r * g * h * e * (g - 1)),
+            ("reduce_scatter", r * h * v_head_dim * e * (g - 1)),
+        ]
     width = kv_heads * (head_dim if latent else head_dim + v_head_dim)
     calls = [("all_gather", r * width * e * (pcp - 1))] if pcp > 1 else []
     if dcp > 1:
         calls += context_gather_comm_bytes(
-            list(context_lens), workspace_size, dcp, interleave, width, e)
+            list(context_lens), workspace_size, dcp, interleave, width, e
+        )
     return calls
 
 
-def chunked_comm_bytes(strategy: str, context_lens: Sequence[int], query_lens: Sequence[int], *,
-                       num_q_heads: int, num_kv_heads: int, head_dim: int, workspace_size: int,
-                       tensor_parallel_size: int = 1, prefill_context_parallel_size: int = 1,
-                       decode_context_parallel_size: int = 1, v_head_dim: int | None = None,
-                       use_mla: bool = False, cp_kv_cache_interleave_size: int = 1,
-                       elem_bytes: int = 8,
-                       dcp_comm_backend: str = "a2a") -> list[tuple[str, int]]:
+def chunked_comm_bytes(
+    strategy: str,
+    context_lens: Sequence[int],
+    query_lens: Sequence[int],
+    *,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    workspace_size: int,
+    tensor_parallel_size: int = 1,
+    prefill_context_parallel_size: int = 1,
+    decode_context_parallel_size: int = 1,
+    v_head_dim: int | None = None,
+    use_mla: bool = False,
+    cp_kv_cache_interleave_size: int = 1,
+    elem_bytes: int = 8,
+    dcp_comm_backend: str = "a2a",
+) -> list[tuple[str, int]]:
     """``[(op, bytes sent per rank), ...]`` of one layer of ``strategy`` in call order, for the
     model's head counts (the same on every rank).  The configuration is validated first
-    (:class:`~cpbook.core.config.ParallelConfig`); ``use_mla`` means a latent cache without values."""
+    (:class:`~cpbook.core.config.ParallelConfig`); ``use_mla`` means a latent cache without
+    values."""
     _strategy(strategy)
     il = cp_kv_cache_interleave_size
-    cfg = ParallelConfig(tensor_parallel_size=tensor_parallel_size, block_size=il,
-                         prefill_context_parallel_size=prefill_context_parallel_size,
-                         decode_context_parallel_size=decode_context_parallel_size,
-                         cp_kv_cache_interleave_size=il, num_q_heads=num_q_heads,
-                         num_kv_heads=num_kv_heads, head_dim=head_dim, use_mla=use_mla,
-                         dcp_comm_backend=dcp_comm_backend)
+    cfg = ParallelConfig(
+        tensor_parallel_size=tensor_parallel_size,
+        block_size=il,
+        prefill_context_parallel_size=prefill_context_parallel_size,
+        decode_context_parallel_size=decode_context_parallel_size,
+        cp_kv_cache_interleave_size=il,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        use_mla=use_mla,
+        dcp_comm_backend=dcp_comm_backend,
+    )
     kv = kv_heads_of(cfg, 0)
-    return comm_plan(strategy, context_lens, query_lens, q_heads=cfg.q_heads_per_rank,
-                     kv_heads=kv.stop - kv.start, head_dim=head_dim,
-                     v_head_dim=v_head_dim or head_dim, latent=use_mla, pcp=cfg.pcp, dcp=cfg.dcp,
-                     interleave=il, workspace_size=workspace_size, elem_bytes=elem_bytes,
-                     dcp_comm_backend=dcp_comm_backend)
+    return comm_plan(
+        strategy,
+        context_lens,
+        query_lens,
+        q_heads=cfg.q_heads_per_rank,
+        kv_heads=kv.stop - kv.start,
+        head_dim=head_dim,
+        v_head_dim=v_head_dim or head_dim,
+        latent=use_mla,
+        pcp=cfg.pcp,
+        dcp=cfg.dcp,
+        interleave=il,
+        workspace_size=workspace_size,
+        elem_bytes=elem_bytes,
+        dcp_comm_backend=dcp_comm_backend,
+    )
 
 
 @dataclass(frozen=True)
@@ -127,8 +182,11 @@ class StrategyChoice:
     beta: float
 
 
-def select_strategy(plans: Mapping[str, Sequence[tuple[str, int]]], alpha: float | None = None,
-                    beta: float | None = None) -> StrategyChoice:
+def select_strategy(
+    plans: Mapping[str, Sequence[tuple[str, int]]],
+    alpha: float | None = None,
+    beta: float | None = None,
+) -> StrategyChoice:
     """Price each strategy's call list as ``calls·α + bytes·β``; the cheaper wins (ties: KV)."""
     a = CPU_ALPHA_S if alpha is None else alpha
     b = CPU_BETA_S_PER_BYTE if beta is None else beta
@@ -138,12 +196,25 @@ def select_strategy(plans: Mapping[str, Sequence[tuple[str, int]]], alpha: float
     return StrategyChoice(best, {st: len(plans[st]) for st in STRATEGIES}, sent, secs, a, b)
 
 
-def choose_strategy(batch_tokens: int | Sequence[int], context_tokens: int | Sequence[int],
-                    num_q_heads: int, num_kv_heads: int, head_dim: int, elem_bytes: int,
-                    pcp: int, dcp: int, *, tp: int = 1, v_head_dim: int | None = None,
-                    use_mla: bool = False, interleave: int = 1, workspace_size: int = 16384,
-                    dcp_comm_backend: str = "a2a", alpha: float | None = None,
-                    beta: float | None = None) -> StrategyChoice:
+def choose_strategy(
+    batch_tokens: int | Sequence[int],
+    context_tokens: int | Sequence[int],
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    elem_bytes: int,
+    pcp: int,
+    dcp: int,
+    *,
+    tp: int = 1,
+    v_head_dim: int | None = None,
+    use_mla: bool = False,
+    interleave: int = 1,
+    workspace_size: int = 16384,
+    dcp_comm_backend: str = "a2a",
+    alpha: float | None = None,
+    beta: float | None = None,
+) -> StrategyChoice:
     """AllGather-Q or AllGather-KV for one layer, by :func:`select_strategy` on exact bytes.
 
     ``batch_tokens`` / ``context_tokens``: one request's chunk and context lengths, or one per
@@ -153,12 +224,30 @@ def choose_strategy(batch_tokens: int | Sequence[int], context_tokens: int | Seq
     ts = [batch_tokens] if isinstance(batch_tokens, int) else list(batch_tokens)
     cs = [context_tokens] if isinstance(context_tokens, int) else list(context_tokens)
     if len(ts) != len(cs):
-        raise ConfigError("one-context-per-request", "as many context lengths as chunks",
-                          batch_tokens=batch_tokens, context_tokens=context_tokens)
-    plans = {st: chunked_comm_bytes(
-        st, cs, ts, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-        workspace_size=workspace_size, tensor_parallel_size=tp, prefill_context_parallel_size=pcp,
-        decode_context_parallel_size=dcp, v_head_dim=v_head_dim, use_mla=use_mla,
-        cp_kv_cache_interleave_size=interleave, elem_bytes=elem_bytes,
-        dcp_comm_backend=dcp_comm_backend) for st in STRATEGIES}
+        raise ConfigError(
+            "one-context-per-request",
+            "as many context lengths as chunks",
+            batch_tokens=batch_tokens,
+            context_tokens=context_tokens,
+        )
+    plans = {
+        st: chunked_comm_bytes(
+            st,
+            cs,
+            ts,
+            num_q_heads=num_q_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            workspace_size=workspace_size,
+            tensor_parallel_size=tp,
+            prefill_context_parallel_size=pcp,
+            decode_context_parallel_size=dcp,
+            v_head_dim=v_head_dim,
+            use_mla=use_mla,
+            cp_kv_cache_interleave_size=interleave,
+            elem_bytes=elem_bytes,
+            dcp_comm_backend=dcp_comm_backend,
+        )
+        for st in STRATEGIES
+    }
     return select_strategy(plans, alpha, beta)

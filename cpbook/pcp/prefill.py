@@ -28,7 +28,14 @@ from cpbook.core.attention import (
 from cpbook.core.comm import Group
 from cpbook.pcp.zigzag import PCPMetadata, PCPPartition, Segment, pcp_partition
 
-__all__ = ['pcp_shard', 'pcp_restore', 'pcp_local_attention', 'pcp_prefill_attention', 'pcp_comm_bytes', 'pcp_restore_bytes']
+__all__ = [
+    "pcp_shard",
+    "pcp_restore",
+    "pcp_local_attention",
+    "pcp_prefill_attention",
+    "pcp_comm_bytes",
+    "pcp_restore_bytes",
+]
 
 _DTYPES = {"float64": torch.float64, "float32": torch.float32}
 

@@ -45,7 +45,7 @@ import torch
 from cpbook.core.config import ConfigError, check_positive
 from cpbook.pcp.zigzag import PCPMetadata, PCPPartition, zigzag_partition
 
-__all__ = ['RING_MODES', 'Call', 'RingLayout', 'check_mode', 'ring_comm_bytes', 'choose_ring_mode']
+__all__ = ["RING_MODES", "Call", "RingLayout", "check_mode", "ring_comm_bytes", "choose_ring_mode"]
 
 RING_MODES = ("pass_kv", "pass_q")
 

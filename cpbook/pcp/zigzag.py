@@ -24,7 +24,17 @@ from typing import Sequence
 
 import torch
 
-__all__ = ['PARTITION_LAYOUTS', 'Segment', 'PCPPartition', 'PCPMetadata', 'pcp_partition', 'zigzag_partition', 'padded_len', 'causal_work', 'causal_pairs']
+__all__ = [
+    "PARTITION_LAYOUTS",
+    "Segment",
+    "PCPPartition",
+    "PCPMetadata",
+    "pcp_partition",
+    "zigzag_partition",
+    "padded_len",
+    "causal_work",
+    "causal_pairs",
+]
 
 PARTITION_LAYOUTS = ("zigzag", "contiguous", "striped")
 
@@ -46,11 +56,11 @@ def _offsets(lens: Sequence[int]) -> list[int]:
 
 def _check(pcp: int, layout: str) -> None:
     if isinstance(pcp, bool) or not isinstance(pcp, int) or pcp < 1:
-        raise ValueError(
-            f"[pcp-size] requires a positive integer pcp; got pcp={pcp!r}"
-        )
+        raise ValueError(f"[pcp-size] requires a positive integer pcp; got pcp={pcp!r}")
     if layout not in PARTITION_LAYOUTS:
-        raise ValueError(f"[pcp-layout] requires layout in {PARTITION_LAYOUTS}; got layout={layout!r}")
+        raise ValueError(
+            f"[pcp-layout] requires layout in {PARTITION_LAYOUTS}; got layout={layout!r}"
+        )
 
 
 def padded_len(seq_len: int, pcp: int) -> int:
@@ -227,8 +237,7 @@ class PCPPartition:
         """What PCP rank ``pcp_rank`` needs to run its part of the prefill."""
         if not 0 <= pcp_rank < self.pcp:
             raise ValueError(
-                f"[pcp-rank] requires 0 <= pcp_rank < pcp; got pcp_rank={pcp_rank}, "
-                f"pcp={self.pcp}"
+                f"[pcp-rank] requires 0 <= pcp_rank < pcp; got pcp_rank={pcp_rank}, pcp={self.pcp}"
             )
         segs = self.segments[pcp_rank]
         cu = _offsets(self.seq_lens)
@@ -252,9 +261,7 @@ class PCPPartition:
         )
 
 
-def pcp_partition(
-    seq_lens: int | Sequence[int], pcp: int, layout: str = "zigzag"
-) -> PCPPartition:
+def pcp_partition(seq_lens: int | Sequence[int], pcp: int, layout: str = "zigzag") -> PCPPartition:
     """Partition one request (``int``) or a batch (sequence of lengths) over ``pcp`` ranks."""
     return PCPPartition(_lens(seq_lens), pcp, layout)
 
