@@ -79,6 +79,7 @@ __all__ = [
     "AttentionShaped",
     "COMM_BACKENDS",
     "check_comm_backend",
+    "check_gqa_group",
     "ConfigError",
     "ParallelConfig",
     "check_positive",
@@ -113,6 +114,18 @@ def check_comm_backend(dcp_comm_backend: str) -> None:
             "comm-backend",
             "dcp_comm_backend in {'ag_rs', 'a2a'}",
             dcp_comm_backend=dcp_comm_backend,
+        )
+
+
+def check_gqa_group(num_q_heads: int, num_kv_heads: int) -> None:
+    """Rule ``gqa-group-divisible-by-kv-heads``: every KV head serves the same number of query
+    heads (for a model, or for the heads one rank holds)."""
+    if num_q_heads % num_kv_heads:
+        raise ConfigError(
+            "gqa-group-divisible-by-kv-heads",
+            "num_q_heads % num_kv_heads == 0",
+            num_q_heads=num_q_heads,
+            num_kv_heads=num_kv_heads,
         )
 
 
@@ -234,13 +247,7 @@ class ParallelConfig:
                 "num_kv_heads == 1 for MLA (one latent per token)",
                 num_kv_heads=kv,
             )
-        if q % kv:
-            raise ConfigError(
-                "gqa-group-divisible-by-kv-heads",
-                "num_q_heads % num_kv_heads == 0",
-                num_q_heads=q,
-                num_kv_heads=kv,
-            )
+        check_gqa_group(q, kv)
         if q % tp:
             raise ConfigError(
                 "heads-divisible-by-tp",

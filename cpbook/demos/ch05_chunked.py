@@ -18,7 +18,7 @@ from cpbook.core.heads import kv_heads_of, q_heads_of
 from cpbook.kv.context import context_shard
 from cpbook.pcp.chunked import chunked_prefill_attention
 from cpbook.pcp.chunked_plan import (
-    STRATEGIES,
+    check_strategy,
     chunked_comm_bytes,
 )
 from cpbook.pcp.prefill import pcp_shard
@@ -113,10 +113,7 @@ def chunked_prefill_rank(
     ``expected`` (``[(op, bytes_sent), ...]``) and ``max_abs_err`` (output and LSE).
     """
     _lens(context_lens, query_lens)
-    if strategy not in (*STRATEGIES, "auto"):
-        raise ConfigError(
-            "chunked-strategy", f"strategy in {(*STRATEGIES, 'auto')}", strategy=strategy
-        )
+    check_strategy(strategy, auto=True)
     cfg = ParallelConfig(
         tensor_parallel_size=tensor_parallel_size,
         prefill_context_parallel_size=prefill_context_parallel_size,

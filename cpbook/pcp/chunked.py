@@ -57,7 +57,7 @@ from cpbook.core.attention import (
     merge_attn_states_,
 )
 from cpbook.core.comm import Group
-from cpbook.core.config import ConfigError, check_comm_backend
+from cpbook.core.config import ConfigError, check_comm_backend, check_gqa_group
 from cpbook.core.groups import ParallelGroups
 from cpbook.dcp.decode import dcp_combine
 from cpbook.kv.context import ContextShard
@@ -65,6 +65,7 @@ from cpbook.kv.gather import context_chunk_len, reorg_kvcache
 from cpbook.kv.layout import local_seq_len
 from cpbook.pcp.chunked_plan import (
     STRATEGIES,
+    check_strategy,
     comm_plan,
     select_strategy,
 )
@@ -147,13 +148,7 @@ def _check(
             k=tuple(k.shape),
             num_tokens=meta.num_tokens,
         )
-    if q.shape[1] % k.shape[1]:
-        raise ConfigError(
-            "gqa-group-divisible-by-kv-heads",
-            "local q heads % local kv heads == 0",
-            q_heads=q.shape[1],
-            kv_heads=k.shape[1],
-        )
+    check_gqa_group(q.shape[1], k.shape[1])  # the heads this rank holds
     if (v is None) != (context.values is None):
         raise ConfigError(
             "latent-values",
@@ -352,10 +347,7 @@ def chunked_prefill_attention(
 ) -> Attn:
     """Run ``strategy``; ``"auto"`` asks :func:`~cpbook.pcp.chunked_plan.select_strategy` (link
     ``alpha``/``beta``) about this batch's exact bytes.  ``stats["strategy"]`` says which ran."""
-    if strategy not in (*STRATEGIES, "auto"):
-        raise ConfigError(
-            "chunked-strategy", f"strategy in {(*STRATEGIES, 'auto')}", strategy=strategy
-        )
+    check_strategy(strategy, auto=True)
     _check(q, k, v, context, meta, groups)
     if strategy == "auto":
         plans = {

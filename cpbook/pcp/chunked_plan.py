@@ -47,6 +47,7 @@ from cpbook.pcp.zigzag import padded_len
 
 __all__ = [
     "STRATEGIES",
+    "check_strategy",
     "CPU_ALPHA_S",
     "CPU_BETA_S_PER_BYTE",
     "comm_plan",
@@ -68,9 +69,12 @@ CPU_ALPHA_S = 6.0e-4  # s per call
 CPU_BETA_S_PER_BYTE = 2.0e-9  # s per byte sent by a rank
 
 
-def _strategy(strategy: str) -> None:
-    if strategy not in STRATEGIES:
-        raise ConfigError("chunked-strategy", f"strategy in {STRATEGIES}", strategy=strategy)
+def check_strategy(strategy: str, auto: bool = False) -> None:
+    """Rule ``chunked-strategy``: one of :data:`STRATEGIES` (or ``"auto"``, the selector, where
+    ``auto`` allows it)."""
+    allowed = (*STRATEGIES, "auto") if auto else STRATEGIES
+    if strategy not in allowed:
+        raise ConfigError("chunked-strategy", f"strategy in {allowed}", strategy=strategy)
 
 
 def comm_plan(
@@ -91,7 +95,7 @@ def comm_plan(
     dcp_comm_backend: str = "a2a",
 ) -> list[tuple[str, int]]:
     """The table above from per-rank sizes (``q_heads`` = ``h``, ``kv_heads`` = ``k``)."""
-    _strategy(strategy)
+    check_strategy(strategy)
     check_comm_backend(dcp_comm_backend)
     e, h, g = elem_bytes, q_heads, dcp if dcp > 1 else pcp
     r = sum(padded_len(t, pcp) for t in query_lens) // pcp
@@ -137,7 +141,7 @@ def chunked_comm_bytes(
     model's head counts (the same on every rank).  The configuration is validated first
     (:class:`~cpbook.core.config.ParallelConfig`); ``use_mla`` means a latent cache without
     values."""
-    _strategy(strategy)
+    check_strategy(strategy)
     il = cp_kv_cache_interleave_size
     cfg = ParallelConfig(
         tensor_parallel_size=tensor_parallel_size,

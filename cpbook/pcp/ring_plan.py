@@ -42,7 +42,7 @@ from typing import Sequence
 
 import torch
 
-from cpbook.core.config import ConfigError, check_positive
+from cpbook.core.config import ConfigError, check_gqa_group, check_positive
 from cpbook.pcp.zigzag import PCPMetadata, PCPPartition, zigzag_partition
 
 __all__ = ["RING_MODES", "Call", "RingLayout", "check_mode", "ring_comm_bytes", "choose_ring_mode"]
@@ -321,13 +321,7 @@ def choose_ring_mode(
             "cached_tokens to be a non-negative integer",
             cached_tokens=cached_tokens,
         )
-    if num_q_heads % num_kv_heads:
-        raise ConfigError(
-            "gqa-group-divisible-by-kv-heads",
-            "num_q_heads % num_kv_heads == 0",
-            num_q_heads=num_q_heads,
-            num_kv_heads=num_kv_heads,
-        )
+    check_gqa_group(num_q_heads, num_kv_heads)
     t, p, hq, hkv = new_tokens, cached_tokens, num_q_heads, num_kv_heads
     if peak_flops is None and bandwidth is None:
         return "pass_kv" if t * hq >= 2 * hkv * (t + p) else "pass_q"
