@@ -8,7 +8,14 @@ from dataclasses import dataclass
 from cpbook.core.config import ParallelConfig
 from cpbook.core.heads import attention_kv_heads, tpa_config
 from cpbook.costmodel.memory import kv_bytes_per_token
-from cpbook.costmodel.specs import LINKS, GPUSpec, LinkSpec, ModelSpec
+from cpbook.costmodel.specs import (
+    LINKS,
+    GPUSpec,
+    LinkSpec,
+    ModelSpec,
+    check_hbm_efficiency,
+    check_tokens,
+)
 from cpbook.dcp.tpa import tpa_comm_bytes, tpa_costs
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
@@ -142,12 +149,8 @@ def decode_layer_time(
     ``context_tokens``, so :func:`decode_break_even` solves for the crossing exactly.
     """
 
-    if not 0 < hbm_efficiency <= 1:
-        raise ValueError(
-            f"[hbm-efficiency] requires 0 < hbm_efficiency <= 1; got {hbm_efficiency=}"
-        )
-    if context_tokens < 0:
-        raise ValueError(f"[non-negative-tokens] requires >= 0; got {context_tokens=}")
+    check_hbm_efficiency(hbm_efficiency)
+    check_tokens("context_tokens", context_tokens, integer=False)
     cfg = _decode_config(model, mode, tp, dcp)
     heads = attention_kv_heads(cfg, 0)
     per_head = kv_bytes_per_token(model, kv_dtype) / model.num_layers / model.num_kv_heads

@@ -16,7 +16,14 @@ from cpbook.costmodel.memory import (
     layout_weight_bytes,
     weight_bytes_per_gpu,
 )
-from cpbook.costmodel.specs import GPUSpec, LinkSpec, ModelSpec, link_of
+from cpbook.costmodel.specs import (
+    GPUSpec,
+    LinkSpec,
+    ModelSpec,
+    check_hbm_efficiency,
+    check_tokens,
+    link_of,
+)
 from cpbook.dcp.tpa import tpa_costs
 from cpbook.pcp.prefill import pcp_comm_bytes, pcp_restore_bytes
 from cpbook.pcp.ring_plan import ring_comm_bytes
@@ -32,10 +39,7 @@ def prefill_flops(model: ModelSpec, tokens: int) -> tuple[float, float]:
     ``2·T²·H·d`` for the full square, halved by the causal mask).  The crossover where attention
     overtakes the matmuls is ``tokens = num_params / (num_layers * num_q_heads * head_dim)``.
     """
-    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
-        raise ValueError(
-            f"[non-negative-tokens] requires a non-negative int; got tokens={tokens!r}"
-        )
+    check_tokens("tokens", tokens)
     attention = 2.0 * model.num_layers * model.num_q_heads * model.head_dim * tokens**2
     return 2.0 * model.num_params * tokens, attention
 
@@ -80,11 +84,6 @@ class PrefillTime:
         return self.compute_s + self.tp_comm_s + self.cp_comm_s
 
 
-def _tokens(tokens: int, name: str = "prompt_tokens") -> None:
-    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
-        raise ValueError(f"[positive-tokens] requires a positive int; got {name}={tokens!r}")
-
-
 def ttft(
     model: ModelSpec,
     gpu: GPUSpec,
@@ -111,7 +110,7 @@ def ttft(
     20 % above the 128-wide PV product).
     """
 
-    _tokens(prompt_tokens)
+    check_tokens("prompt_tokens", prompt_tokens, minimum=1)
     if not 0 < mfu <= 1:
         raise ValueError(f"[mfu] requires 0 < mfu <= 1; got {mfu=}")
     if cp_comm not in PCP_COMM:
@@ -208,12 +207,9 @@ def tpot(
     are not modelled.
     """
 
-    _tokens(context_tokens, "context_tokens")
-    _tokens(batch, "batch")
-    if not 0 < hbm_efficiency <= 1:
-        raise ValueError(
-            f"[hbm-efficiency] requires 0 < hbm_efficiency <= 1; got {hbm_efficiency=}"
-        )
+    check_tokens("context_tokens", context_tokens, minimum=1)
+    check_tokens("batch", batch, minimum=1)
+    check_hbm_efficiency(hbm_efficiency)
     cfg = layout.config(model)
     link = link or link_of(gpu)
     shards = layout.dp * (cfg.pcp if cfg.dcp == 1 else 1)

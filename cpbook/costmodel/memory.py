@@ -20,6 +20,7 @@ from cpbook.costmodel.specs import (
     KV_DTYPE_BYTES,
     GPUSpec,
     ModelSpec,
+    check_tokens,
 )
 
 
@@ -44,10 +45,7 @@ def kv_bytes_per_token(model: ModelSpec, kv_dtype: str = "bf16") -> int:
 
 def kv_bytes_for_context(model: ModelSpec, tokens: int, kv_dtype: str = "bf16") -> int:
     """Bytes of KV cache for ``tokens`` tokens of one request (one copy, all layers)."""
-    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
-        raise ValueError(
-            f"[non-negative-tokens] requires a non-negative int; got tokens={tokens!r}"
-        )
+    check_tokens("tokens", tokens)
     return tokens * kv_bytes_per_token(model, kv_dtype)
 
 
@@ -276,13 +274,6 @@ def max_concurrency(
     **memory,
 ) -> int:
     """Requests of ``context_tokens`` tokens whose KV fits at once on all ``dp`` replicas."""
-    if (
-        isinstance(context_tokens, bool)
-        or not isinstance(context_tokens, int)
-        or (context_tokens < 1)
-    ):
-        raise ValueError(
-            f"[positive-tokens] requires a positive int; got context_tokens={context_tokens!r}"
-        )
+    check_tokens("context_tokens", context_tokens, minimum=1)
     per_request = layout_kv_bytes_per_token(model, layout, kv_dtype) * context_tokens
     return layout.dp * math.floor(layout_kv_budget(model, gpu, layout, **memory) / per_request)

@@ -19,6 +19,7 @@ Conventions
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -215,3 +216,23 @@ def get_gpu(name: str | GPUSpec) -> GPUSpec:
     if name not in GPUS:
         raise ValueError(f"[known-gpu] requires a key of GPUS {sorted(GPUS)}; got {name!r}")
     return GPUS[name]
+
+
+def check_tokens(name: str, tokens: object, minimum: int = 0, integer: bool = True) -> None:
+    """Rules ``non-negative-tokens`` (``minimum=0``) and ``positive-tokens`` (``minimum=1``): a
+    token count is an ``int`` (a ``bool`` is not; with ``integer=False`` a float too, for the
+    linear decode terms that :func:`~cpbook.costmodel.decode.decode_break_even` solves) of at
+    least ``minimum``."""
+    kinds = numbers.Integral if integer else numbers.Real  # numpy scalars too
+    if isinstance(tokens, bool) or not isinstance(tokens, kinds) or tokens < minimum:
+        rule = "positive-tokens" if minimum else "non-negative-tokens"
+        what = ("a positive " if minimum else "a non-negative ") + ("int" if integer else "number")
+        raise ValueError(f"[{rule}] requires {what}; got {name}={tokens!r}")
+
+
+def check_hbm_efficiency(hbm_efficiency: float) -> None:
+    """Rule ``hbm-efficiency``: the fraction of HBM bandwidth a kernel reaches is in (0, 1]."""
+    if not 0 < hbm_efficiency <= 1:
+        raise ValueError(
+            f"[hbm-efficiency] requires 0 < hbm_efficiency <= 1; got {hbm_efficiency=}"
+        )
