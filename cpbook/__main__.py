@@ -18,7 +18,7 @@ import re
 import sys
 
 from cpbook.core.comm import DEFAULT_TIMEOUT_S
-from cpbook.core.config import ConfigError
+from cpbook.core.groups import check_grid_world
 from cpbook.core.launch import (
     format_report,
     gather_results,
@@ -145,13 +145,7 @@ def _serve(a: argparse.Namespace) -> int:
     )
     world = a.tp * a.pcp
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # we are a torchrun worker
-        if int(os.environ["WORLD_SIZE"]) != world:
-            raise ConfigError(
-                "grid-matches-world",
-                "tp * pcp == world_size",
-                grid_world_size=world,
-                world_size=int(os.environ["WORLD_SIZE"]),
-            )
+        check_grid_world(world, int(os.environ["WORLD_SIZE"]))
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         ctx = worker_context(pick_backend(world, local), a.timeout)
         res = serve_timing(ctx, **kwargs)

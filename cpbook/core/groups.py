@@ -24,7 +24,15 @@ from cpbook.core.comm import Group
 from cpbook.core.config import ConfigError, ParallelConfig, check_positive
 from cpbook.core.context import RankContext
 
-__all__ = ["GRID_LAYOUTS", "RankCoords", "RankGrid", "ParallelGroups", "make_groups"]
+__all__ = [
+    "GRID_LAYOUTS",
+    "RankCoords",
+    "RankGrid",
+    "ParallelGroups",
+    "make_groups",
+    "check_grid_world",
+    "pcp_of_world",
+]
 
 
 GRID_LAYOUTS = ("v0.14", "current")
@@ -140,19 +148,38 @@ class ParallelGroups:
     dcp: "Group"
 
 
+def check_grid_world(grid_world_size: int, world_size: int) -> None:
+    """Rule ``grid-matches-world``: the rank grid fills the launched world,
+    ``tp * pcp == world_size``."""
+    if grid_world_size != world_size:
+        raise ConfigError(
+            "grid-matches-world",
+            "tp * pcp == world_size",
+            grid_world_size=grid_world_size,
+            world_size=world_size,
+        )
+
+
+def pcp_of_world(world_size: int, tensor_parallel_size: int) -> int:
+    """The PCP size a world of ``world_size`` processes gives at ``tensor_parallel_size``:
+    ``world_size // tp``; rule ``world-divisible-by-tp``."""
+    if world_size % tensor_parallel_size:
+        raise ConfigError(
+            "world-divisible-by-tp",
+            "world_size % tensor_parallel_size == 0",
+            world_size=world_size,
+            tensor_parallel_size=tensor_parallel_size,
+        )
+    return world_size // tensor_parallel_size
+
+
 def make_groups(
     ctx: "RankContext", grid: RankGrid | ParallelConfig, layout: str = "current"
 ) -> ParallelGroups:
     """Create every group of ``grid`` on all ranks (collective: every rank must call it)."""
     if isinstance(grid, ParallelConfig):
         grid = RankGrid.from_config(grid, layout)
-    if grid.world_size != ctx.world_size:
-        raise ConfigError(
-            "grid-matches-world",
-            "tp * pcp == world_size",
-            grid_world_size=grid.world_size,
-            world_size=ctx.world_size,
-        )
+    check_grid_world(grid.world_size, ctx.world_size)
     made = {kind: ctx.new_group(grid.groups(kind), kind) for kind in ("tp", "pcp", "dcp")}
     return ParallelGroups(
         grid, grid.coords(ctx.rank), ctx.world, made["tp"], made["pcp"], made["dcp"]

@@ -15,7 +15,7 @@ from cpbook.core.attention import (
 )
 from cpbook.core.config import ParallelConfig
 from cpbook.core.context import RankContext
-from cpbook.core.groups import RankGrid, make_groups
+from cpbook.core.groups import RankGrid, make_groups, pcp_of_world
 from cpbook.core.heads import kv_heads_of, q_heads_of
 from cpbook.pcp.prefill import (
     _DTYPES,
@@ -101,14 +101,10 @@ def pcp_prefill_rank(
     all-gathers), and apart from them the restore's ``restore_comm`` / ``restore_expected``.
     """
     tp = tensor_parallel_size
-    if ctx.world_size % tp:
-        raise ValueError(
-            f"[world-divisible-by-tp] requires world_size % tensor_parallel_size == 0; "
-            f"got world_size={ctx.world_size}, tensor_parallel_size={tp}"
-        )
+    pcp = pcp_of_world(ctx.world_size, tp)
     cfg = ParallelConfig(
         tensor_parallel_size=tp,
-        prefill_context_parallel_size=ctx.world_size // tp,
+        prefill_context_parallel_size=pcp,
         num_q_heads=num_q_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,

@@ -13,7 +13,7 @@ from cpbook.core.attention import (
 )
 from cpbook.core.config import ConfigError, ParallelConfig
 from cpbook.core.context import RankContext
-from cpbook.core.groups import make_groups
+from cpbook.core.groups import make_groups, pcp_of_world
 from cpbook.core.heads import kv_heads_of, q_heads_of
 from cpbook.kv.context import context_shard
 from cpbook.pcp.chunked import chunked_prefill_attention
@@ -286,16 +286,10 @@ def ring_prefill_rank(
     """
     tp = tensor_parallel_size
     check_mode(mode)
-    if ctx.world_size % tp:
-        raise ConfigError(
-            "world-divisible-by-tp",
-            "world_size % tensor_parallel_size == 0",
-            world_size=ctx.world_size,
-            tensor_parallel_size=tp,
-        )
+    pcp = pcp_of_world(ctx.world_size, tp)
     cfg = ParallelConfig(
         tensor_parallel_size=tp,
-        prefill_context_parallel_size=ctx.world_size // tp,
+        prefill_context_parallel_size=pcp,
         num_q_heads=num_q_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
