@@ -73,7 +73,7 @@ def _store_path() -> Path:
     """The package's ``chunked_prefill.jsonl`` (where :mod:`cpbook.data` reads it)."""
     import cpbook.data
 
-    return Path(cpbook.data.__file__).parent / "chunked_prefill.jsonl"
+    return cpbook.data.stored_path("chunked_prefill.jsonl")
 
 
 def store(lines: list[str], path: Path | None = None) -> None:

@@ -42,7 +42,7 @@ from cpbook.core.launch import run
 from cpbook.timing import decode_step_timing, machine_record
 
 CONTEXTS = (1024, 4096, 16384, 65536, 262144)
-STORE = Path(cpbook.data.__file__).parent / "decode_step.json"  # the package's copy
+STORE = cpbook.data.stored_path("decode_step.json")  # the package's copy
 
 
 def break_even(contexts, slow, fast) -> float | None:

@@ -44,7 +44,7 @@ def _store_path() -> Path:
     """The package's ``pcp_prefill.json`` (where :mod:`cpbook.data` reads it)."""
     import cpbook.data
 
-    return Path(cpbook.data.__file__).parent / "pcp_prefill.json"
+    return cpbook.data.stored_path("pcp_prefill.json")
 
 
 def store(record: dict, path: Path | None = None) -> None:

@@ -12,16 +12,24 @@ from __future__ import annotations
 
 import json
 from importlib import resources
+from pathlib import Path
 
-__all__ = ["STORED", "stored_text", "stored_rows"]
+__all__ = ["STORED", "stored_path", "stored_text", "stored_rows"]
 
 STORED = ("decode_step.json", "pcp_prefill.json", "chunked_prefill.jsonl")
 
 
-def stored_text(name: str) -> str:
-    """The text of stored run ``name`` (one of :data:`STORED`)."""
+def stored_path(name: str) -> Path:
+    """The file of stored run ``name`` (one of :data:`STORED`) in this installation: what
+    :func:`stored_text` reads and a bench's ``--store`` rewrites (in a checkout)."""
     if name not in STORED:
         raise ValueError(f"[stored-run] requires one of {STORED}; got {name!r}")
+    return Path(__file__).resolve().parent / name
+
+
+def stored_text(name: str) -> str:
+    """The text of stored run ``name`` (one of :data:`STORED`), read as package data."""
+    stored_path(name)  # the name check
     return resources.files(__name__).joinpath(name).read_text()
 
 
