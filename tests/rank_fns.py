@@ -6,6 +6,7 @@ import torch
 
 from cpbook.core.context import RankContext
 from cpbook.core.groups import RankGrid, make_groups
+from cpbook.dcp.decode import dcp_combine
 
 
 def every_collective(ctx: RankContext) -> dict:
@@ -42,6 +43,15 @@ def grid_groups(ctx: RankContext, tp: int, pcp: int, dcp: int) -> dict:
         "dcp_rank": pg.coords.dcp_rank,
         "group_rank": pg.dcp.rank,
     }
+
+
+def combine_rank(
+    ctx: RankContext, outs: torch.Tensor, lses: torch.Tensor, dcp_comm_backend: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The DCP combine over the world of this rank's partial ``(outs[rank], lses[rank])``:
+    ``outs [N, B, N·h, D]``, ``lses [N, B, N·h]``; returns this rank's heads and their LSE."""
+    r = ctx.rank
+    return dcp_combine(outs[r], lses[r], ctx.world, dcp_comm_backend, return_lse=True)
 
 
 def fail_on_rank(ctx: RankContext, bad: int = 1) -> int:

@@ -1,5 +1,6 @@
 """dcp: GQA decode under TP × DCP is exact, both combines, and moves exactly the bytes predicted."""
 
+import math
 import random
 
 import pytest
@@ -13,7 +14,8 @@ from cpbook.core.launch import run
 from cpbook.dcp.decode import correct_attn_out, decode_comm_bytes
 from cpbook.demos.ch03_decode import gqa_decode_rank
 from cpbook.kv.paged import shard_kv_cache
-from tests.rank_fns import in_sequence
+from tests.rank_fns import combine_rank, in_sequence
+from tests.test_attention import LARGE, large_score_parts
 
 
 def _check(res):
@@ -172,6 +174,83 @@ def test_correct_attn_out_equals_attention_over_union():
     lses = torch.stack([p[1] for p in parts])
     out = sum(correct_attn_out(p[0], lses, r)[0] for r, p in enumerate(parts))
     assert (out - dense_attention(q, k, v)[0]).abs().max() <= 1e-14
+
+
+NAN, INF = float("nan"), float("inf")
+
+# vLLM's CorrectAttnCPOutKernel by hand: 2 ranks, 2 requests, 2 heads, D = 2.  Rank 0 is empty
+# for (request 0, head 1) and request 1 has no key on either rank (LSE -inf, NaN, +inf);
+# every empty slot's output holds NaN, as an empty kernel output may.
+EMPTY_CASE_OUTS = torch.tensor(
+    [
+        [[[4.0, 8.0], [NAN, NAN]], [[NAN, NAN], [NAN, NAN]]],
+        [[[0.0, 4.0], [2.0, -2.0]], [[NAN, NAN], [NAN, NAN]]],
+    ],
+    dtype=torch.float64,
+)
+EMPTY_CASE_LSES = torch.tensor(
+    [[[0.0, -INF], [-INF, -INF]], [[math.log(3.0), 1.0], [NAN, INF]]], dtype=torch.float64
+)
+# (request 0, head 0): weights 1/4, 3/4; (0, 1): rank 1 alone; request 1: 0 and -inf
+EMPTY_CASE_OUT = torch.tensor([[[1.0, 5.0], [2.0, -2.0]], [[0.0, 0.0], [0.0, 0.0]]])
+EMPTY_CASE_LSE = torch.tensor([[math.log(4.0), 1.0], [-INF, -INF]], dtype=torch.float64)
+
+
+def _same(got, want, tol=1e-15):
+    assert torch.equal(torch.isneginf(got), torch.isneginf(want)) and not got.isnan().any()
+    fin = torch.isfinite(want)
+    assert (got[fin] - want[fin]).abs().max() <= tol
+
+
+def test_correct_attn_out_empty_shard_with_nan_output_gives_zero_as_vllm():
+    corrected = [correct_attn_out(EMPTY_CASE_OUTS[r], EMPTY_CASE_LSES, r) for r in range(2)]
+    assert torch.equal(corrected[0][0][0, 1], torch.zeros(2, dtype=torch.float64))  # not NaN
+    assert torch.equal(corrected[1][0][1], torch.zeros(2, 2, dtype=torch.float64))
+    _same(corrected[0][0] + corrected[1][0], EMPTY_CASE_OUT.double())
+    for _, total in corrected:
+        _same(total, EMPTY_CASE_LSE)
+    o, l = merge_attn_states(list(EMPTY_CASE_OUTS), list(EMPTY_CASE_LSES))
+    _same(o, EMPTY_CASE_OUT.double())
+    _same(l, EMPTY_CASE_LSE)
+
+
+@pytest.mark.parametrize("backend", ["ag_rs", "a2a"])
+def test_dcp_combine_empty_shard_and_empty_request_as_vllm(backend):
+    """The same case through both combines on 2 ranks (head r ends on rank r)."""
+    res = run(
+        combine_rank,
+        2,
+        fn_kwargs=dict(outs=EMPTY_CASE_OUTS, lses=EMPTY_CASE_LSES, dcp_comm_backend=backend),
+        report=False,
+    )
+    for r, (out, lse) in enumerate(res):
+        _same(out[:, 0], EMPTY_CASE_OUT[:, r].double())
+        _same(lse[:, 0], EMPTY_CASE_LSE[:, r])
+
+
+@pytest.mark.parametrize("dtype, shift, tol", LARGE)
+def test_combines_are_exact_for_lses_beyond_exp_range(dtype, shift, tol):
+    """Scores ≈ 100 (float32) / ≈ 800 (float64): without subtracting the max LSE, ``exp``
+    overflows and ``correct_attn_out`` silently returns 0.  Both the sum of corrected outputs
+    and both group combines equal ``merge_attn_states`` and the float64 dense reference."""
+    parts, (ref_o, ref_l) = large_score_parts(dtype, shift)
+    outs, lses = torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
+    assert torch.isinf(torch.exp(lses[lses.isfinite()])).all() and ref_o.abs().min() > 1e-3
+    merged = merge_attn_states(list(outs), list(lses))
+    corrected = [correct_attn_out(outs[r], lses, r) for r in range(3)]
+    summed = sum(c[0] for c in corrected)
+    assert (summed.double() - ref_o).abs().max() <= tol
+    assert (summed.double() - merged[0].double()).abs().max() <= tol
+    assert ((corrected[0][1].double() - ref_l).abs() / ref_l).max() <= tol
+    for backend in ("ag_rs", "a2a"):
+        res = run(
+            combine_rank,
+            3,
+            fn_kwargs=dict(outs=outs, lses=lses, dcp_comm_backend=backend),
+            report=False,
+        )
+        got = torch.cat([o for o, _ in res], dim=1)  # rank r holds heads [2r, 2r + 2)
+        assert (got.double() - ref_o).abs().max() <= tol
 
 
 def test_shard_kv_cache_stores_each_token_once():

@@ -189,14 +189,25 @@ def merge_attn_states_(
     """In place: fold one more partial result into the accumulator ``(out, lse)``.
 
     ``(out, lse)`` become the attention over the union of both key sets (``out [T, H, D]``,
-    ``lse [T, H]``; views are fine, e.g. a slice of rows).  No output-sized temporary is
-    allocated, which matters when the outputs are tens of megabytes.  Exact and ``-inf``-safe.
+    ``lse [T, H]``; views are fine, e.g. a slice of rows).  Exact and ``-inf``-safe.  A side
+    whose weight ``exp(lse_side − lse_new)`` is 0 (an empty part, LSE ``-inf``) contributes 0
+    even if its output holds NaN or inf, as vLLM's ``correct_attn_out`` and a2a combine
+    (``where(factor == 0, 0, out · factor)`` in ``vllm/v1/attention/ops/dcp.py``, v0.33.0).
+    The only temporary of output rows is a copy of the rows where ``part`` has weight 0 while
+    others do not, which matters when the outputs are tens of megabytes.
     """
     part_lse = _clean(part_lse)
     new = torch.logaddexp(lse, part_lse)  # -inf only where both sides are empty
     base = torch.where(torch.isfinite(new), new, torch.zeros_like(new))
-    out.mul_(torch.exp(lse - base).unsqueeze(-1).to(out.dtype))
-    out.addcmul_(part_out, torch.exp(part_lse - base).unsqueeze(-1).to(out.dtype))
+    keep = torch.exp(lse - base).unsqueeze(-1).to(out.dtype)
+    out.mul_(keep).masked_fill_(keep == 0, 0)
+    add = torch.exp(part_lse - base).unsqueeze(-1).to(out.dtype)
+    skip = (add == 0).squeeze(-1)
+    if not bool(skip.all()):
+        kept = out[skip] if bool(skip.any()) else None
+        out.addcmul_(part_out, add)
+        if kept is not None:
+            out[skip] = kept
     lse.copy_(new)
 
 
@@ -206,8 +217,13 @@ def merge_attn_states(
     """Combine attention results over disjoint key sets into the result over their union.
 
     ``outs[p]`` is ``[T, H, D]``, ``lses[p]`` is ``[T, H]``.  Exact; a part with LSE ``-inf``
-    (empty shard) gets weight 0; NaN or ``+inf`` LSEs are treated as ``-inf`` (as vLLM's
-    ``correct_attn_out``).  A row where every part is empty gets output 0 and LSE ``-inf``.
+    (empty shard) gets weight 0 and contributes 0 whatever its output holds (NaN included, as
+    vLLM's ``correct_attn_out`` and a2a combine); NaN or ``+inf`` LSEs are treated as ``-inf``
+    (vLLM's guard: FA2 reports ``+inf`` for an empty row).  A row where every part is empty (a
+    request with no key on any rank) gets output 0 and LSE ``-inf``, as all three of vLLM's
+    combines (``correct_attn_out``, ``dcp_a2a_lse_reduce``, ``merge_attn_states``) return.
+    (vLLM's two-way ``merge_attn_states`` zeroes only that all-empty case: one empty side with
+    a NaN output would give NaN there; cpbook follows the DCP combines.)
     """
     if len(outs) != len(lses) or not outs:
         raise ValueError(

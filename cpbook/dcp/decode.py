@@ -62,7 +62,11 @@ def correct_attn_out(
     ``out [B, H, D]`` is this rank's output over its keys, ``lses [N, B, H]`` every rank's LSE.
     Returns ``(out · exp(lse_rank − lse_total), lse_total [B, H])``; summing the corrected
     outputs of all ranks gives the exact attention over all keys.  NaN and ``+inf`` LSEs count
-    as ``-inf`` (an empty shard); a row empty on every rank gets weight 0 and LSE ``-inf``.
+    as ``-inf`` (an empty shard).  As vLLM's kernel (``where(factor == 0, 0, out · factor)``,
+    ``vllm/v1/attention/ops/dcp.py`` v0.33.0), a rank whose factor is 0 returns 0 even where its
+    output holds NaN (an empty shard's kernel output); a row empty on every rank gets output 0
+    and LSE ``-inf``.  The max LSE is subtracted before ``exp``, so LSEs far beyond ``exp``'s
+    range (≈ 88 in float32, ≈ 709 in float64) combine exactly too.
     """
     lses = torch.where(torch.isnan(lses) | (lses == float("inf")), float("-inf"), lses)
     m = lses.max(dim=0).values
@@ -70,7 +74,8 @@ def correct_attn_out(
     total = torch.log(torch.exp(lses - m).sum(dim=0)) + m
     factor = torch.exp(lses[rank] - total)
     factor = torch.where(torch.isfinite(factor), factor, torch.zeros_like(factor))
-    return out * factor[..., None].to(out.dtype), total
+    factor = factor[..., None].to(out.dtype)
+    return torch.where(factor == 0, torch.zeros_like(out), out * factor), total
 
 
 def cp_lse_ag_out_rs(
