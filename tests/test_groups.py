@@ -17,12 +17,24 @@ def test_dcp_inside_tp_without_pcp(layout):
 
 def test_current_layout_spans_pcp_first():
     # tests/distributed/test_context_parallel_group_layout.py in vLLM
+    assert RankGrid(2, 2, 1).dcp_groups() == [[0], [1], [2], [3]]  # DCP 1: no transpose
     assert RankGrid(2, 2, 2).dcp_groups() == [[0, 2], [1, 3]]
     assert RankGrid(2, 2, 4).dcp_groups() == [[0, 2, 1, 3]]
     assert RankGrid(4, 2, 2).dcp_groups() == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert RankGrid(4, 2, 8).dcp_groups() == [[0, 4, 1, 5, 2, 6, 3, 7]]
     # DCP == PCP: the DCP groups are the PCP groups (the article's claim)
     assert RankGrid(4, 2, 2).dcp_groups() == RankGrid(4, 2, 2).pcp_groups()
+
+
+def test_dcp1_groups_in_rank_order_with_pcp():
+    """vLLM's ``initialize_model_parallel`` (v0.33.0) transposes the rank grid for the DCP
+    groups only when DCP > 1: with DCP = 1 the one-rank groups follow rank order."""
+    for tp, pcp in ((2, 2), (4, 2), (1, 4), (2, 4)):
+        want = [[r] for r in range(tp * pcp)]
+        assert (
+            RankGrid(tp, pcp, 1).dcp_groups() == want == RankGrid(tp, pcp, 1, "v0.14").dcp_groups()
+        )
+        assert RankGrid(tp, pcp, 1).groups("dcp") == want
 
 
 def test_v014_layout_keeps_dcp_inside_tp():

@@ -9,9 +9,12 @@ vLLM builds every group from one tensor of global ranks (``initialize_model_para
 
   - ``"v0.14"`` (v0.11 and v0.14): ``all_ranks.reshape(-1, dcp)``, contiguous chunks of each
     TP group, ``dcp_rank = tp_rank % dcp``.  TP=8, DCP=4 → ``[0,1,2,3], [4,5,6,7]``.
-  - ``"current"`` (v0.33, ``_build_dcp_group_ranks``): transpose (PCP, TP) to (TP, PCP), then
-    ``reshape(-1, dcp)``.  Identical for PCP = 1; for PCP > 1 a DCP group spans PCP first:
-    TP=2, PCP=2, DCP=2 → ``[[0,2],[1,3]]`` (= the PCP groups), DCP=4 → ``[[0,2,1,3]]``.
+  - ``"current"`` (v0.33, inline in ``initialize_model_parallel``): when ``dcp > 1``, transpose
+    (PCP, TP) to (TP, PCP), then ``reshape(-1, dcp)``; when ``dcp == 1``, no transpose, so the
+    one-rank groups are listed in rank order (TP=2, PCP=2 → ``[[0],[1],[2],[3]]``, vLLM's
+    ``tests/distributed/test_context_parallel_group_layout.py``).  Identical for PCP = 1; for
+    PCP > 1 a DCP group spans PCP first: TP=2, PCP=2, DCP=2 → ``[[0,2],[1,3]]`` (= the PCP
+    groups), DCP=4 → ``[[0,2,1,3]]``.
 """
 
 from __future__ import annotations
@@ -107,8 +110,8 @@ class RankGrid:
 
     def dcp_groups(self) -> list[list[int]]:
         g = self._grid()
-        if self.layout == "current":
-            g = g.T
+        if self.layout == "current" and self.decode_context_parallel_size > 1:
+            g = g.T  # vLLM transposes only for DCP > 1
         return g.reshape(-1, self.decode_context_parallel_size).tolist()
 
     def groups(self, kind: str) -> list[list[int]]:
