@@ -9,6 +9,15 @@ Every projection is written once, on a *slice* of heads (or MLP columns), so the
 the single-device model (all heads) and one TP rank's share (its heads; the partial outputs are
 summed by an all-reduce over TP).  :func:`reference_generate` is the single-device reference:
 one float64 forward per token over a contiguous (not paged) KV cache, MLA in its MHA form.
+
+RoPE convention: both models use :func:`cpbook.core.attention.rope`, the rotate-half form
+(pairs ``(x[i], x[i + R/2])``, vLLM's ``is_neox_style=True``).  DeepSeek's MLA checkpoints use
+the interleaved form, pairs ``(x[2i], x[2i + 1])`` of the ``qk_rope_head_dim`` part: vLLM builds
+their rotary embedding with ``get_rope(..., is_neox_style=False)`` (``DeepseekV2MLAAttention`` in
+``vllm/model_executor/models/deepseek_v2.py``, v0.33.0).  The two forms differ by one fixed
+permutation of the rope dimensions (of the query and ``k_pe`` projections' rope columns), so
+seeded weights are as valid either way; a real checkpoint needs the interleaved form (or that
+permutation applied to its weights).
 """
 
 from __future__ import annotations

@@ -13,6 +13,22 @@ A rank's local tensor holds, request after request, its segments in the order ab
 rows included, so every rank holds the same number of rows and a plain all-gather collects
 them.  :class:`PCPMetadata` is what one rank needs for attention: true global ``positions``
 (for RoPE), per-chunk ``query_lens`` and ``key_lens``, the padding mask and the restore order.
+
+Where vLLM's zigzag differs (v0.33.0, ``PCPManager`` in ``vllm/v1/worker/gpu/pcp_manager.py``,
+Model Runner V2, the runner that has PCP); the real tokens of a partitioned request land on the
+same ranks and chunks in both:
+
+* **No per-request padding.**  ``PCPManager._iter_rank_chunks`` cuts a request of ``L`` tokens
+  into chunks of ``ceil(L / (2 * pcp))`` and leaves the last chunk short
+  (``min(chunk_size, L - offset)``, empty chunks skipped); only each rank's whole local batch is
+  padded, to the largest rank's token count (``_build_batch_layout``).  cpbook pads every
+  request to a multiple of ``2 * pcp`` instead: more padding rows, the same real rows.
+* **Short-last-chunk prompts run whole with DCP > 1.**  ``PCPManager.replicated_requests``
+  gives every PCP rank the whole query of a prefill whose last chunk would be empty,
+  ``(2 * pcp - 1) * ceil(L / (2 * pcp)) >= L`` (PCP 2: ``L`` in {1, 2, 3, 5, 6, 9}; never for
+  ``L > (2 * pcp - 1)**2``), as it does for decodes, when ``decode_context_parallel_size > 1``
+  (which ``PCPManager.validate_config`` allows for sparse MLA only); with DCP = 1 such a prompt
+  is partitioned, its empty chunk skipped.  cpbook always partitions.
 """
 
 from __future__ import annotations
@@ -64,7 +80,8 @@ def _check(pcp: int, layout: str) -> None:
 
 
 def padded_len(seq_len: int, pcp: int) -> int:
-    """``seq_len`` rounded up to a multiple of ``2 * pcp``."""
+    """``seq_len`` rounded up to a multiple of ``2 * pcp`` (cpbook's per-request padding; vLLM
+    pads none, see the module docstring)."""
     m = 2 * pcp
     return -(-seq_len // m) * m
 
