@@ -18,7 +18,12 @@ from cpbook.pcp.chunked import (
     allgather_q_attention,
     chunked_prefill_attention,
 )
-from cpbook.pcp.chunked_plan import STRATEGIES, choose_strategy, chunked_comm_bytes
+from cpbook.pcp.chunked_plan import (
+    STRATEGIES,
+    choose_strategy,
+    chunked_comm_bytes,
+    select_strategy,
+)
 from cpbook.pcp.zigzag import zigzag_partition
 
 # (tp, pcp, dcp, num_q_heads, num_kv_heads, use_mla): every PCP × DCP pairing vLLM accepts with
@@ -220,6 +225,32 @@ def test_bytes_scale_as_the_article_says():
     assert choice.seconds["allgather_q"] == pytest.approx(
         1e-5 * choice.calls["allgather_q"] + 1e-10 * choice.bytes["allgather_q"]
     )
+
+
+def test_selector_ties_go_to_allgather_kv():
+    """The documented tie rule (no combine afterwards): equal ``calls·α + bytes·β`` picks KV,
+    whatever the link and the order of the plans; one byte less for Q picks Q."""
+    same = [("all_gather", 1000), ("all_to_all", 24)]
+    for plans in (
+        {"allgather_q": same, "allgather_kv": same},
+        {"allgather_kv": same, "allgather_q": same},
+        {"allgather_q": [], "allgather_kv": []},
+    ):
+        for alpha, beta in ((None, None), (1.0, 0.0), (0.0, 1.0), (1e-5, 1e-10)):
+            assert select_strategy(plans, alpha, beta).strategy == "allgather_kv"
+    cheaper_q = {"allgather_q": [("all_gather", 1023)], "allgather_kv": [("all_gather", 1024)]}
+    assert select_strategy(cheaper_q, 1.0, 1.0).strategy == "allgather_q"
+    # chapter 5's exercise 2: 8 query heads, 1 KV head, D = Dv = 128, bf16, PCP = DCP = 2, a
+    # chunk of 2,048 tokens after 14,400 cached: both send 4,210,688 B in 2 calls; one more
+    # cached token and AllGather-Q sends less
+    tie = choose_strategy(2048, 14400, 8, 1, 128, 2, 2, 2, workspace_size=16384)
+    assert tie.bytes == {"allgather_q": 4210688, "allgather_kv": 4210688}
+    assert tie.calls == {"allgather_q": 2, "allgather_kv": 2}
+    assert tie.strategy == "allgather_kv"
+    assert choose_strategy(2048, 14401, 8, 1, 128, 2, 2, 2, workspace_size=16384).strategy == (
+        "allgather_q"
+    )
+    assert choose_strategy(64, 100, 8, 2, 16, 8, 1, 1).strategy == "allgather_kv"  # 0 s = 0 s
 
 
 def test_auto_runs_what_the_selector_picks():
