@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import copy
+
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cpbook.engine.scheduler import Request, Scheduler
-from cpbook.kv.manager import KVCacheManager
+from cpbook.kv.manager import AllocationError, KVCacheManager
 
 VOCAB = 50
 
@@ -37,6 +40,33 @@ def check_blocks(kv: KVCacheManager) -> None:
     assert len(owners) + kv.num_free_blocks == kv.num_blocks
 
 
+def assert_work_conserving(sched: Scheduler, out) -> None:
+    """Right after ``schedule()``: a step leaves token budget unused only when no work could
+    use it.  (1) If a running request still has tokens this step did not schedule, the step
+    used the whole budget.  (2) If budget is left while requests wait, admission was blocked
+    by a stated rule: ``max_num_seqs``, a preemption this step, the head's cached prefix not
+    yet written, or not enough free blocks for the head (tried on a copy of the manager)."""
+    scheduled = {c.request_id: c.num_tokens for c in out.chunks}
+    left = {
+        r.request_id: r.num_tokens - r.num_computed_tokens - scheduled.get(r.request_id, 0)
+        for r in sched.running
+    }
+    assert all(n >= 0 for n in left.values())
+    budget = sched.max_num_batched_tokens
+    if any(left.values()):
+        assert out.num_batched_tokens == budget, (
+            f"step {out.step} used {out.num_batched_tokens} of {budget} tokens while running "
+            f"work was left: {left}"
+        )
+    if out.num_batched_tokens < budget and sched.waiting:
+        head = sched.waiting[0]
+        if len(sched.running) < sched.max_num_seqs and not out.preempted:
+            tokens = head.all_tokens
+            if all(b in sched.written for b in sched.kv.cached_prefix(tokens)):
+                with pytest.raises(AllocationError):
+                    copy.deepcopy(sched.kv).allocate(head.request_id, len(tokens), tokens)
+
+
 def run_to_completion(sched: Scheduler, max_steps: int = 2000) -> list:
     steps = []
     for _ in range(max_steps):
@@ -44,6 +74,7 @@ def run_to_completion(sched: Scheduler, max_steps: int = 2000) -> list:
             return steps
         out = sched.schedule()
         assert out.num_batched_tokens <= sched.max_num_batched_tokens
+        assert_work_conserving(sched, out)
         assert len(sched.running) <= sched.max_num_seqs
         sampled = {}
         for c in out.chunks:
@@ -60,7 +91,7 @@ def run_to_completion(sched: Scheduler, max_steps: int = 2000) -> list:
         sched.update(out, sampled)
         check_blocks(sched.kv)
         steps.append(out)
-    raise AssertionError("requests did not finish")
+    raise AssertionError(f"requests did not finish within {max_steps} steps")
 
 
 workloads = st.fixed_dictionaries(
@@ -130,3 +161,55 @@ def test_budget_splits_a_long_prompt_into_chunks():
     sched.add_request(Request("a", list(range(20)), 1))
     kinds = [[(c.kind, c.num_tokens) for c in s.chunks] for s in run_to_completion(sched)]
     assert kinds == [[("chunked_prefill", 8)], [("chunked_prefill", 8)], [("chunked_prefill", 4)]]
+
+
+long_work = st.fixed_dictionaries(
+    {
+        "num_blocks": st.integers(8, 40),
+        "block_size": st.sampled_from([2, 4]),
+        "dcp": st.sampled_from([1, 2]),
+        "budget": st.integers(1, 12),
+        "max_num_seqs": st.integers(1, 6),
+        "caching": st.booleans(),
+        "prompts": st.lists(
+            st.tuples(st.integers(0, 2), st.integers(1, 40), st.integers(1, 8)),
+            min_size=2,
+            max_size=8,
+        ),
+    }
+)
+
+
+@given(long_work)
+@settings(max_examples=100, deadline=None)
+def test_a_step_uses_the_whole_budget_while_running_work_remains(w):
+    """Work conservation: budgets small against the prompts, so most steps end with running
+    work left; every such step schedules exactly ``max_num_batched_tokens`` tokens
+    (:func:`assert_work_conserving` runs after every ``schedule()``)."""
+    kv = KVCacheManager(
+        w["num_blocks"], w["block_size"], w["dcp"], enable_prefix_caching=w["caching"]
+    )
+    sched = Scheduler(kv, w["budget"], w["max_num_seqs"])
+    family = {f: [(f * 5 + i) % VOCAB for i in range(40)] for f in range(3)}
+    for i, (f, n, new) in enumerate(w["prompts"]):
+        sched.add_request(Request(str(i), family[f][:n], new))
+    run_to_completion(sched)
+    assert all(r.status in ("finished", "error") for r in sched.requests.values())
+
+
+def test_exact_tokens_per_step_with_one_token_of_budget_left():
+    """Budget 8: ``a`` (7 tokens) leaves 1 token, which starts ``b``'s prefill; then ``a``'s
+    decodes share each step with 7 of ``b``'s tokens."""
+    sched = Scheduler(KVCacheManager(32, 4), max_num_batched_tokens=8, max_num_seqs=4)
+    sched.add_request(Request("a", list(range(7)), 3))
+    sched.add_request(Request("b", list(range(10, 30)), 2))
+    steps = [
+        [(c.request_id, c.kind, c.num_tokens) for c in s.chunks] for s in run_to_completion(sched)
+    ]
+    assert steps == [
+        [("a", "prefill", 7), ("b", "chunked_prefill", 1)],
+        [("a", "decode", 1), ("b", "chunked_prefill", 7)],
+        [("a", "decode", 1), ("b", "chunked_prefill", 7)],
+        [("b", "chunked_prefill", 5)],
+        [("b", "decode", 1)],
+    ]
