@@ -86,6 +86,24 @@ def test_every_token_owned_by_exactly_one_rank(layout):
     assert torch.equal((slots != PAD_SLOT_ID).long().argmax(0), token_owner(pos, dcp, inter))
 
 
+@given(layouts(max_len=2000), st.lists(st.integers(0, 10**6), min_size=1, max_size=40))
+@PROPERTY
+def test_token_owner_is_the_rank_whose_slot_is_not_pad(layout, raw):
+    """``token_owner`` and ``slot_mapping`` compute ownership separately: on any positions
+    (unsorted, repeated, decode tokens far into the table) rank ``r``'s slot is not -1 exactly
+    where ``token_owner == r``, and the owner's slot lies in the position's block."""
+    dcp, inter, bs, n, _ = layout
+    n = max(n, 1)
+    pos = torch.tensor([p % n for p in raw])
+    table = _table(n, bs, dcp, 4)
+    owner = token_owner(pos, dcp, inter)
+    slots = torch.stack([slot_mapping(pos, table, bs, dcp, r, inter) for r in range(dcp)])
+    assert torch.equal(slots != PAD_SLOT_ID, owner[None, :] == torch.arange(dcp)[:, None])
+    mine = slots.gather(0, owner[None, :])[0]
+    vb = bs * dcp
+    assert torch.equal(torch.div(mine, bs, rounding_mode="floor"), table[pos // vb])
+
+
 @given(layouts())
 @PROPERTY
 def test_local_lengths_sum_and_match_vllm(layout):
