@@ -27,6 +27,7 @@ from cpbook.engine.models import TinyModel, reference_generate
 
 WORK = dict(num_requests=6, max_new_tokens=6)
 SMALL = dict(num_requests=4, max_new_tokens=4)
+MAX_STEPS = 200  # cap for hand-driven engine loops (test_step_api_... finishes in 11 steps)
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -164,8 +165,12 @@ def test_step_api_and_a_request_longer_than_the_cache():
     too_long = eng.add_request(list(range(60)), 4)
     first = eng.step()
     assert first.num_batched_tokens <= 16 and first.admitted
-    while eng.has_unfinished:
+    for _ in range(MAX_STEPS):  # a livelock (e.g. leaked blocks) fails here, never hangs
+        if not eng.has_unfinished:
+            break
         eng.step()
+    else:
+        pytest.fail(f"requests unfinished after {MAX_STEPS} steps: {eng.history[-1]}")
     bad = eng.output(too_long)
     assert bad.tokens == () and "[request-fits-cache]" in bad.error
     for rid, p in zip(ids, prompts):
