@@ -193,8 +193,9 @@ def merge_attn_states_(
     whose weight ``exp(lse_side − lse_new)`` is 0 (an empty part, LSE ``-inf``) contributes 0
     even if its output holds NaN or inf, as vLLM's ``correct_attn_out`` and a2a combine
     (``where(factor == 0, 0, out · factor)`` in ``vllm/v1/attention/ops/dcp.py``, v0.33.0).
-    The only temporary of output rows is a copy of the rows where ``part`` has weight 0 while
-    others do not, which matters when the outputs are tens of megabytes.
+    No output-sized temporary is allocated (which matters when the outputs are tens of
+    megabytes): only a copy of the rows where ``part`` has weight 0, when some rows but not all
+    do.
     """
     part_lse = _clean(part_lse)
     new = torch.logaddexp(lse, part_lse)  # -inf only where both sides are empty
