@@ -62,7 +62,8 @@ class Plan:
         as ``--max-model-len``, each replica's share of the concurrency as ``--max-num-seqs``."""
         e = e or self.winner
         if e is None:
-            raise ValueError(f"[plan-fits] requires a winning layout; {self.would_fit.lines[0]}")
+            why = self.would_fit.lines[0] if self.would_fit else "no deployment serves it"
+            raise ValueError(f"[plan-fits] requires a winning layout; {why}")
         w = self.workload
         return serve_command(
             self.model,
@@ -162,6 +163,7 @@ def plan(
     workload: ServingWorkload,
     *,
     objective: str = "throughput",
+    advise: bool = True,
 ) -> Plan:
     """The best deployment of ``model`` on at most ``num_gpus`` GPUs of ``gpu`` for
     ``workload`` by ``objective``: ``"throughput"`` (steady-state output tokens/s per GPU, see
@@ -172,7 +174,8 @@ def plan(
     ``prompt_tokens + output_tokens`` tokens and meets the targets; the ranking equals
     :func:`~cpbook.costmodel.plan_space.brute_force`'s; the best objective never worsens with
     more GPUs or looser targets.  Raises ``ValueError`` for an unknown model, GPU or objective
-    or a bad GPU count.
+    or a bad GPU count.  ``advise=False`` leaves ``reasons`` and ``would_fit`` empty (for
+    callers that need only the ranking: the property tests, sweeps).
     """
     model, gpu = get_model(model), get_gpu(gpu)
     key = rank_key(objective)
@@ -193,6 +196,8 @@ def plan(
         (),
         None,
     )
+    if not advise:
+        return p
     if not ranked:
         return replace(p, would_fit=would_fit(model, gpu, num_gpus, workload, objective))
     reasons = _winner_reasons(p)
