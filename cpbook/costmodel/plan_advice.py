@@ -10,11 +10,12 @@ TPOT target that any layout holding the requests meets.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from cpbook.core.config import ConfigError
-from cpbook.costmodel.memory import Layout
+from cpbook.costmodel.memory import Layout, layout_max_context
 from cpbook.costmodel.plan_space import (
     DROP_RULES,
     Cache,
@@ -103,14 +104,28 @@ class WouldFit:
     lines: tuple[str, ...]
 
 
-def _best(model: ModelSpec, gpu: GPUSpec, n: int, w: ServingWorkload, objective: str):
-    rows, _ = search(model, gpu, n, w)
+def _best(
+    model: ModelSpec, gpu: GPUSpec, n: int, w: ServingWorkload, objective: str, cache: Cache
+) -> Estimate | None:
+    rows, _ = search(model, gpu, n, w, cache=cache)
     ok = [e for e in rows if e.drop is None]
     return min(ok, key=rank_key(objective)) if ok else None
 
 
-def _largest(lo: int, hi: int, ok: Callable[[int], bool]) -> int | None:
-    """The largest ``x`` in ``[lo, hi]`` with ``ok(x)`` (``ok`` true up to a point), or None."""
+def _largest(lo: int, hi: int, ok: Callable[[int], bool], guess: int | None) -> int | None:
+    """The largest ``x`` in ``[lo, hi]`` with ``ok(x)`` (``ok`` true up to a point), or None.
+    ``guess``, an upper bound from memory alone, is tried first: if it passes and ``guess + 1``
+    does not, it is the answer; else bisection below it."""
+    if guess is not None:
+        guess = min(guess, hi)
+        if guess < lo:
+            return None
+        if ok(guess):
+            if guess == hi or not ok(guess + 1):
+                return guess
+            lo = guess + 1
+        else:
+            hi = guess - 1
     if hi < lo or not ok(lo):
         return None
     while lo < hi:
@@ -120,7 +135,7 @@ def _largest(lo: int, hi: int, ok: Callable[[int], bool]) -> int | None:
 
 
 def _fewest_gpus(
-    model: ModelSpec, gpu: GPUSpec, w: ServingWorkload, objective: str
+    model: ModelSpec, gpu: GPUSpec, w: ServingWorkload, objective: str, cache: Cache
 ) -> Estimate | None:
     """The deployment with the fewest GPUs that serves ``w`` (ties: the best by
     ``objective``): for every replica shape (TP x PCP <= :data:`MAX_REPLICA_GPUS`; PCP > 1 only
@@ -130,7 +145,6 @@ def _fewest_gpus(
     best: Estimate | None = None
     key = rank_key(objective)
     eps = (False, True) if model.expert_params else (False,)
-    cache: Cache = {}
     pcps = MAX_REPLICA_GPUS if (w.ttft_target_s is not None or model.sparse_mla) else 1
     for tp, pcp in itertools.product(range(1, MAX_REPLICA_GPUS + 1), range(1, pcps + 1)):
         if tp * pcp > MAX_REPLICA_GPUS:
@@ -170,14 +184,15 @@ def would_fit(
     model: ModelSpec, gpu: GPUSpec, num_gpus: int, w: ServingWorkload, objective: str
 ) -> WouldFit:
     """:class:`WouldFit` for a workload no deployment of ``num_gpus`` GPUs serves."""
-    rows, _ = search(model, gpu, num_gpus, w, time_dropped=True)
+    cache: Cache = {}
+    rows, _ = search(model, gpu, num_gpus, w, time_dropped=True, cache=cache)
     reached = max((DROP_RULES.index(e.drop) for e in rows), default=0)
     rule = DROP_RULES[reached]
     lines = [
         f"No deployment of at most {num_gpus} x {gpu.name} serves {w.concurrency:,} requests of "
         f"{w.request_tokens:,} tokens{_targets(w)}: every one fails [{rule}]."
     ]
-    more = _fewest_gpus(model, gpu, w, objective)
+    more = _fewest_gpus(model, gpu, w, objective, cache)
     if more is not None:
         lines.append(
             f"{more.num_gpus} GPUs would: {more.label} holds {more.capacity:,} requests, TTFT "
@@ -185,7 +200,8 @@ def would_fit(
         )
     fp8 = None
     if "fp8" not in w.kv_dtypes:
-        fp8 = _best(model, gpu, num_gpus, replace(w, kv_dtypes=w.kv_dtypes + ("fp8",)), objective)
+        more_kv = replace(w, kv_dtypes=w.kv_dtypes + ("fp8",))
+        fp8 = _best(model, gpu, num_gpus, more_kv, objective, cache)
         if fp8 is not None:
             lines.append(
                 f"FP8 KV (--kv-cache-dtype fp8) would on {num_gpus} GPUs: {fp8.label} holds "
@@ -193,14 +209,22 @@ def would_fit(
             )
 
     def fits(**change) -> bool:
-        return _best(model, gpu, num_gpus, replace(w, **change), objective) is not None
+        return _best(model, gpu, num_gpus, replace(w, **change), objective, cache) is not None
 
-    prompt = _largest(1, w.prompt_tokens - 1, lambda p: fits(prompt_tokens=p))
+    roomy = [e for e in rows if e.drop != "model-fits"]
+    longest = [
+        layout_max_context(model, gpu, e.layout, e.kv_dtype, **_memory(w))
+        // math.ceil(w.concurrency / e.layout.dp)
+        for e in roomy
+    ]
+    guess = max(longest, default=0) - w.output_tokens
+    prompt = _largest(1, w.prompt_tokens - 1, lambda p: fits(prompt_tokens=p), guess)
     if prompt is not None:
         lines.append(
             f"A prompt of at most {prompt:,} tokens would ({w.output_tokens:,} output tokens)."
         )
-    conc = _largest(1, w.concurrency - 1, lambda c: fits(concurrency=c))
+    on_time = [e.capacity for e in roomy if e.prefill is not None and _meets_ttft(e, w)]
+    conc = _largest(1, w.concurrency - 1, lambda c: fits(concurrency=c), max(on_time, default=0))
     if conc is not None:
         lines.append(f"At most {conc:,} requests in flight would fit.")
     held = [e for e in rows if e.capacity >= w.concurrency and e.decode is not None]
@@ -226,6 +250,14 @@ def would_fit(
         tpot_t,
         tuple(lines),
     )
+
+
+def _memory(w: ServingWorkload) -> dict[str, float]:
+    return {"gpu_memory_utilization": w.gpu_memory_utilization}
+
+
+def _meets_ttft(e: Estimate, w: ServingWorkload) -> bool:
+    return w.ttft_target_s is None or e.ttft_s <= w.ttft_target_s
 
 
 def _targets(w: ServingWorkload) -> str:

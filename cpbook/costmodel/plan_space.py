@@ -231,11 +231,15 @@ def estimate(
     inverse of the sum of :func:`gpu_seconds_per_token`; without its prefill term it is
     ``decode_throughput``'s ``batch / TPOT / num_gpus`` (``decode_tokens_per_s_per_gpu``).
     ``time_dropped=False`` skips the times of a deployment
-    already dropped (for the planner's speed); ``cache`` keeps what depends only on the layout
-    (its signature's arguments) or, for ``ttft``, on the replica (not DP, not the KV dtype)."""
+    already dropped (for the planner's speed); ``cache`` (one per model and GPU) keeps what
+    depends only on the arguments of the call it caches: the layout's weights, its KV budget
+    (and ``gpu_memory_utilization``), and ``ttft`` per prompt and replica (a replica's prefill
+    does not depend on DP or the KV dtype)."""
     weights = _cached(cache, ("weights", layout), lambda: layout_weight_bytes(model, layout))
     per_request = layout_kv_bytes_per_token(model, layout, kv_dtype) * w.request_tokens
-    budget = _cached(cache, ("budget", layout), lambda: _budget(model, gpu, layout, w))
+    budget = _cached(
+        cache, ("budget", layout, w.gpu_memory_utilization), lambda: _budget(model, gpu, layout, w)
+    )
 
     def dropped(rule: str, capacity: int = 0, b: float = 0.0) -> Estimate:
         return Estimate(
@@ -249,7 +253,7 @@ def estimate(
     batch = min(w.concurrency, capacity)
     if batch == 0 or (capacity < w.concurrency and not time_dropped):
         return dropped("holds-concurrency", capacity, budget)
-    shape = ("ttft", layout.tp, layout.pcp, layout.dcp, layout.ep, layout.tpa)
+    shape = ("ttft", w.prompt_tokens, layout.tp, layout.pcp, layout.dcp, layout.ep, layout.tpa)
     first = _cached(cache, shape, lambda: ttft(model, gpu, layout, w.prompt_tokens))
     late = w.ttft_target_s is not None and first.total_s > w.ttft_target_s
     step = None
@@ -286,13 +290,19 @@ def gpu_seconds_per_token(e: Estimate, output_tokens: int) -> tuple[float, float
 
 
 def search(
-    model: ModelSpec, gpu: GPUSpec, num_gpus: int, w: ServingWorkload, time_dropped: bool = False
+    model: ModelSpec,
+    gpu: GPUSpec,
+    num_gpus: int,
+    w: ServingWorkload,
+    time_dropped: bool = False,
+    cache: Cache | None = None,
 ) -> tuple[list[Estimate], Counter]:
     """Every deployment of :func:`deployments`, priced (the times of dropped ones only with
-    ``time_dropped``); and how many candidates each rule rejected."""
+    ``time_dropped``); and how many candidates each rule rejected.  ``cache``: one to share
+    between searches of the same model and GPU (a fresh one by default)."""
     check_num_gpus(num_gpus)
     rejected: Counter = Counter()
-    cache: Cache = {}
+    cache = {} if cache is None else cache
     rows = [
         estimate(model, gpu, layout, kv, w, time_dropped=time_dropped, cache=cache)
         for layout, kv in deployments(model, num_gpus, w, rejected)
