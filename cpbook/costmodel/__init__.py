@@ -49,7 +49,7 @@ from cpbook.costmodel.memory import (
     max_context_tokens,
     weight_bytes_per_gpu,
 )
-from cpbook.costmodel.plan import Plan, estimate_record, plan
+from cpbook.costmodel.plan import Plan, estimate_record, headline, plan
 from cpbook.costmodel.plan_advice import WouldFit
 from cpbook.costmodel.plan_space import (
     OBJECTIVES,
@@ -58,10 +58,16 @@ from cpbook.costmodel.plan_space import (
     brute_force,
     deployments,
     estimate,
+    objective_value,
     pareto,
 )
 from cpbook.costmodel.recommend import Recommendation, Workload, recommend
-from cpbook.costmodel.serve_flags import HF_REPOS, parse_serve_command, serve_command
+from cpbook.costmodel.serve_flags import (
+    HF_REPOS,
+    layout_flags,
+    parse_serve_command,
+    serve_command,
+)
 from cpbook.costmodel.specs import (
     DEFAULT_ACTIVATION_RESERVE_BYTES,
     DEFAULT_GPU_MEMORY_UTILIZATION,
@@ -95,6 +101,9 @@ __all__ = [
     "deployments",
     "estimate",
     "estimate_record",
+    "headline",
+    "layout_flags",
+    "objective_value",
     "model_from_hf_config",
     "pareto",
     "parse_serve_command",

@@ -86,6 +86,35 @@ def _variant(model: ModelSpec, gpu: GPUSpec, e: Estimate, w: ServingWorkload, **
     return estimate(model, gpu, layout, e.kv_dtype, w)
 
 
+def headline(p: Plan) -> str:
+    """The plan in a few words: what context parallelism the winner uses and the one number
+    that decides it, or, when nothing fits, the rule and how many GPUs would."""
+    w, best = p.workload, p.winner
+    if best is None:
+        f = p.would_fit
+        if f is None:
+            return "nothing fits"
+        more = f"{f.num_gpus} GPUs would" if f.num_gpus else "no deployment would"
+        return f"nothing fits [{f.rule}]: {more}"
+    lay, parts = best.layout, []
+    if lay.dcp > 1:
+        plain = _variant(p.model, p.gpu, best, w, dcp=1, tpa=False)
+        if plain is not None and plain.capacity < w.concurrency:
+            parts.append(f"DCP{lay.dcp}: without it {plain.capacity:,} of {w.concurrency:,} fit")
+        elif plain is not None:
+            parts.append(
+                f"DCP{lay.dcp}: {best.tokens_per_s_per_gpu:.2g} vs "
+                f"{plain.tokens_per_s_per_gpu:.2g} tok/s per GPU without it"
+            )
+    if lay.pcp > 1:
+        gpus = lay.tp * lay.pcp
+        parts.append(f"PCP{lay.pcp}: each prefill on {gpus} GPUs, TTFT {fmt_s(best.ttft_s)}")
+    if not parts:
+        spread = f"DP{lay.dp} replicas hold" if lay.dp > 1 else f"TP{lay.tp} holds"
+        parts.append(f"no CP: {spread} {best.capacity:,} of {w.concurrency:,} requests")
+    return "; ".join(parts)
+
+
 def _winner_reasons(p: Plan) -> list[str]:
     """Why the winner: what it holds and its times, what CP buys over the same layout without
     it, GPUs left idle, and the TTFT trade-off on the frontier."""

@@ -136,16 +136,51 @@ class Estimate:
         return (lay.num_gpus, lay.tp, lay.pcp, lay.dcp, lay.dp, lay.ep, lay.tpa, self.kv_dtype)
 
 
+#: significant figures objectives are compared at: a closer call is below the cost model's
+#: resolution (its MFU, HBM efficiency and α are round assumptions), so the tie-breaks decide
+RESOLUTION_DIGITS = 2
+
+
+def objective_value(e: Estimate, objective: str) -> float:
+    """What ``objective`` ranks ``e`` by, lower is better: minus the output tokens/s per GPU,
+    TTFT or TPOT, rounded to :data:`RESOLUTION_DIGITS` significant figures."""
+    x = {
+        "throughput": -e.tokens_per_s_per_gpu,
+        "ttft": e.ttft_s,
+        "tpot": e.tpot_s,
+    }[objective]
+    return x if x == 0 or math.isinf(x) else float(f"{x:.{RESOLUTION_DIGITS}g}")
+
+
 def rank_key(objective: str) -> Callable[[Estimate], tuple]:
-    """Sort key, best first: the objective (tokens/s per GPU high, or TTFT / TPOT low), then
-    the other two, then :meth:`Estimate.key`; ValueError for an unknown objective."""
+    """Sort key, best first: :func:`objective_value`, then the other two metrics (TTFT before
+    TPOT for throughput: the user waits for the first token), the exact objective, and
+    :meth:`Estimate.key`; ValueError for an unknown objective."""
     if objective not in OBJECTIVES:
         raise ValueError(f"[plan-objective] requires objective in {OBJECTIVES}; got {objective!r}")
     if objective == "throughput":
-        return lambda e: (-e.tokens_per_s_per_gpu, e.tpot_s, e.ttft_s, e.key())
+        return lambda e: (
+            objective_value(e, objective),
+            e.ttft_s,
+            e.tpot_s,
+            -e.tokens_per_s_per_gpu,
+            e.key(),
+        )
     if objective == "ttft":
-        return lambda e: (e.ttft_s, -e.tokens_per_s_per_gpu, e.tpot_s, e.key())
-    return lambda e: (e.tpot_s, -e.tokens_per_s_per_gpu, e.ttft_s, e.key())
+        return lambda e: (
+            objective_value(e, objective),
+            -e.tokens_per_s_per_gpu,
+            e.tpot_s,
+            e.ttft_s,
+            e.key(),
+        )
+    return lambda e: (
+        objective_value(e, objective),
+        -e.tokens_per_s_per_gpu,
+        e.ttft_s,
+        e.tpot_s,
+        e.key(),
+    )
 
 
 def check_num_gpus(num_gpus: object) -> None:

@@ -91,6 +91,35 @@ def serve_args(
     ]
 
 
+#: vLLM's short aliases of the parallel sizes (``EngineArgs.add_cli_args``)
+SHORT_FLAGS = {
+    "--tensor-parallel-size": "-tp",
+    "--prefill-context-parallel-size": "-pcp",
+    "--decode-context-parallel-size": "-dcp",
+    "--data-parallel-size": "-dp",
+    "--enable-expert-parallel": "-ep",
+}
+
+
+def layout_flags(model: ModelSpec, layout: Layout, kv_dtype: str) -> str:
+    """The layout alone in vLLM's short forms, e.g. ``-tp 8 -dcp 8 --dcp-q-replicate``: the
+    parallel sizes, query replication when on, and the KV dtype when it is FP8 (no memory
+    settings; :func:`parse_serve_command` reads it back)."""
+    args = serve_args(
+        model, layout, kv_dtype, max_model_len=1, max_num_seqs=1, gpu_memory_utilization=1.0
+    )
+    keep, i = [], 0
+    while i < len(args):
+        flag = args[i]
+        value = args[i + 1] if i + 1 < len(args) and not args[i + 1].startswith("-") else None
+        i += 1 if value is None else 2
+        if flag in SHORT_FLAGS:
+            keep += [SHORT_FLAGS[flag]] + ([value] if value else [])
+        elif flag == "--dcp-q-replicate" or (flag == "--kv-cache-dtype" and kv_dtype == "fp8"):
+            keep += [flag] + ([value] if value else [])
+    return " ".join(keep)
+
+
 def serve_command(model: ModelSpec, layout: Layout, kv_dtype: str, **kwargs) -> str:
     """The shell line ``vllm serve REPO ARGS`` (``kwargs``: those of :func:`serve_args`)."""
     repo = HF_REPOS.get(model.name, model.name)
