@@ -116,6 +116,8 @@ def test_printed_flags_parse_back_into_the_same_layout(model, n, w):
     p = plan(model, H200, n, w, advise=False)
     for e in p.ranked[:6]:
         assert cm.parse_serve_command(p.command(e)) == (e.layout, e.kv_dtype)
+        short = "vllm serve m " + cm.layout_flags(model, e.layout, e.kv_dtype)
+        assert cm.parse_serve_command(short) == (e.layout, e.kv_dtype)
 
 
 def test_estimates_are_the_cost_models_numbers():
@@ -328,6 +330,15 @@ def test_reasons_name_the_runners_up():
     assert 1 <= len(ups) <= 4
     assert all("less" in r or "ties" in r for r in ups)
     assert p.reasons[-1].startswith("Dropped: ")
+
+
+def test_headlines():
+    assert cm.headline(explorer(M, 1)) == "DCP8: without it 0 of 1 fit"
+    assert cm.headline(explorer(M, 16)).startswith("nothing fits [holds-concurrency]: ")
+    p = plan(L8B, H200, 8, ServingWorkload(4 * K, 256, 16))
+    assert cm.headline(p).startswith(f"no CP: TP{p.winner.layout.tp} holds ")
+    sparse = plan(V32, H200, 8, ServingWorkload(M, 1 * K, 1))
+    assert sparse.winner.layout.pcp > 1 and "PCP" in cm.headline(sparse)
 
 
 def test_idle_gpus_are_said():

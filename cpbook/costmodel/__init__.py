@@ -85,7 +85,7 @@ from cpbook.costmodel.specs import (
     get_model,
     link_of,
 )
-from cpbook.costmodel.vllm_rules import PLAN_KV_DTYPES, check_deployment
+from cpbook.costmodel.vllm_rules import PLAN_KV_DTYPES, check_deployment, rule_probes
 
 __all__ = [
     "Estimate",
@@ -108,6 +108,7 @@ __all__ = [
     "pareto",
     "parse_serve_command",
     "plan",
+    "rule_probes",
     "serve_command",
     "DEFAULT_MFU",
     "DecodeTime",

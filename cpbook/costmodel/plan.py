@@ -20,6 +20,7 @@ from cpbook.costmodel.plan_space import (
     Estimate,
     ServingWorkload,
     estimate,
+    objective_value,
     pareto,
     rank_key,
     search,
@@ -101,6 +102,12 @@ def headline(p: Plan) -> str:
         plain = _variant(p.model, p.gpu, best, w, dcp=1, tpa=False)
         if plain is not None and plain.capacity < w.concurrency:
             parts.append(f"DCP{lay.dcp}: without it {plain.capacity:,} of {w.concurrency:,} fit")
+        elif plain is not None and objective_value(plain, p.objective) == objective_value(
+            best, p.objective
+        ):
+            parts.append(
+                f"DCP{lay.dcp}: TPOT {fmt_s(best.tpot_s)} vs {fmt_s(plain.tpot_s)} without it"
+            )
         elif plain is not None:
             parts.append(
                 f"DCP{lay.dcp}: {best.tokens_per_s_per_gpu:.2g} vs "

@@ -110,3 +110,29 @@ def check_deployment(
             num_gpus=layout.num_gpus,
         )
     return cfg
+
+
+def _probes(model: ModelSpec) -> dict[str, Layout]:
+    kv = model.num_kv_heads
+    return {
+        "DCP = TP = 8": Layout(tp=8, dcp=8),
+        "DCP 2 on TP = 2 x KV heads": Layout(tp=2 * kv, dcp=2),
+        "PCP 2": Layout(tp=4, pcp=2),
+        "PCP 2 x DCP 2": Layout(tp=4, pcp=2, dcp=2),
+        "query replication (DCP 8)": Layout(tp=8, dcp=8, tpa=True),
+        "EP over DP 8": Layout(tp=1, dp=8, ep=True),
+    }
+
+
+def rule_probes(model: ModelSpec) -> dict[str, str | None]:
+    """Six probe layouts and what :func:`check_deployment` says of each for ``model``: ``None``
+    (vLLM v0.33 serves it) or the rule that rejects it.  The decision page's figure and table
+    draw the model families' differences from this."""
+    out: dict[str, str | None] = {}
+    for name, layout in _probes(model).items():
+        try:
+            check_deployment(model, layout)
+            out[name] = None
+        except ConfigError as e:
+            out[name] = e.rule
+    return out
