@@ -62,7 +62,9 @@ def serve_args(
 ) -> list[str]:
     """``vllm serve``'s arguments for ``layout``: sizes above 1, the DCP options when DCP is on
     (``ag_rs``, the backend the cost model prices and PCP x DCP requires; query replication on
-    or off explicitly, as some models default it on), and the memory settings the plan assumed."""
+    or off explicitly, as some models default it on), the interleave size (1: token-level
+    balance; a P/D decode instance sets it to its block size, chapter 2), and the memory
+    settings the plan assumed (vLLM's own ``gpu_memory_utilization`` default differs)."""
     args = ["--tensor-parallel-size", str(layout.tp)]
     for flag, size in (
         ("--prefill-context-parallel-size", layout.pcp),
