@@ -167,7 +167,8 @@ def _plan_table(p: Plan, top: int) -> list[str]:
     w = p.workload
     lines = [
         "",
-        f"{p.model.name} on up to {p.num_gpus} x {p.gpu.name}: {w.concurrency:,} requests of "
+        f"{p.model.name} on up to {p.num_gpus} x {p.gpu.name}: {w.concurrency:,} "
+        f"request{'s' if w.concurrency != 1 else ''} of "
         f"{w.prompt_tokens:,} + {w.output_tokens:,} tokens, objective {p.objective} "
         f"(modelled: cpbook.costmodel)",
         f"{'#':>3}  {'layout':24s} {'GPUs':>4} {'weights':>8} {'KV room':>8} {'holds':>6} "

@@ -23,6 +23,7 @@ from cpbook.costmodel.plan_space import (
     ServingWorkload,
     estimate,
     gpu_seconds_per_token,
+    objective_value,
     rank_key,
     search,
 )
@@ -41,17 +42,32 @@ def fmt_s(seconds: float) -> str:
     return f"{seconds:.3g} s" if seconds >= 1 else f"{seconds * 1e3:.3g} ms"
 
 
+def _tie(e: Estimate, best: Estimate, objective: str) -> str:
+    """Why ``e`` ranks below ``best`` when their objectives round alike: the first tie-break
+    of :func:`~cpbook.costmodel.plan_space.rank_key` that differs."""
+    order = {"throughput": ("ttft", "tpot", "rate"), "ttft": ("rate", "tpot", "ttft")}
+    shown = {
+        "ttft": lambda x: f"TTFT {fmt_s(x.ttft_s)}",
+        "tpot": lambda x: f"TPOT {fmt_s(x.tpot_s)}",
+        "rate": lambda x: f"{x.tokens_per_s_per_gpu:.4g} tok/s per GPU",
+    }
+    for name in order.get(objective, ("rate", "ttft", "tpot")):
+        if shown[name](e) != shown[name](best):
+            return f"{shown[name](e)} vs {shown[name](best)}"
+    return "the same numbers; listed by size (fewer GPUs, smaller TP, no EP first)"
+
+
 def why_lost(e: Estimate, best: Estimate, w: ServingWorkload, objective: str) -> str:
-    """One line: ``e``'s objective against ``best``'s and the term that makes the gap."""
-    if objective == "ttft" and e.ttft_s > best.ttft_s:
+    """One line: ``e``'s objective against ``best``'s and the term that makes the gap (or,
+    when they round alike at the planner's resolution, the tie-break that decides)."""
+    if objective_value(e, objective) == objective_value(best, objective):
+        return f"{e.label}: ties at 2 significant figures; {_tie(e, best, objective)}."
+    if objective == "ttft":
         return f"{e.label}: TTFT {fmt_s(e.ttft_s)} vs {fmt_s(best.ttft_s)} ({_replica(e)})."
-    if objective == "tpot" and e.tpot_s > best.tpot_s:
+    if objective == "tpot":
         return f"{e.label}: TPOT {fmt_s(e.tpot_s)} vs {fmt_s(best.tpot_s)} ({_step(e, best)})."
     gap = 1 - e.tokens_per_s_per_gpu / best.tokens_per_s_per_gpu
     head = f"{e.label}: {e.tokens_per_s_per_gpu:.3g} tok/s per GPU ({gap:.1%} less)"
-    if gap == 0:
-        return f"{e.label}: ties on the objective; loses on the tie-break (TPOT, TTFT, GPUs)."
-
     (pe, de), (pb, db) = (gpu_seconds_per_token(x, w.output_tokens) for x in (e, best))
     if pe - pb >= de - db:
         return (
