@@ -447,3 +447,17 @@ def test_size_and_time_parsing():
     assert [parse_seconds("--ttft", t) for t in ("10s", "50ms", "2", None)] == [10, 0.05, 2, None]
     with pytest.raises(ValueError, match=r"\[token-count\]"):
         parse_tokens("--context", "0.3K")
+
+
+def test_rule_probes_and_flowchart():
+    from cpbook.viz.plan import decision_flowchart
+
+    families = {"GQA": L70B, "MLA": DSV3, "sparse MLA": V32}
+    probes = {k: cm.rule_probes(m) for k, m in families.items()}
+    assert probes["GQA"]["PCP 2"] == "pcp-mla-only"
+    assert probes["MLA"]["PCP 2 x DCP 2"] == "pcp-dcp-sparse-mla-only"
+    assert not any(probes["sparse MLA"].values())
+    fig = decision_flowchart(families)
+    texts = {t.get_text() for ax in fig.axes for t in ax.texts}
+    assert "serves" in texts and any("pcp-mla-" in t for t in texts)
+    assert sum("dropped [" in t for t in texts) == len(cm.plan_space.DROP_RULES)
