@@ -5,8 +5,11 @@ Modules: :mod:`.specs` (GPUs, links, models, every number sourced in ``book/refe
 :mod:`.memory` (weights and KV per GPU, longest request, concurrency), :mod:`.decode` (α–β
 collectives and one decode step's attention per layer, chapter 6), :mod:`.latency` (TTFT, TPOT
 and throughput of whole layouts), :mod:`.calibration` (α, β and throughput of this machine from
-``bench/`` runs) and :mod:`.recommend` (the decision path).  Every public name is re-exported
-here, so ``from cpbook import costmodel as cm; cm.X`` keeps working.
+``bench/`` runs), :mod:`.recommend` (the decision path), :mod:`.hf_config` (model shapes from a
+``config.json``), :mod:`.vllm_rules` (what vLLM v0.33 serves), :mod:`.serve_flags` (the
+``vllm serve`` line), and the deployment planner: :mod:`.plan_space` (the search space, one
+deployment's numbers), :mod:`.plan_advice` (its reasons) and :mod:`.plan`.  Every public name
+is re-exported here, so ``from cpbook import costmodel as cm; cm.X`` keeps working.
 """
 
 from cpbook.costmodel.decode import (
@@ -18,6 +21,7 @@ from cpbook.costmodel.decode import (
     decode_break_even,
     decode_layer_time,
 )
+from cpbook.costmodel.hf_config import SUPPORTED_MODEL_TYPES, model_from_hf_config
 from cpbook.costmodel.latency import (
     DEFAULT_MFU,
     DecodeTime,
@@ -45,7 +49,25 @@ from cpbook.costmodel.memory import (
     max_context_tokens,
     weight_bytes_per_gpu,
 )
+from cpbook.costmodel.plan import Plan, estimate_record, headline, plan
+from cpbook.costmodel.plan_advice import WouldFit
+from cpbook.costmodel.plan_space import (
+    OBJECTIVES,
+    Estimate,
+    ServingWorkload,
+    brute_force,
+    deployments,
+    estimate,
+    objective_value,
+    pareto,
+)
 from cpbook.costmodel.recommend import Recommendation, Workload, recommend
+from cpbook.costmodel.serve_flags import (
+    HF_REPOS,
+    layout_flags,
+    parse_serve_command,
+    serve_command,
+)
 from cpbook.costmodel.specs import (
     DEFAULT_ACTIVATION_RESERVE_BYTES,
     DEFAULT_GPU_MEMORY_UTILIZATION,
@@ -63,8 +85,31 @@ from cpbook.costmodel.specs import (
     get_model,
     link_of,
 )
+from cpbook.costmodel.vllm_rules import PLAN_KV_DTYPES, check_deployment, rule_probes
 
 __all__ = [
+    "Estimate",
+    "HF_REPOS",
+    "OBJECTIVES",
+    "PLAN_KV_DTYPES",
+    "Plan",
+    "SUPPORTED_MODEL_TYPES",
+    "ServingWorkload",
+    "WouldFit",
+    "brute_force",
+    "check_deployment",
+    "deployments",
+    "estimate",
+    "estimate_record",
+    "headline",
+    "layout_flags",
+    "objective_value",
+    "model_from_hf_config",
+    "pareto",
+    "parse_serve_command",
+    "plan",
+    "rule_probes",
+    "serve_command",
     "DEFAULT_MFU",
     "DecodeTime",
     "PrefillTime",

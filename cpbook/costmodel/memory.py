@@ -6,6 +6,7 @@ Every function raises ``ValueError`` for a configuration vLLM rejects (through
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from fractions import Fraction
@@ -202,8 +203,10 @@ class Layout:
         parts += [k for k, on in (("EP", self.ep), ("TPA", self.tpa)) if on]
         return "+".join(parts)
 
+    @functools.lru_cache(maxsize=4096)  # layouts and models are frozen dataclasses
     def config(self, model: ModelSpec) -> ParallelConfig:
-        """One replica's attention layout, validated by vLLM's rules (ValueError if invalid)."""
+        """One replica's attention layout, validated by vLLM's rules (ValueError if invalid;
+        a valid one is built once per layout and model, both immutable)."""
 
         if self.dp < 1:
             raise ValueError(f"[positive-sizes] requires dp >= 1; got dp={self.dp}")

@@ -74,6 +74,9 @@ class ModelSpec:
     q_lora_rank: int = 0  #: MLA: input width of ``q_b_proj``, the sharded query projection
     active_params: float = 0.0  #: MoE: parameters used per token (0: dense, all of them)
     expert_params: float = 0.0  #: MoE: parameters in routed experts (shardable by EP)
+    #: sparse MLA (DeepSeek-V3.2's DSA): KV tokens each query attends; 0 for dense attention.
+    #: vLLM tells sparse MLA by the ``index_topk`` field of ``config.json``.
+    index_topk: int = 0
 
     @property
     def attention_shape(self) -> dict[str, Any]:
@@ -84,6 +87,12 @@ class ModelSpec:
             head_dim=self.head_dim,
             use_mla=self.use_mla,
         )
+
+    @property
+    def sparse_mla(self) -> bool:
+        """Whether this is a sparse-MLA model (``index_topk`` set), the one kind whose attention
+        vLLM v0.33 runs under PCP x DCP."""
+        return self.use_mla and self.index_topk > 0
 
     @property
     def params_per_token(self) -> float:

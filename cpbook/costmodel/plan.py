@@ -1,0 +1,274 @@
+"""The deployment planner: which layout, and which ``vllm serve`` flags, for a workload.
+
+:func:`plan` prices every deployment vLLM v0.33.0 accepts for the model on at most ``num_gpus``
+GPUs (:mod:`cpbook.costmodel.plan_space`), drops those that cannot hold ``concurrency``
+requests of the workload's length or miss a target, ranks the rest by the objective and says
+why in one line per runner-up; where nothing fits it says what would
+(:mod:`cpbook.costmodel.plan_advice`).  Every number is the cost model's (modelled, with its
+parameters: prefill MFU, HBM efficiency, link α–β), so the planner improves when it does.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, replace
+
+from cpbook.costmodel.memory import Layout
+from cpbook.costmodel.plan_advice import WouldFit, fmt_s, why_lost, would_fit
+from cpbook.costmodel.plan_space import (
+    Estimate,
+    ServingWorkload,
+    estimate,
+    objective_value,
+    pareto,
+    rank_key,
+    search,
+)
+from cpbook.costmodel.serve_flags import serve_command
+from cpbook.costmodel.specs import GB, GPUSpec, ModelSpec, get_gpu, get_model
+from cpbook.costmodel.vllm_rules import check_deployment
+
+RUNNERS_UP = 4
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What :func:`plan` found.  ``ranked``: the deployments that serve the workload, best
+    first (``winner`` is the first, ``None`` if there is none); ``dropped``: the others with
+    their ``drop`` rule; ``rejected``: how many candidates each vLLM rule rejected;
+    ``frontier_ttft`` / ``frontier_tpot``: the Pareto frontiers of TTFT and TPOT against
+    output tokens/s per GPU; ``reasons``: the winner's case and one line per runner-up;
+    ``would_fit``: what would serve the workload when nothing does."""
+
+    model: ModelSpec
+    gpu: GPUSpec
+    num_gpus: int
+    workload: ServingWorkload
+    objective: str
+    ranked: tuple[Estimate, ...]
+    dropped: tuple[Estimate, ...]
+    rejected: dict[str, int]
+    frontier_ttft: tuple[Estimate, ...]
+    frontier_tpot: tuple[Estimate, ...]
+    reasons: tuple[str, ...]
+    would_fit: WouldFit | None
+
+    @property
+    def winner(self) -> Estimate | None:
+        return self.ranked[0] if self.ranked else None
+
+    def command(self, e: Estimate | None = None) -> str:
+        """The ``vllm serve`` line of ``e`` (default: the winner): its flags, the request length
+        as ``--max-model-len``, each replica's share of the concurrency as ``--max-num-seqs``."""
+        e = e or self.winner
+        if e is None:
+            why = self.would_fit.lines[0] if self.would_fit else "no deployment serves it"
+            raise ValueError(f"[plan-fits] requires a winning layout; {why}")
+        w = self.workload
+        return serve_command(
+            self.model,
+            e.layout,
+            e.kv_dtype,
+            max_model_len=w.request_tokens,
+            max_num_seqs=math.ceil(w.concurrency / e.layout.dp),
+            gpu_memory_utilization=w.gpu_memory_utilization,
+        )
+
+
+def _variant(model: ModelSpec, gpu: GPUSpec, e: Estimate, w: ServingWorkload, **sizes):
+    """``e``'s deployment with ``sizes`` changed, priced with times, or ``None`` if vLLM
+    rejects it."""
+    layout = replace(e.layout, **sizes)
+    try:
+        check_deployment(model, layout, e.kv_dtype, model_runner_v2=w.model_runner_v2)
+    except ValueError:
+        return None
+    return estimate(model, gpu, layout, e.kv_dtype, w)
+
+
+def headline(p: Plan) -> str:
+    """The plan in a few words: what context parallelism the winner uses and the one number
+    that decides it, or, when nothing fits, the rule and how many GPUs would."""
+    w, best = p.workload, p.winner
+    if best is None:
+        f = p.would_fit
+        if f is None:
+            return "nothing fits"
+        more = f"{f.num_gpus} GPUs would" if f.num_gpus else "no deployment would"
+        return f"nothing fits [{f.rule}]: {more}"
+    lay, parts = best.layout, []
+    if lay.dcp > 1:
+        plain = _variant(p.model, p.gpu, best, w, dcp=1, tpa=False)
+        if plain is not None and plain.capacity < w.concurrency:
+            parts.append(f"DCP{lay.dcp}: without it {plain.capacity:,} of {w.concurrency:,} fit")
+        elif plain is not None and objective_value(plain, p.objective) == objective_value(
+            best, p.objective
+        ):
+            parts.append(
+                f"DCP{lay.dcp}: TPOT {fmt_s(best.tpot_s)} vs {fmt_s(plain.tpot_s)} without it"
+            )
+        elif plain is not None:
+            parts.append(
+                f"DCP{lay.dcp}: {best.tokens_per_s_per_gpu:.2g} vs "
+                f"{plain.tokens_per_s_per_gpu:.2g} tok/s per GPU without it"
+            )
+    if lay.pcp > 1:
+        gpus = lay.tp * lay.pcp
+        parts.append(f"PCP{lay.pcp}: each prefill on {gpus} GPUs, TTFT {fmt_s(best.ttft_s)}")
+    if not parts:
+        spread = f"DP{lay.dp} replicas hold" if lay.dp > 1 else f"TP{lay.tp} holds"
+        parts.append(f"no CP: {spread} {best.capacity:,} of {w.concurrency:,} requests")
+    return "; ".join(parts)
+
+
+def _winner_reasons(p: Plan) -> list[str]:
+    """Why the winner: what it holds and its times, what CP buys over the same layout without
+    it, GPUs left idle, and the TTFT trade-off on the frontier."""
+    model, gpu, w, best = p.model, p.gpu, p.workload, p.winner
+    lay = best.layout
+    lines = [
+        f"{best.label} on {best.num_gpus} of {p.num_gpus} x {gpu.name}: holds {best.capacity:,} "
+        f"requests of {w.request_tokens:,} tokens ({w.concurrency:,} needed), weights "
+        f"{best.weight_bytes / GB:.1f} GB and KV room {best.kv_budget_bytes / GB:.1f} GB per GPU, "
+        f"TTFT {fmt_s(best.ttft_s)}, TPOT {fmt_s(best.tpot_s)}, "
+        f"{best.tokens_per_s_per_gpu:.3g} output tok/s per GPU (modelled)."
+    ]
+    if lay.dcp > 1:
+        plain = _variant(model, gpu, best, w, dcp=1, tpa=False)
+        if plain is not None and plain.capacity < w.concurrency:
+            lines.append(
+                f"DCP{lay.dcp}: without it {plain.label} holds {plain.capacity:,} such "
+                f"requests; DCP shards each request's KV over {lay.dcp} GPUs."
+            )
+        elif plain is not None:
+            lines.append(
+                f"DCP{lay.dcp}: {plain.label} without it reaches "
+                f"{plain.tokens_per_s_per_gpu:.3g} tok/s per GPU (TPOT {fmt_s(plain.tpot_s)})."
+            )
+    if lay.pcp > 1:
+        alone = _variant(model, gpu, best, w, pcp=1, dcp=1 if lay.dcp == lay.pcp else lay.dcp)
+        if alone is not None:
+            lines.append(
+                f"PCP{lay.pcp}: TTFT {fmt_s(best.ttft_s)} against {fmt_s(alone.ttft_s)} for "
+                f"{alone.label}; vLLM v0.33 runs PCP on Model Runner V2 (its default)."
+            )
+    if best.num_gpus < p.num_gpus:
+        full = [e for e in p.ranked if e.num_gpus == p.num_gpus]
+        tail = f"; the best on all {p.num_gpus}, {full[0].label}, " if full else "."
+        if full:
+            tail += f"reaches {full[0].tokens_per_s_per_gpu:.3g} tok/s per GPU."
+        lines.append(
+            f"Uses {best.num_gpus} of {p.num_gpus} GPUs: more replicas would split the same "
+            f"{w.concurrency:,} requests{tail}"
+        )
+    fastest = p.frontier_ttft[0] if p.frontier_ttft else None
+    if p.objective != "ttft" and fastest is not None and fastest.ttft_s < best.ttft_s:
+        lines.append(
+            f"Lowest TTFT: {fastest.label}, {fmt_s(fastest.ttft_s)} at "
+            f"{fastest.tokens_per_s_per_gpu:.3g} tok/s per GPU (set a TTFT target or "
+            f"objective='ttft' to prefer it)."
+        )
+    return lines
+
+
+def _times(e: Estimate) -> str:
+    return f", TTFT {fmt_s(e.ttft_s)}" if e.prefill else ""
+
+
+def _dropped_summary(p: Plan) -> list[str]:
+    counts = Counter(e.drop for e in p.dropped)
+    if not counts:
+        return []
+    parts = []
+    for rule, n in sorted(counts.items()):
+        same = [e for e in p.dropped if e.drop == rule]
+        if rule == "model-fits":
+            e = min(same, key=lambda e: e.weight_bytes)
+            parts.append(f"{n} by [{rule}] (e.g. {e.label}: weights {e.weight_bytes / GB:.0f} GB)")
+        else:
+            e = max(same, key=lambda e: (e.capacity, -e.ttft_s))
+            parts.append(f"{n} by [{rule}] (e.g. {e.label}: holds {e.capacity:,}{_times(e)})")
+    return ["Dropped: " + "; ".join(parts) + "."]
+
+
+def plan(
+    model: str | ModelSpec,
+    gpu: str | GPUSpec,
+    num_gpus: int,
+    workload: ServingWorkload,
+    *,
+    objective: str = "throughput",
+    advise: bool = True,
+) -> Plan:
+    """The best deployment of ``model`` on at most ``num_gpus`` GPUs of ``gpu`` for
+    ``workload`` by ``objective``: ``"throughput"`` (steady-state output tokens/s per GPU, see
+    :func:`~cpbook.costmodel.plan_space.estimate`), ``"ttft"`` or ``"tpot"``.
+
+    Guarantees: every ranked deployment passes vLLM's rules (``ParallelConfig`` and
+    :func:`~cpbook.costmodel.vllm_rules.check_deployment`), holds ``concurrency`` requests of
+    ``prompt_tokens + output_tokens`` tokens and meets the targets; the ranking equals
+    :func:`~cpbook.costmodel.plan_space.brute_force`'s; the best objective never worsens with
+    more GPUs or looser targets.  Raises ``ValueError`` for an unknown model, GPU or objective
+    or a bad GPU count.  ``advise=False`` leaves ``reasons`` and ``would_fit`` empty (for
+    callers that need only the ranking: the property tests, sweeps).
+    """
+    model, gpu = get_model(model), get_gpu(gpu)
+    key = rank_key(objective)
+    rows, rejected = search(model, gpu, num_gpus, workload)
+    ranked = tuple(sorted((e for e in rows if e.drop is None), key=key))
+    dropped = tuple(e for e in rows if e.drop is not None)
+    p = Plan(
+        model,
+        gpu,
+        num_gpus,
+        workload,
+        objective,
+        ranked,
+        dropped,
+        dict(rejected),
+        tuple(pareto(list(ranked), "ttft_s")),
+        tuple(pareto(list(ranked), "tpot_s")),
+        (),
+        None,
+    )
+    if not advise:
+        return p
+    if not ranked:
+        return replace(p, would_fit=would_fit(model, gpu, num_gpus, workload, objective))
+    reasons = _winner_reasons(p)
+    seen = {ranked[0].label}
+    for e in ranked[1:]:
+        if len(seen) > RUNNERS_UP:
+            break
+        if e.label not in seen:
+            seen.add(e.label)
+            reasons.append(why_lost(e, ranked[0], workload, objective))
+    return replace(p, reasons=tuple(reasons + _dropped_summary(p)))
+
+
+def estimate_record(e: Estimate, rank: int | None = None) -> dict[str, object]:
+    """One deployment as a JSON-ready row (sizes, memory in GB, times in seconds)."""
+    lay: Layout = e.layout
+    return {
+        "name": "layout",
+        "rank": rank,
+        "label": e.label,
+        "tp": lay.tp,
+        "dcp": lay.dcp,
+        "pcp": lay.pcp,
+        "dp": lay.dp,
+        "ep": lay.ep,
+        "dcp_q_replicate": lay.tpa,
+        "kv_cache_dtype": e.kv_dtype,
+        "gpus": lay.num_gpus,
+        "weights_gb_per_gpu": round(e.weight_bytes / GB, 3),
+        "kv_room_gb_per_gpu": round(e.kv_budget_bytes / GB, 3),
+        "kv_gb_per_request_per_gpu": round(e.kv_bytes_per_request / GB, 4),
+        "holds": e.capacity,
+        "ttft_s": round(e.ttft_s, 4) if e.prefill else None,
+        "tpot_s": round(e.tpot_s, 6) if e.decode else None,
+        "tokens_per_s_per_gpu": round(e.tokens_per_s_per_gpu, 3),
+        "decode_tokens_per_s_per_gpu": round(e.decode_tokens_per_s_per_gpu, 3),
+        "drop": e.drop,
+    }

@@ -1,0 +1,381 @@
+"""The deployment planner's search space, and one deployment's numbers.
+
+A *deployment* is a :class:`~cpbook.costmodel.memory.Layout` (DP x TP x PCP GPUs, DCP, EP,
+query replication) plus a KV cache dtype.  :func:`deployments` enumerates every one that uses at
+most ``num_gpus`` GPUs and that vLLM v0.33.0 serves for the model
+(:func:`~cpbook.costmodel.vllm_rules.check_deployment`); :func:`estimate` prices one with the cost
+model's own functions (memory, :func:`~cpbook.costmodel.latency.ttft`,
+:func:`~cpbook.costmodel.latency.tpot`, :func:`~cpbook.costmodel.latency.decode_throughput`);
+:func:`brute_force` ranks the unpruned product of every size, the reference
+:func:`cpbook.costmodel.plan.plan` must equal.
+
+A deployment may leave GPUs idle: at a fixed concurrency, more replicas only split the same
+batch, so the best use of 16 GPUs can be 8 of them.  Output tokens per second are counted per
+GPU *used*, which makes the best objective a non-decreasing function of ``num_gpus``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+
+from cpbook.core.config import ConfigError
+from cpbook.costmodel.latency import DecodeTime, PrefillTime, tpot, ttft
+from cpbook.costmodel.memory import (
+    Layout,
+    layout_kv_budget,
+    layout_kv_bytes_per_token,
+    layout_weight_bytes,
+    max_concurrency,
+)
+from cpbook.costmodel.specs import (
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    GPUSpec,
+    ModelSpec,
+    check_tokens,
+)
+from cpbook.costmodel.vllm_rules import check_deployment, check_kv_dtype
+
+OBJECTIVES = ("throughput", "ttft", "tpot")
+#: why an evaluated deployment is dropped, in the order they are tested
+DROP_RULES = ("model-fits", "holds-concurrency", "ttft-target", "tpot-target")
+
+
+@dataclass(frozen=True)
+class ServingWorkload:
+    """What a deployment must serve: ``concurrency`` requests in flight, each a prompt of
+    ``prompt_tokens`` tokens followed by ``output_tokens`` generated ones; optional targets on
+    time to first token and time per output token; the KV cache dtypes allowed (cpbook's
+    names, ``bf16`` and ``fp8``); vLLM's ``gpu_memory_utilization``; and whether Model Runner V2
+    (vLLM v0.33's default, the only one that runs PCP) is on."""
+
+    prompt_tokens: int
+    output_tokens: int = 1
+    concurrency: int = 1
+    ttft_target_s: float | None = None
+    tpot_target_s: float | None = None
+    kv_dtypes: tuple[str, ...] = ("bf16",)
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
+    model_runner_v2: bool = True
+
+    def __post_init__(self) -> None:
+        check_tokens("prompt_tokens", self.prompt_tokens, minimum=1)
+        check_tokens("output_tokens", self.output_tokens, minimum=1)
+        check_tokens("concurrency", self.concurrency, minimum=1)
+        for name in ("ttft_target_s", "tpot_target_s"):
+            v = getattr(self, name)
+            if v is not None and not v > 0:
+                raise ValueError(f"[positive-target] requires {name} > 0; got {name}={v!r}")
+        if not self.kv_dtypes or len(set(self.kv_dtypes)) != len(self.kv_dtypes):
+            raise ValueError(
+                f"[kv-dtype-choices] requires distinct KV dtypes, at least one; "
+                f"got kv_dtypes={self.kv_dtypes!r}"
+            )
+        for kv in self.kv_dtypes:
+            check_kv_dtype(kv)
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"[gpu-memory-utilization] requires 0 < gpu_memory_utilization <= 1; "
+                f"got gpu_memory_utilization={self.gpu_memory_utilization}"
+            )
+
+    @property
+    def request_tokens(self) -> int:
+        """Tokens one request caches by its last output token: what capacity and TPOT use."""
+        return self.prompt_tokens + self.output_tokens
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """One deployment priced by the cost model.  Memory per GPU: ``weight_bytes``, the KV
+    budget left (``kv_budget_bytes``, 0 when the weights do not fit) and one request's KV share
+    (``kv_bytes_per_request``, at ``request_tokens``).  ``capacity``: requests held at once on
+    all replicas; ``batch = min(concurrency, capacity)``, the batch the times are for.
+    ``prefill`` / ``decode``: TTFT of one prompt and the decode step of the last output token
+    (``None`` when not even one request fits, or when not timed); output tokens per second per
+    GPU in steady state and in decode alone (see :func:`estimate`).  ``drop``: the first of
+    :data:`DROP_RULES` it fails, or ``None`` if it serves the workload."""
+
+    layout: Layout
+    kv_dtype: str
+    weight_bytes: float
+    kv_budget_bytes: float
+    kv_bytes_per_request: float
+    capacity: int
+    batch: int
+    prefill: PrefillTime | None
+    decode: DecodeTime | None
+    tokens_per_s_per_gpu: float
+    decode_tokens_per_s_per_gpu: float
+    drop: str | None
+
+    @property
+    def num_gpus(self) -> int:
+        return self.layout.num_gpus
+
+    @property
+    def ttft_s(self) -> float:
+        return self.prefill.total_s if self.prefill else float("inf")
+
+    @property
+    def tpot_s(self) -> float:
+        return self.decode.total_s if self.decode else float("inf")
+
+    @property
+    def label(self) -> str:
+        """``"TP8+DCP8"`` with ``+QR`` for MLA's query replication and ``/fp8`` for FP8 KV."""
+        name = self.layout.label.replace("+TPA", "+QR")
+        return name + ("/fp8" if self.kv_dtype == "fp8" else "")
+
+    def key(self) -> tuple:
+        """A total order on deployments, fewest GPUs and smallest sizes first."""
+        lay = self.layout
+        return (lay.num_gpus, lay.tp, lay.pcp, lay.dcp, lay.dp, lay.ep, lay.tpa, self.kv_dtype)
+
+
+#: significant figures objectives are compared at: a closer call is below the cost model's
+#: resolution (its MFU, HBM efficiency and α are round assumptions), so the tie-breaks decide
+RESOLUTION_DIGITS = 2
+
+
+def objective_value(e: Estimate, objective: str) -> float:
+    """What ``objective`` ranks ``e`` by, lower is better: minus the output tokens/s per GPU,
+    TTFT or TPOT, rounded to :data:`RESOLUTION_DIGITS` significant figures."""
+    x = {
+        "throughput": -e.tokens_per_s_per_gpu,
+        "ttft": e.ttft_s,
+        "tpot": e.tpot_s,
+    }[objective]
+    return x if x == 0 or math.isinf(x) else float(f"{x:.{RESOLUTION_DIGITS}g}")
+
+
+def rank_key(objective: str) -> Callable[[Estimate], tuple]:
+    """Sort key, best first: :func:`objective_value`, then the other two metrics (TTFT before
+    TPOT for throughput: the user waits for the first token), the exact objective, and
+    :meth:`Estimate.key`; ValueError for an unknown objective."""
+    if objective not in OBJECTIVES:
+        raise ValueError(f"[plan-objective] requires objective in {OBJECTIVES}; got {objective!r}")
+    if objective == "throughput":
+        return lambda e: (
+            objective_value(e, objective),
+            e.ttft_s,
+            e.tpot_s,
+            -e.tokens_per_s_per_gpu,
+            e.key(),
+        )
+    if objective == "ttft":
+        return lambda e: (
+            objective_value(e, objective),
+            -e.tokens_per_s_per_gpu,
+            e.tpot_s,
+            e.ttft_s,
+            e.key(),
+        )
+    return lambda e: (
+        objective_value(e, objective),
+        -e.tokens_per_s_per_gpu,
+        e.ttft_s,
+        e.tpot_s,
+        e.key(),
+    )
+
+
+def check_num_gpus(num_gpus: object) -> None:
+    """Rule ``positive-gpus``: a GPU count is a positive ``int``."""
+    if isinstance(num_gpus, bool) or not isinstance(num_gpus, int) or num_gpus < 1:
+        raise ValueError(f"[positive-gpus] requires num_gpus >= 1; got num_gpus={num_gpus!r}")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def deployments(
+    model: ModelSpec, num_gpus: int, w: ServingWorkload, rejected: Counter | None = None
+) -> Iterator[tuple[Layout, str]]:
+    """Every ``(layout, kv_dtype)`` on at most ``num_gpus`` GPUs that vLLM serves for
+    ``model``.  DCP sizes tried: divisors of TP (PCP = 1), or ``{1, pcp, tp * pcp}`` (the only
+    ones ``ParallelConfig`` admits with PCP); EP for MoE models, query replication for MLA with
+    DCP.  Each replica shape goes through :func:`check_deployment` once (its rules do not read
+    DP), each EP layout again; ``rejected`` counts the candidates each rule rejects."""
+    eps = (False, True) if model.expert_params else (False,)
+    for tp, pcp in itertools.product(range(1, num_gpus + 1), repeat=2):
+        if tp * pcp > num_gpus:
+            continue
+        dps = range(1, num_gpus // (tp * pcp) + 1)
+        for dcp in _divisors(tp) if pcp == 1 else sorted({1, pcp, tp * pcp}):
+            for tpa in (False, True) if model.use_mla and dcp > 1 else (False,):
+                shape = Layout(tp=tp, dcp=dcp, pcp=pcp, tpa=tpa)
+                try:
+                    check_deployment(
+                        model, shape, w.kv_dtypes[0], model_runner_v2=w.model_runner_v2
+                    )
+                except ConfigError as e:
+                    if rejected is not None:
+                        rejected[e.rule] += len(dps) * len(eps) * len(w.kv_dtypes)
+                    continue
+                for dp, ep in itertools.product(dps, eps):
+                    layout = replace(shape, dp=dp, ep=ep)
+                    if ep:
+                        try:
+                            check_deployment(model, layout, w.kv_dtypes[0])
+                        except ConfigError as e:
+                            if rejected is not None:
+                                rejected[e.rule] += len(w.kv_dtypes)
+                            continue
+                    for kv in w.kv_dtypes:
+                        yield layout, kv
+
+
+Cache = dict[tuple, object]
+
+
+def _cached(cache: Cache | None, key: tuple, compute: Callable[[], object]) -> object:
+    if cache is None:
+        return compute()
+    if key not in cache:
+        cache[key] = compute()
+    return cache[key]
+
+
+def _budget(model: ModelSpec, gpu: GPUSpec, layout: Layout, w: ServingWorkload) -> float | None:
+    try:
+        return layout_kv_budget(model, gpu, layout, w.gpu_memory_utilization)
+    except ValueError:  # [model-fits]
+        return None
+
+
+def estimate(
+    model: ModelSpec,
+    gpu: GPUSpec,
+    layout: Layout,
+    kv_dtype: str,
+    w: ServingWorkload,
+    *,
+    time_dropped: bool = True,
+    cache: Cache | None = None,
+) -> Estimate:
+    """Price one deployment with the cost model's functions: ``layout_weight_bytes``,
+    ``layout_kv_budget``, ``layout_kv_bytes_per_token``, ``max_concurrency``, ``ttft`` of one
+    prompt and ``tpot`` of the last output token at ``batch``.
+
+    ``tokens_per_s_per_gpu`` is the steady state of continuous batching at that batch, the
+    inverse of the sum of :func:`gpu_seconds_per_token`; without its prefill term it is
+    ``decode_throughput``'s ``batch / TPOT / num_gpus`` (``decode_tokens_per_s_per_gpu``).
+    ``time_dropped=False`` skips the times of a deployment
+    already dropped (for the planner's speed); ``cache`` (one per model and GPU) keeps what
+    depends only on the arguments of the call it caches: the layout's weights, its KV budget
+    (and ``gpu_memory_utilization``), and ``ttft`` per prompt and replica (a replica's prefill
+    does not depend on DP or the KV dtype)."""
+    weights = _cached(cache, ("weights", layout), lambda: layout_weight_bytes(model, layout))
+    per_request = layout_kv_bytes_per_token(model, layout, kv_dtype) * w.request_tokens
+    budget = _cached(
+        cache, ("budget", layout, w.gpu_memory_utilization), lambda: _budget(model, gpu, layout, w)
+    )
+
+    def dropped(rule: str, capacity: int = 0, b: float = 0.0) -> Estimate:
+        return Estimate(
+            layout, kv_dtype, weights, b, per_request, capacity, 0, None, None, 0.0, 0.0, rule
+        )
+
+    if budget is None:
+        return dropped("model-fits")
+    mem = {"gpu_memory_utilization": w.gpu_memory_utilization}
+    capacity = max_concurrency(model, gpu, layout, w.request_tokens, kv_dtype, **mem)
+    batch = min(w.concurrency, capacity)
+    if batch == 0 or (capacity < w.concurrency and not time_dropped):
+        return dropped("holds-concurrency", capacity, budget)
+    shape = ("ttft", w.prompt_tokens, layout.tp, layout.pcp, layout.dcp, layout.ep, layout.tpa)
+    first = _cached(cache, shape, lambda: ttft(model, gpu, layout, w.prompt_tokens))
+    late = w.ttft_target_s is not None and first.total_s > w.ttft_target_s
+    step = None
+    if time_dropped or not late:
+        step = tpot(model, gpu, layout, w.request_tokens, batch, kv_dtype=kv_dtype)
+    drop = None
+    if capacity < w.concurrency:
+        drop = "holds-concurrency"
+    elif late:
+        drop = "ttft-target"
+    elif w.tpot_target_s is not None and step.total_s > w.tpot_target_s:
+        drop = "tpot-target"
+    e = Estimate(
+        layout, kv_dtype, weights, budget, per_request, capacity, batch, first, step, 0.0, 0.0, drop
+    )
+    if step is None:
+        return e
+    prefill, decode = gpu_seconds_per_token(e, w.output_tokens)
+    return replace(
+        e,
+        tokens_per_s_per_gpu=1 / (prefill + decode),
+        decode_tokens_per_s_per_gpu=batch / step.total_s / layout.num_gpus,
+    )
+
+
+def gpu_seconds_per_token(e: Estimate, output_tokens: int) -> tuple[float, float]:
+    """GPU-seconds one output token costs in steady state, ``(prefill, decode)``: the busiest
+    replica serves ``r = ceil(batch / dp)`` requests, each prefilled once (one TTFT) and decoded
+    ``output_tokens`` steps in the shared batch, so a cycle of ``r * TTFT + output_tokens *
+    TPOT`` yields ``batch * output_tokens`` tokens on ``num_gpus`` GPUs."""
+    r = math.ceil(e.batch / e.layout.dp)
+    per = e.num_gpus / (e.batch * output_tokens)
+    return r * e.ttft_s * per, output_tokens * e.tpot_s * per
+
+
+def search(
+    model: ModelSpec,
+    gpu: GPUSpec,
+    num_gpus: int,
+    w: ServingWorkload,
+    time_dropped: bool = False,
+    cache: Cache | None = None,
+) -> tuple[list[Estimate], Counter]:
+    """Every deployment of :func:`deployments`, priced (the times of dropped ones only with
+    ``time_dropped``); and how many candidates each rule rejected.  ``cache``: one to share
+    between searches of the same model and GPU (a fresh one by default)."""
+    check_num_gpus(num_gpus)
+    rejected: Counter = Counter()
+    cache = {} if cache is None else cache
+    rows = [
+        estimate(model, gpu, layout, kv, w, time_dropped=time_dropped, cache=cache)
+        for layout, kv in deployments(model, num_gpus, w, rejected)
+    ]
+    return rows, rejected
+
+
+def brute_force(
+    model: ModelSpec, gpu: GPUSpec, num_gpus: int, w: ServingWorkload, objective: str
+) -> list[Estimate]:
+    """The deployments that serve ``w``, best first, found without pruning: every
+    ``dp, tp, pcp, dcp`` in ``1..num_gpus`` with ``dp * tp * pcp <= num_gpus``, EP and query
+    replication on and off, every allowed KV dtype, each checked by :func:`check_deployment` and
+    priced by :func:`estimate` without a cache."""
+    check_num_gpus(num_gpus)
+    key = rank_key(objective)
+    sizes = range(1, num_gpus + 1)
+    found = []
+    for dp, tp, pcp, dcp in itertools.product(sizes, repeat=4):
+        if dp * tp * pcp > num_gpus:
+            continue
+        for ep, tpa, kv in itertools.product((False, True), (False, True), w.kv_dtypes):
+            layout = Layout(tp=tp, dcp=dcp, pcp=pcp, dp=dp, ep=ep, tpa=tpa)
+            try:
+                check_deployment(model, layout, kv, model_runner_v2=w.model_runner_v2)
+            except ConfigError:
+                continue
+            e = estimate(model, gpu, layout, kv, w)
+            if e.drop is None:
+                found.append(e)
+    return sorted(found, key=key)
+
+
+def pareto(rows: list[Estimate], time: str) -> list[Estimate]:
+    """The deployments no other beats on both ``time`` (``"ttft_s"`` or ``"tpot_s"``, lower is
+    better) and tokens/s per GPU (higher is better), fastest first."""
+    out: list[Estimate] = []
+    for e in sorted(rows, key=lambda e: (getattr(e, time), -e.tokens_per_s_per_gpu, e.key())):
+        if not out or e.tokens_per_s_per_gpu > out[-1].tokens_per_s_per_gpu:
+            out.append(e)
+    return out

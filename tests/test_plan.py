@@ -1,0 +1,463 @@
+"""Tests for the deployment planner: cpbook.costmodel.plan, plan_space, plan_advice, vllm_rules,
+serve_flags and ``python -m cpbook plan``.
+
+The properties of issue 19 (every ranked layout passes the rules and holds the concurrency;
+more GPUs never worsen the best objective; a tighter target never improves it; the printed
+flags parse back; ``plan`` equals a brute-force search), the four wrong answers of the old
+decision path as tests of the right ones, every vLLM v0.33 rule by name, and the CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cpbook import costmodel as cm
+from cpbook.__main__ import main, parse_seconds, parse_tokens
+from cpbook.core.config import ConfigError
+from cpbook.costmodel import Layout, ServingWorkload, plan
+from cpbook.costmodel.hf_config import model_from_hf_config
+from cpbook.costmodel.serve_flags import vllm_kv_cache_dtype
+
+from .test_hf_config import DSV32, GLM5
+
+K, M = 1024, 1024**2
+DSV3, L8B, L70B = (cm.MODELS[k] for k in ("DeepSeek-V3", "Llama-3.1-8B", "Llama-3.1-70B"))
+V32 = model_from_hf_config(DSV32, name="DeepSeek-V3.2-Exp")
+H200 = cm.GPUS["H200"]
+OBJ = ("throughput", "ttft", "tpot")
+
+
+def best_value(p, objective):
+    """The winner's objective as ranked (lower is better); +inf when nothing serves."""
+    return cm.objective_value(p.winner, objective) if p.winner else math.inf
+
+
+models = st.sampled_from(
+    [DSV3, L8B, L70B, V32, cm.MODELS["Qwen3-235B-A22B"], cm.MODELS["Qwen2.5-7B-1M"]]
+)
+workloads = st.builds(
+    ServingWorkload,
+    prompt_tokens=st.sampled_from([1 * K, 4 * K, 32 * K, 128 * K, 512 * K, M]),
+    output_tokens=st.sampled_from([1, 256, 1 * K]),
+    concurrency=st.sampled_from([1, 3, 16, 64, 512]),
+    ttft_target_s=st.sampled_from([None, 0.5, 5.0, 60.0]),
+    tpot_target_s=st.sampled_from([None, 0.01, 0.05]),
+    kv_dtypes=st.sampled_from([("bf16",), ("fp8",), ("bf16", "fp8")]),
+)
+gpus = st.sampled_from(["H200", "H100", "B200"])
+objectives = st.sampled_from(OBJ)
+
+
+# ------------------------------------------------------------------------------ properties
+
+
+@settings(max_examples=40, deadline=None)
+@given(model=models, gpu=gpus, n=st.integers(1, 8), w=workloads, objective=objectives)
+def test_ranked_layouts_pass_the_rules_and_hold_the_workload(model, gpu, n, w, objective):
+    p = plan(model, gpu, n, w, objective=objective, advise=False)
+    g = cm.get_gpu(gpu)
+    for e in p.ranked:
+        e.layout.config(model)  # ParallelConfig
+        cm.check_deployment(model, e.layout, e.kv_dtype)
+        assert e.num_gpus <= n and e.drop is None
+        cap = cm.max_concurrency(model, g, e.layout, w.request_tokens, e.kv_dtype)
+        assert e.capacity == cap >= w.concurrency and e.batch == w.concurrency
+        assert w.ttft_target_s is None or e.ttft_s <= w.ttft_target_s
+        assert w.tpot_target_s is None or e.tpot_s <= w.tpot_target_s
+    values = [cm.objective_value(e, objective) for e in p.ranked]
+    assert values == sorted(values)
+
+
+@settings(max_examples=25, deadline=None)
+@given(model=models, n=st.integers(1, 6), w=workloads, objective=objectives)
+def test_plan_equals_brute_force(model, n, w, objective):
+    """The pruned enumeration, with its caches, ranks exactly what the unpruned product of
+    every size in 1..n (each checked by the rules, priced without a cache) ranks."""
+    p = plan(model, H200, n, w, objective=objective, advise=False)
+    assert list(p.ranked) == cm.brute_force(model, H200, n, w, objective)
+
+
+@settings(max_examples=25, deadline=None)
+@given(model=models, gpu=gpus, n=st.integers(1, 8), extra=st.integers(1, 8), w=workloads,
+       objective=objectives)  # fmt: skip
+def test_more_gpus_never_worsen_the_best(model, gpu, n, extra, w, objective):
+    few = plan(model, gpu, n, w, objective=objective, advise=False)
+    more = plan(model, gpu, n + extra, w, objective=objective, advise=False)
+    assert best_value(more, objective) <= best_value(few, objective)
+
+
+@settings(max_examples=25, deadline=None)
+@given(model=models, n=st.integers(1, 8), w=workloads, objective=objectives,
+       tighter=st.floats(0.05, 1.0))  # fmt: skip
+def test_a_tighter_target_never_improves_the_best(model, n, w, objective, tighter):
+    loose = plan(model, H200, n, w, objective=objective, advise=False)
+    if loose.winner is None:
+        return
+    tight_w = ServingWorkload(
+        w.prompt_tokens,
+        w.output_tokens,
+        w.concurrency,
+        loose.winner.ttft_s * tighter,
+        (w.tpot_target_s or loose.winner.tpot_s) * tighter,
+        w.kv_dtypes,
+    )
+    tight = plan(model, H200, n, tight_w, objective=objective, advise=False)
+    assert best_value(tight, objective) >= best_value(loose, objective)
+    assert {e.layout for e in tight.ranked} <= {e.layout for e in loose.ranked}
+
+
+@settings(max_examples=30, deadline=None)
+@given(model=models, n=st.integers(1, 16), w=workloads)
+def test_printed_flags_parse_back_into_the_same_layout(model, n, w):
+    p = plan(model, H200, n, w, advise=False)
+    for e in p.ranked[:6]:
+        assert cm.parse_serve_command(p.command(e)) == (e.layout, e.kv_dtype)
+        short = "vllm serve m " + cm.layout_flags(model, e.layout, e.kv_dtype)
+        assert cm.parse_serve_command(short) == (e.layout, e.kv_dtype)
+
+
+def test_estimates_are_the_cost_models_numbers():
+    w = ServingWorkload(128 * K, 512, 16, kv_dtypes=("bf16", "fp8"))
+    p = plan(DSV3, H200, 8, w, advise=False)
+    assert p.ranked
+    for e in p.ranked:
+        kw = {"kv_dtype": e.kv_dtype}
+        assert e.weight_bytes == cm.layout_weight_bytes(DSV3, e.layout)
+        assert e.kv_budget_bytes == cm.layout_kv_budget(DSV3, H200, e.layout)
+        assert e.prefill == cm.ttft(DSV3, H200, e.layout, w.prompt_tokens)
+        assert e.decode == cm.tpot(DSV3, H200, e.layout, w.request_tokens, e.batch, **kw)
+        rate = cm.decode_throughput(DSV3, H200, e.layout, w.request_tokens, e.batch, **kw)
+        assert e.decode_tokens_per_s_per_gpu == rate
+        assert e.tokens_per_s_per_gpu < rate  # the prefill term costs something
+
+
+def test_pareto_frontiers():
+    w = ServingWorkload(32 * K, 1 * K, 16)
+    p = plan(DSV3, H200, 16, w)
+    for frontier, t in ((p.frontier_ttft, "ttft_s"), (p.frontier_tpot, "tpot_s")):
+        assert frontier and frontier[-1].tokens_per_s_per_gpu == p.winner.tokens_per_s_per_gpu
+        for f in frontier:  # nobody beats a frontier point on both
+            assert not any(
+                getattr(e, t) < getattr(f, t) and e.tokens_per_s_per_gpu > f.tokens_per_s_per_gpu
+                for e in p.ranked
+            )
+        for e in p.ranked:  # every other point is matched or beaten on both by one of them
+            assert any(
+                getattr(f, t) <= getattr(e, t) and f.tokens_per_s_per_gpu >= e.tokens_per_s_per_gpu
+                for f in frontier
+            )
+
+
+# ----------------------------------------------------------- the old decision path's errors
+
+
+def explorer(context, concurrency, **targets):
+    """Chapter 8's old explorer question: DeepSeek-V3 on 8 x H200, 1K output tokens."""
+    return plan(DSV3, H200, 8, ServingWorkload(context, 1 * K, concurrency, **targets))
+
+
+def test_128k_16_users_needs_capacity_not_one_request():
+    """Old answer: "TP8, 4 such requests at once ... no DCP needed ... add PCP", then no PCP.
+    Right: TP8 holds 4 of the 16 requests and is dropped; the winner holds all 16."""
+    p = explorer(128 * K, 16)
+    tp8 = next(e for e in p.dropped if e.layout == Layout(tp=8))
+    assert (tp8.drop, tp8.capacity) == ("holds-concurrency", 4)
+    assert p.winner.capacity >= 16 and p.winner.layout != Layout(tp=8)
+    best_tp8 = next(e for e in p.ranked if e.layout.tp == 8)  # the TTFT end of the frontier
+    assert best_tp8.layout.dcp == 8 and best_tp8.capacity == 33
+    # with the explorer's 10 s TTFT target nothing on 8 GPUs meets it, and PCP cannot help:
+    # TP8 (the smallest TP whose weights fit without EP) already uses all 8 GPUs
+    t = explorer(128 * K, 16, ttft_target_s=10)
+    assert t.winner is None and t.would_fit.rule == "ttft-target"
+    assert t.would_fit.num_gpus == 16 and t.would_fit.gpus_layout.ttft_s <= 10
+    assert t.would_fit.ttft_target_s == pytest.approx(best_tp8.ttft_s)
+    assert plan(DSV3, H200, 16, t.workload, advise=False).winner is not None
+
+
+def test_1m_one_user_pcp_is_impossible_on_8_gpus():
+    """Old answer: "add PCP" with the layout unchanged and TTFT 860 s.  Right: DCP is needed
+    (TP8 alone holds no 1M request), no layout with PCP holds one on 8 GPUs, so the winner is
+    TP8 + DCP8 at TP8's TTFT; a TTFT target needs more GPUs."""
+    p = explorer(M, 1)
+    win = p.winner.layout
+    assert (win.tp, win.dcp, win.pcp) == (8, 8, 1)
+    assert p.winner.ttft_s == cm.ttft(DSV3, H200, Layout(tp=8), M).total_s
+    assert not any(e.layout.pcp > 1 for e in p.ranked)
+    pcp_rows = [e for e in p.dropped if e.layout.pcp > 1]
+    assert pcp_rows and all(e.capacity == 0 for e in pcp_rows)
+    assert any("without it TP8 holds 0" in r for r in p.reasons)
+    t = explorer(M, 1, ttft_target_s=600)
+    assert t.winner is None and t.would_fit.num_gpus > 8
+
+
+def test_1m_16_users_says_what_would_fit():
+    """Old answer: "add PCP", layout unchanged.  Right: nothing on 8 GPUs holds 16 requests of
+    1M tokens; the planner says how many GPUs would, and what fits on these 8."""
+    p = explorer(M, 16)
+    f = p.winner, p.would_fit
+    assert f[0] is None and f[1].rule == "holds-concurrency"
+    most = max(e.capacity for e in p.dropped)
+    assert f[1].concurrency == most == 4
+    assert plan(DSV3, H200, f[1].num_gpus, p.workload, advise=False).winner is not None
+    assert plan(DSV3, H200, f[1].num_gpus - 1, p.workload, advise=False).winner is None
+    short = ServingWorkload(f[1].prompt_tokens, 1 * K, 16)
+    assert plan(DSV3, H200, 8, short, advise=False).winner is not None
+    longer = ServingWorkload(f[1].prompt_tokens + 1, 1 * K, 16)
+    assert plan(DSV3, H200, 8, longer, advise=False).winner is None
+
+
+def test_1m_512_users_is_not_keep_the_layout():
+    """Old answer: "keep the layout", which holds one request.  Right: no layout of 8 GPUs
+    holds 512; the fewest GPUs that would, and the 4 requests these 8 hold."""
+    p = explorer(M, 512)
+    assert p.winner is None and p.would_fit.concurrency == 4
+    e = p.would_fit.gpus_layout
+    assert e.drop is None and e.capacity >= 512 and e.num_gpus == p.would_fit.num_gpus > 8
+    cm.check_deployment(DSV3, e.layout, e.kv_dtype)
+    assert any(f"{p.would_fit.num_gpus} GPUs would" in line for line in p.would_fit.lines)
+
+
+def test_4k_512_users_says_what_it_shows():
+    """Old answer: "pure DP" beside a TP8 layout.  Right: pure DP (TP1, no EP) cannot hold
+    DeepSeek-V3's weights; the winner holds the 512 requests and its reasons and flags name the
+    same layout."""
+    p = explorer(4 * K, 512)
+    pure = next(e for e in p.dropped if e.layout == Layout(dp=8))
+    assert pure.drop == "model-fits"
+    assert p.winner.capacity >= 512
+    assert cm.parse_serve_command(p.command()) == (p.winner.layout, p.winner.kv_dtype)
+    assert p.reasons[0].startswith(p.winner.label + " ")
+
+
+def test_llama_8b_128k_ttft_3s_ranks_tp8_first():
+    """The peer's answer: TP8 first (recommend picked TP1 + PCP8, which vLLM v0.33 does not
+    run for GQA: PCP is MLA-only)."""
+    p = plan(L8B, H200, 8, ServingWorkload(128 * K, 1 * K, 1, ttft_target_s=3))
+    assert p.winner.layout == Layout(tp=8) and p.winner.ttft_s <= 3
+    with pytest.raises(ConfigError, match=r"\[pcp-mla-only\]"):
+        cm.check_deployment(L8B, Layout(tp=1, pcp=8))
+
+
+# ------------------------------------------------------------------------ vLLM v0.33 rules
+
+
+@pytest.mark.parametrize(
+    "model, layout, kv, rule",
+    [
+        (L8B, Layout(tp=1, pcp=2), "bf16", "pcp-mla-only"),
+        (DSV3, Layout(tp=4, pcp=2, dcp=2), "bf16", "pcp-dcp-sparse-mla-only"),
+        (V32, Layout(tp=4, pcp=2, dcp=2, tpa=True), "bf16", "dcp-q-replicate-needs-pcp-1"),
+        (L70B, Layout(tp=16, dcp=2, tpa=True), "bf16", "tpa-gqa-unreleased"),
+        (L8B, Layout(tp=2, ep=True), "bf16", "ep-needs-moe"),
+        (DSV3, Layout(tp=1, ep=True), "bf16", "ep-needs-several-gpus"),
+        (DSV3, Layout(tp=8), "fp16", "kv-cache-dtype"),
+        (DSV3, Layout(tp=8, dcp=3), "bf16", "tp-divisible-by-dcp"),
+        (DSV3, Layout(tp=6), "bf16", "heads-divisible-by-tp"),
+        (L8B, Layout(tp=8, dcp=2), "bf16", "gqa-dcp-needs-replicated-kv"),
+        (L70B, Layout(tp=16, dcp=4), "bf16", "gqa-dcp-within-replicas"),
+        (V32, Layout(tp=4, pcp=2, dcp=4), "bf16", "pcp-dcp-combination"),
+    ],
+)
+def test_every_rule_is_a_named_config_error(model, layout, kv, rule):
+    with pytest.raises(ConfigError) as err:
+        cm.check_deployment(model, layout, kv)
+    assert err.value.rule == rule and f"[{rule}] requires" in str(err.value)
+
+
+def test_rules_admit_what_vllm_runs():
+    for model, layout in [
+        (V32, Layout(tp=4, pcp=2, dcp=2)),  # sparse MLA: PCP x DCP spanning PCP
+        (V32, Layout(tp=4, pcp=2, dcp=8)),  # ... or the whole TP x PCP block
+        (DSV3, Layout(tp=4, pcp=2)),  # dense MLA: PCP without DCP
+        (DSV3, Layout(tp=8, dcp=8, tpa=True)),  # query replication
+        (L70B, Layout(tp=16, dcp=2)),  # GQA: DCP within the KV-head copies
+        (DSV3, Layout(tp=1, dp=8, ep=True)),
+    ]:
+        cm.check_deployment(model, layout)
+    with pytest.raises(ConfigError, match=r"\[pcp-needs-model-runner-v2\]"):
+        cm.check_deployment(DSV3, Layout(tp=4, pcp=2), model_runner_v2=False)
+
+
+def test_planner_counts_rejections_by_rule():
+    p = plan(V32, H200, 16, ServingWorkload(128 * K, 1 * K, 16), advise=False)
+    assert set(p.rejected) <= {
+        "heads-divisible-by-tp",
+        "ep-needs-several-gpus",
+        "dcp-q-replicate-needs-pcp-1",
+    }
+    d = plan(DSV3, H200, 16, ServingWorkload(128 * K, 1 * K, 16), advise=False)
+    assert d.rejected["pcp-dcp-sparse-mla-only"] > 0
+    g = plan(L70B, H200, 16, ServingWorkload(128 * K, 1 * K, 16), advise=False)
+    assert g.rejected["pcp-mla-only"] > 0 and g.rejected["gqa-dcp-needs-replicated-kv"] > 0
+    assert any(e.layout.pcp > 1 and e.layout.dcp > 1 for e in p.ranked + p.dropped)
+
+
+# ------------------------------------------------------------------------------ serve flags
+
+
+def test_serve_command_flags():
+    w = ServingWorkload(M, 1 * K, 1)
+    p = plan(DSV3, H200, 8, w)
+    cmd = p.command()
+    assert cmd.startswith("vllm serve deepseek-ai/DeepSeek-V3 --tensor-parallel-size 8 ")
+    for flag in ("--decode-context-parallel-size 8", "--dcp-comm-backend ag_rs",
+                 "--cp-kv-cache-interleave-size 1", "--max-model-len 1049600",
+                 "--gpu-memory-utilization 0.9"):  # fmt: skip
+        assert flag in cmd
+    assert ("--dcp-q-replicate" in cmd.split()) == p.winner.layout.tpa
+    short = "vllm serve x -tp 4 -dcp 2 -pcp 2 -dp 2 -ep --kv-cache-dtype fp8_ds_mla"
+    assert cm.parse_serve_command(short) == (Layout(tp=4, dcp=2, pcp=2, dp=2, ep=True), "fp8")
+    with pytest.raises(ValueError, match=r"\[serve-command\]"):
+        cm.parse_serve_command("vllm serve x --pipeline-parallel-size 2")
+    with pytest.raises(ValueError, match=r"\[serve-command\]"):
+        cm.parse_serve_command("vllm serve x --kv-cache-dtype int3")
+    assert vllm_kv_cache_dtype(V32, "fp8") == "fp8_ds_mla"
+    assert vllm_kv_cache_dtype(V32, "bf16") == "bfloat16"  # V3.2's auto means FP8
+    assert (vllm_kv_cache_dtype(DSV3, "fp8"), vllm_kv_cache_dtype(DSV3, "bf16")) == ("fp8", "auto")
+
+
+# -------------------------------------------------------------------------- reasons, errors
+
+
+def test_reasons_name_the_runners_up():
+    p = plan(DSV3, H200, 8, ServingWorkload(4 * K, 1 * K, 512))
+    labels = [e.label for e in p.ranked]
+    ups = [r for r in p.reasons if r.split(":")[0] in labels[1:]]
+    assert 1 <= len(ups) <= 4
+    assert all("less" in r or "ties" in r for r in ups)
+    assert p.reasons[-1].startswith("Dropped: ")
+
+
+def test_headlines():
+    assert cm.headline(explorer(M, 1)) == "DCP8: without it 0 of 1 fit"
+    assert cm.headline(explorer(M, 16)).startswith("nothing fits [holds-concurrency]: ")
+    p = plan(L8B, H200, 8, ServingWorkload(4 * K, 256, 16))
+    assert cm.headline(p).startswith(f"no CP: TP{p.winner.layout.tp} holds ")
+    sparse = plan(V32, H200, 8, ServingWorkload(M, 1 * K, 1))
+    assert sparse.winner.layout.pcp > 1 and "PCP" in cm.headline(sparse)
+
+
+def test_idle_gpus_are_said():
+    p = plan(L8B, H200, 8, ServingWorkload(4 * K, 256, 16))
+    assert p.winner.num_gpus < 8
+    assert any(r.startswith(f"Uses {p.winner.num_gpus} of 8 GPUs") for r in p.reasons)
+
+
+def test_fp8_kv_suggestion():
+    """Six 1M-token requests: TP8 + DCP8 holds 4 with a 16-bit cache; FP8 KV would hold them."""
+    p = plan(DSV3, H200, 8, ServingWorkload(M, 1 * K, 6))
+    assert p.winner is None and p.would_fit.concurrency == 4
+    fp8 = p.would_fit.fp8_kv
+    assert fp8.kv_dtype == "fp8" and fp8.capacity >= 6
+    assert any(line.startswith("FP8 KV (--kv-cache-dtype fp8) would") for line in p.would_fit.lines)
+
+
+@pytest.mark.parametrize(
+    "call, pattern",
+    [
+        (lambda: plan("Nope", "H200", 8, ServingWorkload(1)), r"\[known-model\]"),
+        (lambda: plan(DSV3, "TPU", 8, ServingWorkload(1)), r"\[known-gpu\]"),
+        (lambda: plan(DSV3, H200, 0, ServingWorkload(1)), r"\[positive-gpus\]"),
+        (lambda: plan(DSV3, H200, 8, ServingWorkload(1), objective="x"), r"\[plan-objective\]"),
+        (lambda: ServingWorkload(0), r"\[positive-tokens\].*prompt_tokens=0"),
+        (lambda: ServingWorkload(1, concurrency=0), r"\[positive-tokens\].*concurrency=0"),
+        (lambda: ServingWorkload(1, ttft_target_s=0), r"\[positive-target\]"),
+        (lambda: ServingWorkload(1, kv_dtypes=()), r"\[kv-dtype-choices\]"),
+        (lambda: ServingWorkload(1, kv_dtypes=("int4",)), r"\[kv-cache-dtype\]"),
+        (lambda: ServingWorkload(1, gpu_memory_utilization=1.5), r"\[gpu-memory-utilization\]"),
+    ],
+)
+def test_bad_input_names_the_rule(call, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        call()
+
+
+# ---------------------------------------------------------------------------------------- CLI
+
+
+def test_cli_prints_the_command_table_and_reasons(capsys):
+    argv = ["plan", "--model", "DeepSeek-V3", "--gpu", "H200", "--gpus", "8"]
+    argv += ["--context", "128K", "--output", "1K", "--concurrency", "16"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out.splitlines()
+    p = plan(DSV3, H200, 8, ServingWorkload(128 * K, 1 * K, 16))
+    assert out[0] == p.command()
+    assert cm.parse_serve_command(out[0]) == (p.winner.layout, p.winner.kv_dtype)
+    assert any(line.split()[:2] == ["1", p.winner.label] for line in out)
+    assert "Why:" in out and f"  - {p.reasons[0]}" in out
+
+
+def test_cli_json(capsys):
+    argv = ["plan", "--model", "Llama-3.1-70B", "--gpus", "8", "--context", "32K"]
+    argv += ["--concurrency", "64", "--tpot", "50ms", "--json"]
+    assert main(argv) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    summary = rows[-1]
+    assert summary["name"] == "plan" and all(r["name"] == "layout" for r in rows[:-1])
+    ranked = [r for r in rows[:-1] if r["rank"] is not None]
+    assert len(ranked) == summary["serving"] and len(rows) - 1 - len(ranked) == summary["dropped"]
+    assert ranked[0]["label"] == summary["winner"] and summary["tpot_target_s"] == 0.05
+    assert all(r["tpot_s"] <= 0.05 for r in ranked)
+    layout, kv = cm.parse_serve_command(summary["command"])
+    assert (layout.tp, layout.dcp, layout.pcp, layout.dp) == tuple(
+        ranked[0][k] for k in ("tp", "dcp", "pcp", "dp")
+    )
+
+
+def test_cli_hf_config(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(GLM5))
+    argv = ["plan", "--hf-config", str(tmp_path), "--model", "zai-org/GLM-5", "--gpus", "16"]
+    argv += ["--context", "128K", "--concurrency", "8", "--kv-cache-dtype", "fp8"]
+    assert main(argv) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("vllm serve zai-org/GLM-5 ") and "fp8_ds_mla" in first
+
+
+@pytest.mark.parametrize(
+    "extra, rule",
+    [
+        (["--model", "Nope"], "known-model"),
+        (["--model", "DeepSeek-V3", "--gpu", "TPU"], "known-gpu"),
+        (["--model", "DeepSeek-V3", "--context", "0"], "positive-tokens"),
+        (["--model", "DeepSeek-V3", "--context", "12Q"], "token-count"),
+        (["--model", "DeepSeek-V3", "--ttft", "fast"], "duration"),
+        (["--model", "DeepSeek-V3", "--ttft", "1ms"], "ttft-target"),
+        (["--model", "DeepSeek-V3", "--gpus", "0"], "positive-gpus"),
+        (["--gpus", "8"], "plan-model"),
+        (["--hf-config", "/nonexistent/config.json"], "FileNotFoundError"),
+    ],
+)
+def test_cli_bad_input_is_one_line_exit_2(capsys, extra, rule):
+    assert main(["plan", *extra]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("cpbook: error: ") and rule in err[0]
+
+
+def test_size_and_time_parsing():
+    assert [parse_tokens("--context", t) for t in ("1M", "128K", "4096", "1.5k")] == [
+        M,
+        128 * K,
+        4096,
+        1536,
+    ]
+    assert [parse_seconds("--ttft", t) for t in ("10s", "50ms", "2", None)] == [10, 0.05, 2, None]
+    with pytest.raises(ValueError, match=r"\[token-count\]"):
+        parse_tokens("--context", "0.3K")
+
+
+def test_rule_probes_and_flowchart():
+    from cpbook.viz.plan import decision_flowchart
+
+    families = {"GQA": L70B, "MLA": DSV3, "sparse MLA": V32}
+    probes = {k: cm.rule_probes(m) for k, m in families.items()}
+    assert probes["GQA"]["PCP 2"] == "pcp-mla-only"
+    assert probes["MLA"]["PCP 2 x DCP 2"] == "pcp-dcp-sparse-mla-only"
+    assert not any(probes["sparse MLA"].values())
+    fig = decision_flowchart(families)
+    texts = {t.get_text() for ax in fig.axes for t in ax.texts}
+    assert "serves" in texts and any("pcp-mla-" in t for t in texts)
+    assert sum("dropped [" in t for t in texts) == len(cm.plan_space.DROP_RULES)
