@@ -216,7 +216,7 @@ def merge_attn_states(
         )
     lse = _clean(lses[0]).clone()
     out = outs[0].to(lse.dtype, copy=True)
-    out[torch.isneginf(lse)] = 0  # an empty first part must not leak its (ignored) values
+    out.masked_fill_(torch.isneginf(lse)[..., None], 0)  # an empty first part leaks nothing
     for o, l in zip(outs[1:], lses[1:]):
         merge_attn_states_(out, lse, o, l)
     return out.to(outs[0].dtype), lse
@@ -236,8 +236,8 @@ def rope(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> tor
             f"got x{tuple(x.shape)}, positions{tuple(positions.shape)}"
         )
     half = d // 2
-    inv = base ** (-torch.arange(half, dtype=torch.float64) / half)
-    ang = positions.to(torch.float64)[:, None, None] * inv
+    inv = base ** (-torch.arange(half, dtype=torch.float64, device=x.device) / half)
+    ang = positions.to(x.device, torch.float64)[:, None, None] * inv
     cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)

@@ -172,7 +172,7 @@ class Group(ABC):
         Returns the concatenation (padding dropped) and every rank's size.  Two traced calls.
         """
         n = torch.tensor([t.shape[dim]], dtype=torch.int64, device=t.device)
-        sizes = [int(s) for s in self.all_gather(n)]
+        sizes = self.all_gather(n).tolist()  # one host read: the sizes set the padding
         pad = max(sizes) - t.shape[dim]
         if pad:
             shape = list(t.shape)
