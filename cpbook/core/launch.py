@@ -35,7 +35,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from cpbook.core.backends import SimWorld
-from cpbook.core.comm import DEFAULT_TIMEOUT_S, CommAborted, Trace
+from cpbook.core.comm import DEFAULT_TIMEOUT_S, CommAborted, Trace, process_group_timeout_s
 from cpbook.core.context import RankContext
 
 __all__ = ["run", "RankResults", "pick_backend", "format_report"]
@@ -324,7 +324,7 @@ def worker_context(dist_backend: str, timeout: float) -> RankContext:
         torch.cuda.set_device(device)
     dist.init_process_group(
         dist_backend,
-        timeout=datetime.timedelta(seconds=timeout),
+        timeout=datetime.timedelta(seconds=process_group_timeout_s(timeout)),
         **({"device_id": device} if dist_backend == "nccl" else {}),
     )
     return RankContext(rank, world, dist_backend, device, timeout)
