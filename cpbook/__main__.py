@@ -83,6 +83,12 @@ def _parser() -> argparse.ArgumentParser:
         help="chunked-prefill strategy (auto: the chapter 5 selector)",
     )
     s.add_argument("--backend", choices=["inline", "torchrun"], default="inline")
+    s.add_argument(
+        "--dist-backend",
+        choices=["gloo", "nccl"],
+        default=None,
+        help="torchrun's dist backend (default: NCCL when every rank has a GPU)",
+    )
     s.add_argument("--json", action="store_true", help="JSON lines: requests, then a summary")
     s.add_argument(
         "--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds per collective"
@@ -147,7 +153,7 @@ def _serve(a: argparse.Namespace) -> int:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # we are a torchrun worker
         check_grid_world(world, int(os.environ["WORLD_SIZE"]))
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        ctx = worker_context(pick_backend(world, local), a.timeout)
+        ctx = worker_context(a.dist_backend or pick_backend(world, local), a.timeout)
         res = serve_timing(ctx, **kwargs)
         if ctx.rank == 0:
             print("\n".join(_serve_lines(res, a.json)))
@@ -155,7 +161,15 @@ def _serve(a: argparse.Namespace) -> int:
 
         dist.destroy_process_group()
         return 0
-    res = run(serve_timing, world, a.backend, kwargs, timeout=a.timeout, report=False)[0]
+    res = run(
+        serve_timing,
+        world,
+        a.backend,
+        kwargs,
+        timeout=a.timeout,
+        dist_backend=a.dist_backend,
+        report=False,
+    )[0]
     print("\n".join(_serve_lines(res, a.json)))
     return 0
 
