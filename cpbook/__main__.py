@@ -2,7 +2,8 @@
 
 ``python -m cpbook serve --model tiny-gqa --tp T --dcp D --pcp P [--json]`` serves generated
 prompts with the chapter 9 engine on ``T·P`` ranks (inline, or ``--backend torchrun``, or
-started by ``torchrun --nproc-per-node T·P -m cpbook serve ...``).
+started by ``torchrun --nproc-per-node T·P -m cpbook serve ...``).  ``--device cuda:0`` puts
+simulated ranks on one GPU; under torchrun each rank's device follows its dist backend.
 
 Under torchrun (``torchrun --nproc-per-node N -m cpbook demo NAME``) the processes torchrun
 started run the demo directly; rank 0 prints the deterministic report.  Errors print one line,
@@ -50,6 +51,7 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--world-size", type=int, default=4)
     d.add_argument("--backend", choices=["inline", "torchrun"], default="inline")
     d.add_argument("--dist-backend", choices=["gloo", "nccl"], default=None)
+    d.add_argument("--device", default="cpu", help="simulated ranks' device (cuda:0: one GPU)")
     d.add_argument(
         "--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds per collective"
     )
@@ -89,6 +91,7 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="torchrun's dist backend (default: NCCL when every rank has a GPU)",
     )
+    s.add_argument("--device", default="cpu", help="simulated ranks' device (cuda:0: one GPU)")
     s.add_argument("--json", action="store_true", help="JSON lines: requests, then a summary")
     s.add_argument(
         "--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds per collective"
@@ -169,6 +172,7 @@ def _serve(a: argparse.Namespace) -> int:
         timeout=a.timeout,
         dist_backend=a.dist_backend,
         report=False,
+        device=a.device,
     )[0]
     print("\n".join(_serve_lines(res, a.json)))
     return 0
@@ -217,7 +221,15 @@ def _demo(a: argparse.Namespace, p: argparse.ArgumentParser) -> int:
         return 0
     if a.world_size < 1:
         raise ValueError(f"[world-size] requires --world-size >= 1; got {a.world_size}")
-    run(fn, a.world_size, a.backend, kwargs, timeout=a.timeout, dist_backend=a.dist_backend)
+    run(
+        fn,
+        a.world_size,
+        a.backend,
+        kwargs,
+        timeout=a.timeout,
+        dist_backend=a.dist_backend,
+        device=a.device,
+    )
     return 0
 
 

@@ -5,7 +5,7 @@ import time
 import pytest
 import torch
 
-from cpbook.core.comm import CommRecord, Trace
+from cpbook.core.comm import CommRecord, Trace, process_group_timeout_s
 from cpbook.core.launch import run
 from tests.rank_fns import every_collective, reordered_collectives, skip_collective
 
@@ -108,9 +108,12 @@ def test_inline_timeout_raises_instead_of_hanging():
 @pytest.mark.torchrun
 def test_torchrun_timeout_raises_instead_of_hanging():
     t0 = time.monotonic()
-    with pytest.raises(RuntimeError, match="rank 0 of 2 failed"):
+    with pytest.raises(
+        RuntimeError, match=r"(?s)rank 0 of 2 failed.*CommTimeout.*timeout 3 s\) at global rank 0"
+    ):
         run(skip_collective, 2, backend="torchrun", timeout=3.0, dist_backend="gloo", report=False)
     assert time.monotonic() - t0 < 60
+    assert process_group_timeout_s(3.0) >= 2 * 3.0  # the process group gives up later
 
 
 def test_shape_rules_are_value_errors():
