@@ -152,7 +152,7 @@ class TaggedDevice(TorchFunctionMode):
         super().__init__()
         self.log = log
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: C901 - one table
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", str(func))
         owner = getattr(func, "__self__", None)  # a property getter: its descriptor
