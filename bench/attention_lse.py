@@ -3,7 +3,8 @@
 ``python bench/attention_lse.py --json`` prints one JSON object per line:
 ``{"name": "attention_lse", "case": ..., "ms": ..., "sdpa_ms": ..., "ratio_vs_sdpa": ...}``.
 Target: ratio_vs_sdpa <= 1.10 for both cases (the LSE costs nothing extra: the CPU flash kernel
-computes it anyway; plain SDPA just drops it).  Times are medians of interleaved repeats.
+computes it anyway; plain SDPA just drops it).  Times are medians of interleaved repeats;
+``--device cuda:0`` times the GPU kernels (each call bracketed by ``torch.cuda.synchronize``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from cpbook.core.attention import attention_with_lse
+from cpbook.timing import device_name, synchronize
 
 CASES = {
     # name: (q tokens, k tokens, heads, head_dim, causal)
@@ -25,18 +27,23 @@ CASES = {
 }
 
 
-def bench_case(tq: int, tk: int, heads: int, dim: int, causal: bool, repeats: int) -> dict:
+def bench_case(
+    tq: int, tk: int, heads: int, dim: int, causal: bool, repeats: int, device: str = "cpu"
+) -> dict:
     g = torch.Generator().manual_seed(0)
-    q = torch.randn(tq, heads, dim, generator=g)
-    k = torch.randn(tk, heads, dim, generator=g)
-    v = torch.randn(tk, heads, dim, generator=g)
+    q = torch.randn(tq, heads, dim, generator=g).to(device)
+    k = torch.randn(tk, heads, dim, generator=g).to(device)
+    v = torch.randn(tk, heads, dim, generator=g).to(device)
     q4, k4, v4 = (x.transpose(0, 1)[None] for x in (q, k, v))  # the same memory, SDPA's layout
     ours, sdpa = [], []
     for i in range(repeats + 2):
+        synchronize(device)  # on a GPU the kernels, not their launch, are timed
         t0 = time.perf_counter()
         out, _ = attention_with_lse(q, k, v, causal=causal)
+        synchronize(device)
         t1 = time.perf_counter()
         ref = F.scaled_dot_product_attention(q4, k4, v4, is_causal=causal)
+        synchronize(device)
         t2 = time.perf_counter()
         if i >= 2:  # warm-up
             ours.append(t1 - t0)
@@ -56,6 +63,7 @@ def main() -> None:
     p.add_argument("--json", action="store_true", help="print JSON lines (the only output format)")
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", default="cpu", help="cpu, or cuda:0 for a GPU")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     for case, shape in CASES.items():
@@ -69,7 +77,8 @@ def main() -> None:
             "head_dim": d,
             "dtype": "float32",
             "threads": a.threads,
-            **bench_case(*shape, repeats=a.repeats),
+            "device": device_name(a.device),
+            **bench_case(*shape, repeats=a.repeats, device=a.device),
         }
         print(json.dumps(row), flush=True)
 

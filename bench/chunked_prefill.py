@@ -4,6 +4,7 @@
     python bench/chunked_prefill.py --json --contexts 0,4096 --chunks 256 --no-ring  # quick look
     python bench/chunked_prefill.py --json --calibrate   # fit the selector's link model
     python bench/chunked_prefill.py --store              # refresh cpbook/data/chunked_prefill.jsonl
+    python bench/chunked_prefill.py --json --dist-backend nccl   # on 2 GPUs (not stored)
 
 Grid rows: one request, ``context`` cached tokens DCP-interleaved over ``dcp = 2`` ranks and a
 chunk of ``chunk`` new tokens split zigzag over ``pcp = 2`` (``tp = 1``: both ranks share one
@@ -62,10 +63,18 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="also write the run's JSON lines to cpbook/data/chunked_prefill.jsonl",
     )
+    p.add_argument(
+        "--dist-backend",
+        choices=("gloo", "nccl"),
+        default="gloo",
+        help="gloo: CPU tensors (the stored runs); nccl: one GPU per rank",
+    )
     p.add_argument("--worker", choices=("grid", "ring", "calibrate"), help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.store and a.calibrate:
         p.error("--store writes the grid and ring rows the package reads; not with --calibrate")
+    if a.store and a.dist_backend != "gloo":
+        p.error("--store keeps the CPU (gloo) runs the package reads; not with --dist-backend nccl")
     return a
 
 
@@ -270,7 +279,7 @@ def _worker(a: argparse.Namespace) -> None:
     from cpbook.core.launch import worker_context
 
     torch.set_num_threads(1)
-    ctx = worker_context("gloo", 1200.0)
+    ctx = worker_context(a.dist_backend, 1200.0)
     {"grid": _grid, "ring": _ring, "calibrate": _calibrate}[a.worker](ctx, a)
     dist.destroy_process_group()
 
@@ -305,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     launches = ["calibrate"] if a.calibrate else ["grid"] + ([] if a.no_ring else ["ring"])
     from cpbook.timing import machine_record
 
-    stored = [json.dumps({"name": "chunked_prefill_run", **machine_record()})]
+    dev = "cuda:0" if a.dist_backend == "nccl" else "cpu"  # rank r runs on cuda:r
+    stored = [json.dumps({"name": "chunked_prefill_run", **machine_record(dev, a.dist_backend)})]
     print(stored[0], flush=True)
     for worker in launches:
         for line in _launch(a, worker, argv):

@@ -92,6 +92,7 @@ def main() -> None:
             "num_kv_heads": KV_HEADS,
             "head_dim": HEAD_DIM,
             "dtype": "float32",
+            "device": "cpu",  # thread CPU time of simulated ranks: a CPU measurement only
             "kv_bytes_per_rank": kv,
             "kv_bytes_total": total,
             "kv_within_one_block": abs(kv - total / dcp) <= block_bytes,

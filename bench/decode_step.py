@@ -2,6 +2,7 @@
 
     python bench/decode_step.py --json       # gloo, 1 thread per rank, float32
     python bench/decode_step.py --store      # the same, and refresh cpbook/data/decode_step.json
+    python bench/decode_step.py --json --dist-backend nccl   # on GPUs, one per rank (not stored)
 
 For world size 2 (and 4 when the machine has at least 4 cores) one torchrun launch times, per
 context length, one request's attention block (``q_proj`` → attention → ``o_proj`` with its
@@ -65,7 +66,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=21)
     p.add_argument("--contexts", type=int, nargs="+", default=list(CONTEXTS))
     p.add_argument("--store", action="store_true", help=f"also write the output to {STORE}")
+    p.add_argument(
+        "--dist-backend",
+        choices=("gloo", "nccl"),
+        default="gloo",
+        help="gloo: CPU tensors (the stored runs); nccl: one GPU per rank",
+    )
     a = p.parse_args(argv)
+    if a.store and a.dist_backend != "gloo":
+        p.error("--store keeps the CPU (gloo) runs the package reads; not with --dist-backend nccl")
     worlds = (2, 4) if (os.cpu_count() or 1) >= 4 else (2,)
     lines: list[str] = []
 
@@ -73,13 +82,15 @@ def main(argv: list[str] | None = None) -> None:
         lines.append(json.dumps(record))
         print(lines[-1], flush=True)
 
-    emit({"name": "decode_step_run", **machine_record()})
+    dev = "cuda:0" if a.dist_backend == "nccl" else "cpu"  # rank r runs on cuda:r
+    emit({"name": "decode_step_run", **machine_record(dev, a.dist_backend)})
     for n in worlds:
         res = run(
             decode_step_timing,
             n,
             "torchrun",
             dict(contexts=tuple(a.contexts), repeats=a.repeats),
+            dist_backend=a.dist_backend,
             report=False,
         )
         ms = {

@@ -1,6 +1,7 @@
 """The mini engine (chapter 9): throughput, capacity under DCP, and paging overhead.
 
     python bench/engine.py --json
+    python bench/engine.py --json --device cuda:0     # every simulated rank on one GPU
 
 Prints, after a ``{"name": "engine_run", "date_utc": ..., "machine": ...}`` line:
 
@@ -31,7 +32,7 @@ import torch
 
 from cpbook.core.launch import run
 from cpbook.demos.ch09_engine import max_concurrent_long_requests
-from cpbook.engine.engine import Engine, engine_config
+from cpbook.engine.engine import Engine, engine_config, single_rank_context
 from cpbook.engine.models import TinyModel, reference_forward
 from cpbook.timing import machine_record, serve_timing
 
@@ -55,10 +56,11 @@ def capacity(model: str, tp: int, dcp: int, pcp: int) -> int:
 
 
 def decode_overhead(
-    model: str, batch: int, prompt_len: int, steps: int, repeats: int
+    model: str, batch: int, prompt_len: int, steps: int, repeats: int, device: str = "cpu"
 ) -> dict[str, float]:
-    """Median seconds per decode step of ``batch`` requests: engine vs plain reference loop."""
-    m = TinyModel.from_name(model)
+    """Median seconds per decode step of ``batch`` requests: engine vs plain reference loop,
+    both on ``device`` (each step ends in a host read of its tokens, so the clock is fair)."""
+    m = TinyModel.from_name(model).to(device)
     gen = torch.Generator().manual_seed(0)
     prompts = [
         torch.randint(m.config.vocab_size, (prompt_len,), generator=gen).tolist()
@@ -71,6 +73,7 @@ def decode_overhead(
             num_kv_blocks=batch * (prompt_len + steps + 8) // 4 + 8,
             max_num_batched_tokens=batch * prompt_len,
             max_num_seqs=batch,
+            ctx=single_rank_context(device),
         )
         ids = [eng.add_request(p, steps + 1) for p in prompts]
         eng.step()  # every prompt's prefill in one step
@@ -95,9 +98,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", action="store_true", help="print JSON lines (the default output)")
     p.add_argument("--requests", type=int, default=6)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--device", default="cpu", help="the simulated ranks' device (cuda:0: a GPU)")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
-    print(json.dumps({"name": "engine_run", **machine_record()}), flush=True)
+    print(json.dumps({"name": "engine_run", **machine_record(a.device, "inline")}), flush=True)
     for model, tp, dcp, pcp in CONFIGS:
         res = run(
             serve_timing,
@@ -112,6 +116,7 @@ def main(argv: list[str] | None = None) -> None:
                 "max_new_tokens": 8,
             },
             report=False,
+            device=a.device,
         )[0]
         print(
             json.dumps(
@@ -145,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
         flush=True,
     )
     for model in ("tiny-gqa", "tiny-mla"):
-        t = decode_overhead(model, 8, 64, 16, a.repeats)
+        t = decode_overhead(model, 8, 64, 16, a.repeats, a.device)
         print(
             json.dumps(
                 {

@@ -36,6 +36,8 @@ def bench_slot_mapping(
         "tokens": tokens,
         "ms": round(statistics.median(times[1:]), 2),
         "threads": torch.get_num_threads(),
+        "device": "cpu",  # host bookkeeping in cpbook; vLLM v0.33 runs it as a GPU kernel
+        # (BlockTable.compute_slot_mapping, vllm/v1/worker/block_table.py)
         "block_size": block_size,
         "dcp": dcp,
         "interleave": interleave,
@@ -62,9 +64,9 @@ def main() -> None:
     p.add_argument("--dcp-size", type=int, default=4)
     p.add_argument("--interleave", type=int, default=1)
     a = p.parse_args()
-    rows = [bench_slot_mapping(a.tokens, a.block_size, a.dcp, a.interleave, a.repeats)]
+    rows = [bench_slot_mapping(a.tokens, a.block_size, a.dcp_size, a.interleave, a.repeats)]
     rows += waste_table(
-        [16, 100, 1000, 5000, 33000, 131000], a.block_size, a.dcp, [1, 4, a.block_size]
+        [16, 100, 1000, 5000, 33000, 131000], a.block_size, a.dcp_size, [1, 4, a.block_size]
     )
     for row in rows:
         if a.json:

@@ -2,6 +2,7 @@
 
     python bench/pcp_prefill.py --json            # one torchrun launch, 2 ranks x 1 thread
     python bench/pcp_prefill.py --world-size 4 --store   # and refresh cpbook/data/pcp_prefill.json
+    python bench/pcp_prefill.py --json --dist-backend nccl   # on GPUs, one per rank (not stored)
 
 Identical float32 inputs (``seq_len`` tokens, MHA), laid out head-major for every method before
 the clock starts.  Methods take turns run after run (:func:`cpbook.timing.pcp_prefill_timing`),
@@ -67,12 +68,21 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument(
+        "--dist-backend",
+        choices=("gloo", "nccl"),
+        default="gloo",
+        help="gloo: CPU tensors (the stored runs); nccl: one GPU per rank",
+    )
+    p.add_argument(
         "--store",
         action="store_true",
         help="also put the record into the package's cpbook/data/pcp_prefill.json",
     )
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    if a.store and a.dist_backend != "gloo":
+        p.error("--store keeps the CPU (gloo) runs the package reads; not with --dist-backend nccl")
+    return a
 
 
 def _torch_ring(ctx, a: argparse.Namespace, rotate: str):
@@ -89,18 +99,21 @@ def _torch_ring(ctx, a: argparse.Namespace, rotate: str):
     )
 
     from cpbook.pcp.zigzag import zigzag_partition
+    from cpbook.timing import sdpa_ring_kernel
 
     idx = _HeadTailLoadBalancer(a.seq_len, ctx.world_size, "cpu")._generate_indices()[0].long()
     mine = idx.view(ctx.world_size, -1)[ctx.rank]
     assert mine.tolist() == zigzag_partition(a.seq_len, ctx.world_size).rank_tokens[ctx.rank]
     gen = torch.Generator().manual_seed(0)  # the inputs of cpbook.timing.pcp_prefill_timing
     q, k, v = (torch.randn(a.seq_len, a.num_heads, a.head_dim, generator=gen) for _ in range(3))
-    q4, k4, v4 = (t[mine].transpose(0, 1)[None].contiguous() for t in (q, k, v))
-    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    q4, k4, v4 = (t[mine].transpose(0, 1)[None].contiguous().to(ctx.device) for t in (q, k, v))
+    op, extra = sdpa_ring_kernel(ctx.device)
 
     def ring():
         set_rotate_method(rotate)
-        out = _templated_ring_attention(dist.group.WORLD, 2, op, q4, k4, v4, is_causal=True)[0]
+        out = _templated_ring_attention(
+            dist.group.WORLD, 2, op, q4, k4, v4, is_causal=True, **extra
+        )[0]
         return out[0].transpose(0, 1)
 
     return ring
@@ -116,11 +129,14 @@ def _worker(a: argparse.Namespace) -> None:
     from cpbook.timing import machine_record, pcp_prefill_timing
 
     torch.set_num_threads(1)
-    ctx = worker_context("gloo", 600.0)
+    ctx = worker_context(a.dist_backend, 600.0)
     rings = {f"torch_ring_{rot}": _torch_ring(ctx, a, rot) for rot in ("allgather", "alltoall")}
     mine = pcp_prefill_timing(ctx, a.seq_len, a.num_heads, a.head_dim, a.repeats, baselines=rings)
     gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(a.seq_len, a.num_heads, a.head_dim, generator=gen) for _ in range(3))
+    q, k, v = (
+        torch.randn(a.seq_len, a.num_heads, a.head_dim, generator=gen).to(ctx.device)
+        for _ in range(3)
+    )
     meta = pcp_partition(a.seq_len, ctx.world_size).metadata(ctx.rank)
     ours = pcp_prefill_attention(*(pcp_shard(t, meta) for t in (q, k, v)), meta, ctx.world)[0]
     for name, ring in rings.items():
@@ -172,7 +188,7 @@ def _worker(a: argparse.Namespace) -> None:
                     "dtype": "float32",
                     "repeats": a.repeats,
                     "threads_per_rank": torch.get_num_threads(),
-                    **machine_record(),
+                    **machine_record(ctx.device, ctx.backend),
                 }
             ),
             flush=True,
@@ -197,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         f"--num-heads={a.num_heads}",
         f"--head-dim={a.head_dim}",
         f"--repeats={a.repeats}",
+        f"--dist-backend={a.dist_backend}",
     ]
     env = dict(
         os.environ,

@@ -23,7 +23,7 @@ every import):
 8. ``viz`` — the chapters' figures, and the one style module (palette, ink, formatters).
 9. ``widgets`` — the explorers (live ipywidgets, and static HTML for the book).
 10. ``timing``, ``tools`` — the one place that reads a clock (for ``bench/``); the notebook
-    executor.
+    executor and the one-GPU smoke run.
 11. ``__main__`` — the CLI (``demo``, ``serve``, ``plan``).
 """
 

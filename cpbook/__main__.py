@@ -2,7 +2,8 @@
 
 ``python -m cpbook serve --model tiny-gqa --tp T --dcp D --pcp P [--json]`` serves generated
 prompts with the chapter 9 engine on ``T·P`` ranks (inline, or ``--backend torchrun``, or
-started by ``torchrun --nproc-per-node T·P -m cpbook serve ...``).
+started by ``torchrun --nproc-per-node T·P -m cpbook serve ...``).  ``--device cuda:0`` puts
+simulated ranks on one GPU; under torchrun each rank's device follows its dist backend.
 
 ``python -m cpbook plan --model DeepSeek-V3 --gpu H200 --gpus 8 --context 1M --output 1K
 --concurrency 16 [--ttft 10s] [--tpot 50ms] [--hf-config PATH] [--json]`` prints the
@@ -61,6 +62,7 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--world-size", type=int, default=4)
     d.add_argument("--backend", choices=["inline", "torchrun"], default="inline")
     d.add_argument("--dist-backend", choices=["gloo", "nccl"], default=None)
+    d.add_argument("--device", default="cpu", help="simulated ranks' device (cuda:0: one GPU)")
     d.add_argument(
         "--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds per collective"
     )
@@ -94,6 +96,13 @@ def _parser() -> argparse.ArgumentParser:
         help="chunked-prefill strategy (auto: the chapter 5 selector)",
     )
     s.add_argument("--backend", choices=["inline", "torchrun"], default="inline")
+    s.add_argument(
+        "--dist-backend",
+        choices=["gloo", "nccl"],
+        default=None,
+        help="torchrun's dist backend (default: NCCL when every rank has a GPU)",
+    )
+    s.add_argument("--device", default="cpu", help="simulated ranks' device (cuda:0: one GPU)")
     s.add_argument("--json", action="store_true", help="JSON lines: requests, then a summary")
     s.add_argument(
         "--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds per collective"
@@ -296,7 +305,7 @@ def _serve(a: argparse.Namespace) -> int:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # we are a torchrun worker
         check_grid_world(world, int(os.environ["WORLD_SIZE"]))
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        ctx = worker_context(pick_backend(world, local), a.timeout)
+        ctx = worker_context(a.dist_backend or pick_backend(world, local), a.timeout)
         res = serve_timing(ctx, **kwargs)
         if ctx.rank == 0:
             print("\n".join(_serve_lines(res, a.json)))
@@ -304,7 +313,16 @@ def _serve(a: argparse.Namespace) -> int:
 
         dist.destroy_process_group()
         return 0
-    res = run(serve_timing, world, a.backend, kwargs, timeout=a.timeout, report=False)[0]
+    res = run(
+        serve_timing,
+        world,
+        a.backend,
+        kwargs,
+        timeout=a.timeout,
+        dist_backend=a.dist_backend,
+        report=False,
+        device=a.device,
+    )[0]
     print("\n".join(_serve_lines(res, a.json)))
     return 0
 
@@ -352,7 +370,15 @@ def _demo(a: argparse.Namespace, p: argparse.ArgumentParser) -> int:
         return 0
     if a.world_size < 1:
         raise ValueError(f"[world-size] requires --world-size >= 1; got {a.world_size}")
-    run(fn, a.world_size, a.backend, kwargs, timeout=a.timeout, dist_backend=a.dist_backend)
+    run(
+        fn,
+        a.world_size,
+        a.backend,
+        kwargs,
+        timeout=a.timeout,
+        dist_backend=a.dist_backend,
+        device=a.device,
+    )
     return 0
 
 

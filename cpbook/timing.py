@@ -3,7 +3,10 @@
 Algorithm modules never read a clock, and no test or notebook asserts on what these return: a
 busy machine must not fail a check.  Each helper times its methods from a common barrier, in
 turns (run after run, every method once per round), so drifts of a shared machine hit all of
-them alike, and reports medians after one warm-up round.
+them alike, and reports medians after one warm-up round.  Inputs live on ``ctx.device``; on a
+GPU every timed call is bracketed by ``torch.cuda.synchronize`` (kernels run asynchronously, so
+an unsynchronised clock would time the launch, not the work), and the CPU clocks (``_cpu``,
+``_thread``) then measure only the host's share.
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ from cpbook.pcp.zigzag import pcp_partition, zigzag_partition
 
 __all__ = [
     "machine_record",
+    "device_name",
+    "synchronize",
+    "sdpa_ring_kernel",
     "decode_step_timing",
     "timed_rounds",
     "pcp_prefill_timing",
@@ -44,9 +50,19 @@ __all__ = [
 ]
 
 
-def machine_record() -> dict[str, object]:
+def device_name(device: torch.device | str = "cpu") -> str:
+    """What ran the tensors: ``"cpu"``, or ``"cuda:0 (NVIDIA H200)"``."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return device.type
+    return f"{device} ({torch.cuda.get_device_name(device)})"
+
+
+def machine_record(device: torch.device | str = "cpu", dist_backend: str = "none") -> dict:
     """When and where numbers were taken: UTC date and minute, CPU model and count, 1-minute
-    load average.  Every ``bench/`` script prints it first, so stored results carry it."""
+    load average, the device the tensors lived on (:func:`device_name`) and the dist backend
+    between ranks (``"gloo"``, ``"nccl"``, ``"inline"`` for simulated ranks, ``"none"``).
+    Every ``bench/`` script prints it first, so stored results carry it."""
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -58,7 +74,15 @@ def machine_record() -> dict[str, object]:
         "machine": f"{os.cpu_count()} x {cpu}",
         "cores": os.cpu_count(),
         "load_avg_1m": round(os.getloadavg()[0], 2),
+        "device": device_name(device),
+        "dist_backend": dist_backend,
     }
+
+
+def synchronize(device: torch.device | str) -> None:
+    """Wait for every kernel queued on ``device`` (a no-op on the CPU)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def timed_rounds(
@@ -71,7 +95,8 @@ def timed_rounds(
 
     Returns ``({method + clock_suffix: median seconds over the last repeats}, {method: last
     return value})``.  Default clocks: ``""`` wall (``perf_counter``), ``"_cpu"`` process CPU
-    time (every thread of the rank) and ``"_thread"`` CPU time of the calling thread.
+    time (every thread of the rank) and ``"_thread"`` CPU time of the calling thread.  On a GPU
+    each run is bracketed by :func:`synchronize`, so the wall clock includes the kernels.
     """
     clocks = clocks or {
         "": time.perf_counter,
@@ -82,9 +107,11 @@ def timed_rounds(
     last: dict[str, Any] = {}
     for _ in range(repeats + 1):
         for name, fn in methods.items():
+            synchronize(ctx.device)  # nothing queued before counts ...
             ctx.world.barrier()
             start = {c: clock() for c, clock in clocks.items()}
             last[name] = fn()
+            synchronize(ctx.device)  # ... and the method's own kernels do
             for c, clock in clocks.items():
                 runs[name + c].append(clock() - start[c])
     return {key: statistics.median(t[1:]) for key, t in runs.items()}, last
@@ -116,7 +143,9 @@ def pcp_prefill_timing(
     kernel reads fastest), prepared before the clock starts.
     """
     gen = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(seq_len, num_heads, head_dim, generator=gen) for _ in range(3))
+    q, k, v = (
+        torch.randn(seq_len, num_heads, head_dim, generator=gen).to(ctx.device) for _ in range(3)
+    )
     q4, k4, v4 = (t.transpose(0, 1)[None].contiguous() for t in (q, k, v))
     sdpa = torch.nn.functional.scaled_dot_product_attention
     ref = sdpa(q4, k4, v4, is_causal=True)[0].transpose(0, 1)
@@ -134,9 +163,8 @@ def pcp_prefill_timing(
     out, last = timed_rounds(ctx, methods, repeats)
     for layout, meta in metas.items():
         real = ~meta.is_padding
-        out[f"{layout}_err"] = (
-            (last[layout][0][real] - ref[meta.token_index[real]]).abs().max().item()
-        )
+        rows = meta.token_index[real].to(ctx.device)
+        out[f"{layout}_err"] = (last[layout][0][real.to(ctx.device)] - ref[rows]).abs().max().item()
     return out
 
 
@@ -201,7 +229,9 @@ def chunked_prefill_timing(
         device=ctx.device,
     )
     meta = zigzag_partition(chunk_len, cfg.pcp).metadata(groups.coords.pcp_rank)
-    ql, kl, vl = (pcp_shard(t, meta).contiguous() for t in (q[:, qh], k[c:, kvh], v[c:, kvh]))
+    ql, kl, vl = (
+        pcp_shard(t, meta).contiguous().to(ctx.device) for t in (q[:, qh], k[c:, kvh], v[c:, kvh])
+    )
     sent: dict[str, int] = {}
 
     def method(strategy: str) -> Callable[[], Any]:
@@ -224,7 +254,7 @@ def chunked_prefill_timing(
         return call
 
     out, last = timed_rounds(ctx, {st: method(st) for st in STRATEGIES}, repeats)
-    real = ~meta.is_padding
+    real = (~meta.is_padding).to(ctx.device)
     diff = last[STRATEGIES[0]][0][real] - last[STRATEGIES[1]][0][real]
     out["max_abs_diff"] = diff.abs().max().item()
     out.update({f"{st}_bytes": sent[st] for st in STRATEGIES})
@@ -237,8 +267,9 @@ def collective_timing(ctx: RankContext, sizes: Sequence[int], repeats: int = 5) 
     link model ``α + β·bytes`` of :mod:`cpbook.pcp.chunked_plan` is fitted to these."""
     n, methods = ctx.world_size, {}
     for size in sizes:
-        gather = torch.zeros(max(1, size // 4 // max(1, n - 1)))  # sends b·(n−1) bytes
-        a2a = torch.zeros(n * max(1, size // 4 * n // max(1, n - 1) // n))
+        dev = ctx.device
+        gather = torch.zeros(max(1, size // 4 // max(1, n - 1)), device=dev)  # sends b·(n−1) B
+        a2a = torch.zeros(n * max(1, size // 4 * n // max(1, n - 1) // n), device=dev)
         methods[f"all_gather_{size}"] = functools.partial(ctx.world.all_gather, gather)
         methods[f"all_to_all_{size}"] = functools.partial(ctx.world.all_to_all, a2a)
     out, _ = timed_rounds(ctx, methods, repeats, {"": time.perf_counter})
@@ -259,17 +290,19 @@ def ring_prefill_timing(
     Methods, on DualChunkSwap (head-tail) shards of one ``seq_len`` prompt (a multiple of
     ``2 * world_size``), the world group as PCP group: ``pass_kv`` and ``pass_q``
     (:func:`cpbook.pcp.ring.ring_attention`) and PyTorch's private ``_templated_ring_attention``
-    (torch 2.13, CPU flash SDPA op) on the same shards, rotating K/V by all-gather
-    (``torch_ring_allgather``) and by all-to-all (``torch_ring_alltoall``); ``torch_ring`` is
-    the faster of the two on this rank.  PyTorch's ring needs ``torch.distributed`` (run under
-    torchrun); inline it is skipped.  Inputs are head-major ``[H, T, D]`` storage, prepared
-    before the clock.  Returns this rank's median wall seconds per method, ``<method>_cpu``
-    and ``<method>_thread`` CPU seconds (:func:`timed_rounds`), and ``<method>_err``, the max
-    error of its rows against one-process causal SDPA.
+    (torch 2.13, the device's fused SDPA op, :func:`sdpa_ring_kernel`) on the same shards, rotating
+    K/V by all-gather (``torch_ring_allgather``) and by all-to-all (``torch_ring_alltoall``);
+    ``torch_ring`` is the faster of the two on this rank.  PyTorch's ring needs
+    ``torch.distributed`` (run under torchrun); inline it is skipped.  Inputs are head-major
+    ``[H, T, D]`` storage, prepared before the clock.  Returns this rank's median wall seconds
+    per method, ``<method>_cpu`` and ``<method>_thread`` CPU seconds (:func:`timed_rounds`),
+    and ``<method>_err``, the max error of its rows against one-process causal SDPA.
     """
 
     gen = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(seq_len, num_heads, head_dim, generator=gen) for _ in range(3))
+    q, k, v = (
+        torch.randn(seq_len, num_heads, head_dim, generator=gen).to(ctx.device) for _ in range(3)
+    )
     sdpa = torch.nn.functional.scaled_dot_product_attention
     ref = sdpa(*(t.transpose(0, 1) for t in (q, k, v)), is_causal=True).transpose(0, 1)
     meta = zigzag_partition(seq_len, ctx.world_size).metadata(ctx.rank)
@@ -287,13 +320,13 @@ def ring_prefill_timing(
             set_rotate_method,
         )
 
-        op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        op, extra = sdpa_ring_kernel(ctx.device)
 
         def torch_ring(rotate: str) -> Callable[[], Any]:
             def call() -> Any:
                 set_rotate_method(rotate)
                 out = _templated_ring_attention(
-                    dist.group.WORLD, 2, op, *(t[None] for t in heads), is_causal=True
+                    dist.group.WORLD, 2, op, *(t[None] for t in heads), is_causal=True, **extra
                 )[0]
                 return out[0].transpose(0, 1), None
 
@@ -306,8 +339,20 @@ def ring_prefill_timing(
         out.update({"torch_ring" + c: out[fast + c] for c in ("", "_cpu", "_thread")})
         last["torch_ring"] = last[fast]
     for name, (o, _) in last.items():
-        out[f"{name}_err"] = (o - ref[meta.token_index]).abs().max().item()
+        out[f"{name}_err"] = (o - ref[meta.token_index.to(ctx.device)]).abs().max().item()
     return out
+
+
+def sdpa_ring_kernel(device: torch.device) -> tuple[Any, dict[str, Any]]:
+    """The fused SDPA op (and its extra arguments) PyTorch's ring attention calls on
+    ``device``: the CPU flash kernel on the CPU, the memory-efficient one (float32, with its
+    LSE) on a GPU."""
+    if device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu, {}
+    return torch.ops.aten._scaled_dot_product_efficient_attention, {
+        "attn_bias": None,
+        "compute_log_sumexp": True,
+    }
 
 
 def decode_step_timing(
@@ -348,15 +393,15 @@ def decode_step_timing(
         torch.randn(hidden_size, num_q_heads * head_dim, generator=gen) * s,
         torch.randn(num_q_heads * head_dim, hidden_size, generator=gen) * s,
         num_q_heads,
-    )
-    x = torch.randn(1, hidden_size, generator=gen)
+    ).to(ctx.device)
+    x = torch.randn(1, hidden_size, generator=gen).to(ctx.device)
     for c in contexts:
-        k, v = (torch.randn(c, 1, head_dim, generator=gen) for _ in range(2))
+        k, v = (torch.randn(c, 1, head_dim, generator=gen).to(ctx.device) for _ in range(2))
         methods = {}
         for m, cfg in cfgs.items():
             kvh = attention_kv_heads(cfg, groups[m].coords.tp_rank)
             rank = groups[m].coords.dcp_rank
-            mine = torch.arange(rank, c, cfg.dcp)  # interleave 1: this rank's tokens
+            mine = torch.arange(rank, c, cfg.dcp, device=ctx.device)  # interleave 1: its tokens
             kk, vv = k[mine][:, kvh].contiguous(), v[mine][:, kvh].contiguous()
             methods[m] = functools.partial(attention_block, x, block, [kk], [vv], cfg, groups[m])
         medians, last = timed_rounds(ctx, methods, repeats)
@@ -370,8 +415,16 @@ def serve_timing(ctx: RankContext, **kwargs: Any) -> dict[str, Any]:
     for the whole run (engine construction included), and ``tokens_per_s``, the new tokens
     over it.  ``python -m cpbook serve`` reports these."""
 
+    synchronize(ctx.device)
     start = time.perf_counter()
     res = serve_rank(ctx, **kwargs)
+    synchronize(ctx.device)
     wall = time.perf_counter() - start
     new = sum(len(t) for t in res["tokens"])
-    return {**res, "wall_s": wall, "tokens_per_s": new / wall if wall else None}
+    return {
+        **res,
+        "wall_s": wall,
+        "tokens_per_s": new / wall if wall else None,
+        "device": device_name(ctx.device),
+        "dist_backend": ctx.backend,
+    }

@@ -35,6 +35,30 @@ def every_collective(ctx: RankContext) -> dict:
     return out
 
 
+def reordered_collectives(ctx: RankContext, *, legacy: bool = False) -> dict:
+    """Every collective on the world in reverse order (group rank ``i`` is global rank
+    ``n-1-i``), and a 0-dim all-gather.  ``legacy=True`` takes, on gloo, the paths of an older
+    torch and of NCCL: groups made sorted and reordered by cpbook (no ``sort_ranks=False``),
+    the single-tensor all-gather instead of the point-to-point one."""
+    import cpbook.core.backends as backends
+
+    if legacy:
+        backends.new_group_keeps_order = lambda: False
+        backends.TorchGroup.P2P_ALL_GATHER = ()
+    n, dev = ctx.world_size, ctx.device
+    g = ctx.new_group([list(range(n))[::-1]], "reversed")
+    t = (torch.arange(6 * n, dtype=torch.float64, device=dev) + 100 * ctx.rank).reshape(2 * n, 3)
+    return {
+        "order": None if ctx.sim is not None else g.order,
+        "all_gather": g.all_gather(t, dim=1),
+        "parts": g.all_gather_async(t[:1], parts=True).wait(),
+        "zero_dim": g.all_gather_async(t[0, 0], parts=True).wait(),
+        "reduce_scatter": g.reduce_scatter(t, dim=0),
+        "all_to_all": g.all_to_all(t, scatter_dim=0, gather_dim=1),
+        "ring": g.sendrecv(t + 0.5, dst=(g.rank + 1) % n, src=(g.rank - 1) % n),
+    }
+
+
 def grid_groups(ctx: RankContext, tp: int, pcp: int, dcp: int) -> dict:
     """Build the TP/PCP/DCP groups and all-gather global ranks inside each."""
     pg = make_groups(ctx, RankGrid(tp, pcp, dcp))

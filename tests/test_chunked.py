@@ -401,7 +401,9 @@ def test_inconsistent_inputs_rejected_before_any_collective(case, rule):
 )
 def test_under_torchrun(strategy, grid):
     kw = dict(strategy=strategy) | grid
-    res = run(chunked_prefill_rank, 2, backend="torchrun", fn_kwargs=kw, report=False)
+    res = run(
+        chunked_prefill_rank, 2, backend="torchrun", fn_kwargs=kw, dist_backend="gloo", report=False
+    )
     assert res.dist_backend == "gloo"
     assert all(r["max_abs_err"] <= 1e-10 for r in res)
     for r, trace in zip(res, res.traces):

@@ -5,9 +5,9 @@ import time
 import pytest
 import torch
 
-from cpbook.core.comm import CommRecord, Trace
+from cpbook.core.comm import CommRecord, Trace, process_group_timeout_s
 from cpbook.core.launch import run
-from tests.rank_fns import every_collective, skip_collective
+from tests.rank_fns import every_collective, reordered_collectives, skip_collective
 
 
 def _assert_same(a, b):
@@ -60,12 +60,40 @@ def test_trace_bytes_follow_the_table():
 @pytest.mark.torchrun
 def test_torchrun_matches_inline_data_and_traces():
     inline = run(every_collective, 3, report=False)
-    real = run(every_collective, 3, backend="torchrun", report=False)
+    real = run(every_collective, 3, backend="torchrun", dist_backend="gloo", report=False)
     assert real.dist_backend == "gloo"
     for a, b in zip(inline, real):
         _assert_same(a, b)
     assert [list(t) for t in inline.traces] == [list(t) for t in real.traces]
     assert inline.stdout == real.stdout
+
+
+@pytest.mark.torchrun
+def test_reordered_groups_and_the_legacy_paths_match_inline():
+    """A group whose order is not its ranks' order, and a 0-dim all-gather, on gloo by the
+    default paths and by those an older torch (sorted groups, reordered by cpbook) and NCCL
+    (the single-tensor all-gather) take."""
+    inline = run(reordered_collectives, 3, report=False)
+    for legacy in (False, True):
+        real = run(
+            reordered_collectives,
+            3,
+            "torchrun",
+            {"legacy": legacy},
+            dist_backend="gloo",
+            report=False,
+        )
+        assert [r["order"] for r in real] == [[2, 1, 0] if legacy else None] * 3
+        for a, b in zip(inline, real):
+            for key in a.keys() - {"order"}:
+                got, want = b[key], a[key]
+                same = (
+                    all(torch.equal(x, y) for x, y in zip(got, want))
+                    if isinstance(want, list)
+                    else torch.equal(got, want)
+                )
+                assert same, (legacy, key)
+        assert [list(t) for t in inline.traces] == [list(t) for t in real.traces]
 
 
 def test_inline_timeout_raises_instead_of_hanging():
@@ -80,9 +108,12 @@ def test_inline_timeout_raises_instead_of_hanging():
 @pytest.mark.torchrun
 def test_torchrun_timeout_raises_instead_of_hanging():
     t0 = time.monotonic()
-    with pytest.raises(RuntimeError, match="rank 0 of 2 failed"):
-        run(skip_collective, 2, backend="torchrun", timeout=3.0, report=False)
+    with pytest.raises(
+        RuntimeError, match=r"(?s)rank 0 of 2 failed.*CommTimeout.*timeout 3 s\) at global rank 0"
+    ):
+        run(skip_collective, 2, backend="torchrun", timeout=3.0, dist_backend="gloo", report=False)
     assert time.monotonic() - t0 < 60
+    assert process_group_timeout_s(3.0) >= 2 * 3.0  # the process group gives up later
 
 
 def test_shape_rules_are_value_errors():
@@ -121,7 +152,7 @@ def test_sendrecv_async_overlaps_and_traces_like_sendrecv(n):
 @pytest.mark.slow
 def test_sendrecv_async_under_torchrun():
     inline = run(overlapped_exchanges, 3, report=False)
-    real = run(overlapped_exchanges, 3, backend="torchrun", report=False)
+    real = run(overlapped_exchanges, 3, backend="torchrun", dist_backend="gloo", report=False)
     for a, b in zip(inline, real):
         assert torch.equal(a["fwd"], b["fwd"]) and torch.equal(a["bwd"], b["bwd"])
     assert [list(t) for t in inline.traces] == [list(t) for t in real.traces]

@@ -94,6 +94,8 @@ def test_cli_under_torchrun():
             "cpbook",
             "demo",
             "merge",
+            "--dist-backend",
+            "gloo",
         ],
         capture_output=True,
         text=True,

@@ -51,7 +51,9 @@ def check_grid(runs: list[dict], worlds: list[int], backend: str, refs: dict) ->
     """Run every run of each world in one launch; every rank's tokens equal the reference."""
     checked = 0
     for world in worlds:
-        res = run(serve_grid_rank, world, backend, {"runs": runs}, report=False)
+        res = run(
+            serve_grid_rank, world, backend, {"runs": runs}, dist_backend="gloo", report=False
+        )
         mine = [
             r
             for r in runs
@@ -262,6 +264,8 @@ def test_serve_under_torchrun_and_a_world_mismatch():
                 "-m",
                 "cpbook",
                 "serve",
+                "--dist-backend",
+                "gloo",
                 *args,
             ],
             capture_output=True,

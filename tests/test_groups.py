@@ -67,7 +67,14 @@ def test_bad_grids():
     "backend", ["inline", pytest.param("torchrun", marks=pytest.mark.torchrun)]
 )
 def test_groups_on_ranks(backend):
-    res = run(grid_groups, 4, fn_kwargs=dict(tp=2, pcp=2, dcp=4), backend=backend, report=False)
+    res = run(
+        grid_groups,
+        4,
+        fn_kwargs=dict(tp=2, pcp=2, dcp=4),
+        backend=backend,
+        dist_backend="gloo",
+        report=False,
+    )
     assert [r["tp"] for r in res] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     assert [r["pcp"] for r in res] == [[0, 2], [1, 3], [0, 2], [1, 3]]
     assert all(r["dcp"] == [0, 2, 1, 3] for r in res)  # group order kept (not sorted)

@@ -13,7 +13,7 @@ from tests.rank_fns import echo_timeout, fail_on_rank
     "backend", ["inline", pytest.param("torchrun", marks=pytest.mark.torchrun)]
 )
 def test_four_ranks_return_their_results(backend, capsys):
-    res = run(merge_rank, 4, fn_kwargs=dict(num_keys=10), backend=backend)
+    res = run(merge_rank, 4, fn_kwargs=dict(num_keys=10), backend=backend, dist_backend="gloo")
     assert [r["keys"] for r in res] == [(0, 3), (3, 6), (6, 8), (8, 10)]
     assert max(r["max_abs_err"] for r in res) <= 1e-10
     printed = capsys.readouterr().out.splitlines()
@@ -28,7 +28,14 @@ def test_four_ranks_return_their_results(backend, capsys):
 def test_failing_rank_raises_with_its_traceback(backend):
     t0 = time.monotonic()
     with pytest.raises(RuntimeError) as err:
-        run(fail_on_rank, 4, fn_kwargs=dict(bad=2), backend=backend, report=False)
+        run(
+            fail_on_rank,
+            4,
+            fn_kwargs=dict(bad=2),
+            backend=backend,
+            dist_backend="gloo",
+            report=False,
+        )
     assert time.monotonic() - t0 < 60
     msg = str(err.value)
     assert msg.startswith("rank 2 of 4 failed in fail_on_rank")
@@ -55,5 +62,13 @@ def test_bad_arguments():
 )
 def test_function_arguments_are_kept_apart_from_launcher_options(backend):
     """A per-rank function may take a ``timeout`` of its own: it arrives through fn_kwargs."""
-    res = run(echo_timeout, 2, backend, {"timeout": 7, "threads": 3}, timeout=30, report=False)
+    res = run(
+        echo_timeout,
+        2,
+        backend,
+        {"timeout": 7, "threads": 3},
+        timeout=30,
+        dist_backend="gloo",
+        report=False,
+    )
     assert res == [(7, 3), (7, 3)]

@@ -156,7 +156,7 @@ def test_mla_under_torchrun():
         ("cpbook.demos.ch03_decode:mla_decode_rank", dict(seq_lens=(40, 5, 2))),
         ("cpbook.demos.ch03_decode:mla_context_rank", ctx_kw),
     ]
-    res = run(in_sequence, 4, "torchrun", dict(calls=calls), report=False)
+    res = run(in_sequence, 4, "torchrun", dict(calls=calls), dist_backend="gloo", report=False)
     for per_rank, trace in zip(res, res.traces):
         assert max(r["max_abs_err"] for r in per_rank) <= 1e-10
         assert all(r["comm"] == r["expected"] for r in per_rank)

@@ -259,7 +259,7 @@ def both_modes(ctx, **kw):
 def test_torchrun_matches_inline():
     kw = dict(seq_lens=(45, 16, 1), context_lens=(20, 0, 7), num_q_heads=4, num_kv_heads=2)
     inline = run(both_modes, 3, report=False, fn_kwargs=kw)
-    real = run(both_modes, 3, backend="torchrun", report=False, fn_kwargs=kw)
+    real = run(both_modes, 3, backend="torchrun", dist_backend="gloo", report=False, fn_kwargs=kw)
     assert real.dist_backend == "gloo"
     for a, b in zip(inline, real):
         for x, y in zip(a, b):

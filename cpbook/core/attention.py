@@ -193,9 +193,8 @@ def merge_attn_states_(
     whose weight ``exp(lse_side − lse_new)`` is 0 (an empty part, LSE ``-inf``) contributes 0
     even if its output holds NaN or inf, as vLLM's ``correct_attn_out`` and a2a combine
     (``where(factor == 0, 0, out · factor)`` in ``vllm/v1/attention/ops/dcp.py``, v0.33.0).
-    No output-sized temporary is allocated (which matters when the outputs are tens of
-    megabytes): only a copy of the rows where ``part`` has weight 0, when some rows but not all
-    do.
+    Host-wait free (no data-dependent branch, so it stays asynchronous on a GPU); one
+    output-sized temporary, the weighted ``part_out``.
     """
     part_lse = _clean(part_lse)
     new = torch.logaddexp(lse, part_lse)  # -inf only where both sides are empty
@@ -203,12 +202,7 @@ def merge_attn_states_(
     keep = torch.exp(lse - base).unsqueeze(-1).to(out.dtype)
     out.mul_(keep).masked_fill_(keep == 0, 0)
     add = torch.exp(part_lse - base).unsqueeze(-1).to(out.dtype)
-    skip = (add == 0).squeeze(-1)
-    if not bool(skip.all()):
-        kept = out[skip] if bool(skip.any()) else None
-        out.addcmul_(part_out, add)
-        if kept is not None:
-            out[skip] = kept
+    out.add_(part_out.masked_fill(add == 0, 0).mul_(add))
     lse.copy_(new)
 
 
@@ -233,7 +227,7 @@ def merge_attn_states(
         )
     lse = _clean(lses[0]).clone()
     out = outs[0].to(lse.dtype, copy=True)
-    out[torch.isneginf(lse)] = 0  # an empty first part must not leak its (ignored) values
+    out.masked_fill_(torch.isneginf(lse)[..., None], 0)  # an empty first part leaks nothing
     for o, l in zip(outs[1:], lses[1:]):
         merge_attn_states_(out, lse, o, l)
     return out.to(outs[0].dtype), lse
@@ -253,8 +247,8 @@ def rope(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> tor
             f"got x{tuple(x.shape)}, positions{tuple(positions.shape)}"
         )
     half = d // 2
-    inv = base ** (-torch.arange(half, dtype=torch.float64) / half)
-    ang = positions.to(torch.float64)[:, None, None] * inv
+    inv = base ** (-torch.arange(half, dtype=torch.float64, device=x.device) / half)
+    ang = positions.to(x.device, torch.float64)[:, None, None] * inv
     cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)

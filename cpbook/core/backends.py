@@ -11,6 +11,7 @@ rank's trace; every blocking call raises :class:`~cpbook.core.comm.CommTimeout` 
 from __future__ import annotations
 
 import datetime
+import inspect
 import queue
 import threading
 from typing import Sequence
@@ -19,7 +20,7 @@ import torch
 
 from cpbook.core.comm import DEFAULT_TIMEOUT_S, CommAborted, CommTimeout, Group, Pending, Trace
 
-__all__ = ["SimGroup", "SimWorld", "TorchGroup"]
+__all__ = ["SimGroup", "SimWorld", "TorchGroup", "new_process_group", "new_group_keeps_order"]
 
 
 # ------------------------------------------------------------------------------------------
@@ -146,14 +147,66 @@ class SimGroup(Group):
 # ------------------------------------------------------------------------------------------
 # torch.distributed: gloo (CPU) or NCCL (GPU)
 # ------------------------------------------------------------------------------------------
+def _dist_call(*names: str):
+    """The first of ``names`` this torch's ``torch.distributed`` has: torch 2.13 calls the
+    single-tensor collectives ``all_gather_single`` / ``reduce_scatter_single``, torch 2.1–2.12
+    ``all_gather_into_tensor`` / ``reduce_scatter_tensor``, older ones ``_all_gather_base`` /
+    ``_reduce_scatter_base``; GPU images often carry another torch than the pin."""
+    import torch.distributed as dist
+
+    for n in names:
+        if hasattr(dist, n):
+            return getattr(dist, n)
+    raise RuntimeError(f"torch.distributed {torch.__version__} has none of {names}")
+
+
+def new_group_keeps_order() -> bool:
+    """Whether ``dist.new_group`` takes ``sort_ranks=False`` (older torch sorts a group's ranks)."""
+    import torch.distributed as dist
+
+    return "sort_ranks" in inspect.signature(dist.new_group).parameters
+
+
+def new_process_group(ranks: Sequence[int], timeout: datetime.timedelta):
+    """A process group over ``ranks`` and its ``order``: the process-group rank of each group
+    rank (``None`` when they agree).  Collective: every rank calls it for every group, in one
+    order.  Where ``sort_ranks=False`` is missing the group is made sorted and
+    :class:`TorchGroup` reorders what goes in and out by ``order``."""
+    import torch.distributed as dist
+
+    ranks = [int(r) for r in ranks]
+    if new_group_keeps_order():
+        return dist.new_group(ranks, timeout=timeout, sort_ranks=False), None
+    pg = dist.new_group(sorted(ranks), timeout=timeout)
+    order = [sorted(ranks).index(r) for r in ranks]
+    return pg, None if order == list(range(len(ranks))) else order
+
+
 class TorchGroup(Group):
-    """A ``torch.distributed`` process group; every call is async and waited with a timeout."""
+    """A ``torch.distributed`` process group; every call is async and waited with a timeout.
+
+    ``order[i]`` is the process-group rank of group rank ``i`` when the two differ (a sorted
+    group on an older torch, :func:`new_process_group`); point-to-point calls name peers by
+    global rank, which every torch version accepts.
+    """
+
+    #: dist backends whose all-gather goes point to point: gloo's allgather moves the same
+    #: bytes about 3x slower than pairwise isend/irecv on one host (measured: 36 vs 12 ms for
+    #: 16.8 MB between 2 ranks).
+    P2P_ALL_GATHER: tuple[str, ...] = ("gloo",)
 
     def __init__(
-        self, pg, name: str, ranks: Sequence[int], global_rank: int, trace: Trace, timeout: float
+        self,
+        pg,
+        name: str,
+        ranks: Sequence[int],
+        global_rank: int,
+        trace: Trace,
+        timeout: float,
+        order: Sequence[int] | None = None,
     ) -> None:
         super().__init__(name, ranks, global_rank, trace, timeout)
-        self.pg = pg
+        self.pg, self.order = pg, None if order is None else list(order)
 
     def _wait(self, work, what: str) -> None:
         try:
@@ -161,26 +214,39 @@ class TorchGroup(Group):
         except RuntimeError as e:
             raise CommTimeout(
                 f"{what} on group {self.name!r} {list(self.ranks)} failed or timed out "
-                f"(timeout {self.timeout:g} s): {e}"
+                f"(timeout {self.timeout:g} s) at global rank {self.ranks[self.rank]}: {e}"
             ) from e
+
+    def _to_pg_order(self, t: torch.Tensor) -> torch.Tensor:
+        """``t``'s ``size`` chunks (dim 0, chunk ``i`` for group rank ``i``) in process-group
+        order."""
+        if self.order is None:
+            return t
+        chunks = t.chunk(self.size)
+        return torch.cat([chunks[self.order.index(j)] for j in range(self.size)])
 
     def _all_gather_start(self, t):
         import torch.distributed as dist
 
-        if dist.get_backend(self.pg) != "gloo":
-            out = t.new_empty((self.size * t.shape[0], *t.shape[1:]))
-            work = dist.all_gather_single(out, t, group=self.pg, async_op=True)
-            return Pending(list(out.chunk(self.size)), lambda: self._wait(work, "all_gather"))
-        # gloo's allgather moves the same bytes about 3x slower than pairwise isend/irecv on one
-        # host (measured: 36 vs 12 ms for 16.8 MB between 2 ranks), so exchange point to point.
+        if dist.get_backend(self.pg) not in self.P2P_ALL_GATHER:
+            flat = t.reshape(-1)  # 1-D: 0-dim tensors too, and one layout every backend takes
+            out = flat.new_empty(self.size * flat.numel())
+            gather = _dist_call("all_gather_single", "all_gather_into_tensor", "_all_gather_base")
+            work = gather(out, flat, group=self.pg, async_op=True)
+            rows = out.view(self.size, flat.numel())
+            pg_rank = self.order or range(self.size)
+            parts = [
+                t if i == self.rank else rows[pg_rank[i]].view(t.shape) for i in range(self.size)
+            ]
+            return Pending(parts, lambda: self._wait(work, "all_gather"))
         parts = [t if peer == self.rank else torch.empty_like(t) for peer in range(self.size)]
         works = [
             w
             for peer in range(self.size)
             if peer != self.rank
             for w in (
-                dist.isend(t, group=self.pg, group_dst=peer),
-                dist.irecv(parts[peer], group=self.pg, group_src=peer),
+                dist.isend(t, dst=self.ranks[peer], group=self.pg),
+                dist.irecv(parts[peer], src=self.ranks[peer], group=self.pg),
             )
         ]
 
@@ -191,11 +257,12 @@ class TorchGroup(Group):
         return Pending(parts, finish)
 
     def _reduce_scatter(self, t):
-        import torch.distributed as dist
-
         out = torch.empty_like(t.chunk(self.size, dim=0)[0])
+        scatter = _dist_call(
+            "reduce_scatter_single", "reduce_scatter_tensor", "_reduce_scatter_base"
+        )
         self._wait(
-            dist.reduce_scatter_single(out, t, group=self.pg, async_op=True), "reduce_scatter"
+            scatter(out, self._to_pg_order(t), group=self.pg, async_op=True), "reduce_scatter"
         )
         return out
 
@@ -210,8 +277,12 @@ class TorchGroup(Group):
         import torch.distributed as dist
 
         out = torch.empty_like(t)
-        self._wait(dist.all_to_all_single(out, t, group=self.pg, async_op=True), "all_to_all")
-        return out
+        work = dist.all_to_all_single(out, self._to_pg_order(t), group=self.pg, async_op=True)
+        self._wait(work, "all_to_all")
+        if self.order is None:
+            return out
+        chunks = out.chunk(self.size)  # chunk j came from process-group rank j
+        return torch.cat([chunks[self.order[i]] for i in range(self.size)])
 
     def _barrier(self):
         import torch.distributed as dist
@@ -229,17 +300,15 @@ class TorchGroup(Group):
         # them in the background, so each receive is posted whatever the ranks' order around
         # a ring, and no rank waits on a peer that is itself waiting.  NCCL needs the two
         # posted as one group to be safe (a two-rank exchange otherwise serialises them).
+        to = None if t is None else self.ranks[dst]  # peers by global rank
+        frm = None if buf is None else self.ranks[src]
         if dist.get_backend(self.pg) == "gloo":
-            works = ([] if t is None else [dist.isend(t, group=self.pg, group_dst=dst)]) + (
-                [] if buf is None else [dist.irecv(buf, group=self.pg, group_src=src)]
+            works = ([] if t is None else [dist.isend(t, dst=to, group=self.pg)]) + (
+                [] if buf is None else [dist.irecv(buf, src=frm, group=self.pg)]
             )
         else:
-            pairs = ((dist.isend, t, dst), (dist.irecv, buf, src))
-            ops = [
-                dist.P2POp(op, x, group=self.pg, group_peer=peer)
-                for op, x, peer in pairs
-                if x is not None
-            ]
+            pairs = ((dist.isend, t, to), (dist.irecv, buf, frm))
+            ops = [dist.P2POp(op, x, peer, group=self.pg) for op, x, peer in pairs if x is not None]
             works = dist.batch_isend_irecv(ops)
 
         def finish() -> None:

@@ -22,7 +22,8 @@ send / recv    ``b`` / 0                0 / ``b``
 ============== ======================== ========================
 
 Every blocking call times out (``timeout`` seconds, default 60) and raises
-:class:`CommTimeout`; nothing hangs.
+:class:`CommTimeout`; nothing hangs.  The process groups under it time out later
+(:func:`process_group_timeout_s`), so cpbook's error, naming the rank, comes first.
 """
 
 from __future__ import annotations
@@ -41,9 +42,17 @@ __all__ = [
     "Group",
     "Pending",
     "DEFAULT_TIMEOUT_S",
+    "process_group_timeout_s",
 ]
 
 DEFAULT_TIMEOUT_S = 60.0
+
+
+def process_group_timeout_s(timeout: float) -> float:
+    """The ``torch.distributed`` process groups' own timeout for cpbook's ``timeout``: twice
+    it plus a minute, so that a stuck collective always ends in cpbook's :class:`CommTimeout`
+    (which names the group and the rank) before NCCL's watchdog kills the process."""
+    return 2 * timeout + 60
 
 
 class CommTimeout(RuntimeError):
@@ -172,7 +181,7 @@ class Group(ABC):
         Returns the concatenation (padding dropped) and every rank's size.  Two traced calls.
         """
         n = torch.tensor([t.shape[dim]], dtype=torch.int64, device=t.device)
-        sizes = [int(s) for s in self.all_gather(n)]
+        sizes = self.all_gather(n).tolist()  # one host read: the sizes set the padding
         pad = max(sizes) - t.shape[dim]
         if pad:
             shape = list(t.shape)

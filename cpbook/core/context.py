@@ -14,8 +14,8 @@ from typing import Sequence
 
 import torch
 
-from cpbook.core.backends import SimGroup, SimWorld, TorchGroup
-from cpbook.core.comm import DEFAULT_TIMEOUT_S, Group, Trace
+from cpbook.core.backends import SimGroup, SimWorld, TorchGroup, new_process_group
+from cpbook.core.comm import DEFAULT_TIMEOUT_S, Group, Trace, process_group_timeout_s
 
 __all__ = ["RankContext"]
 
@@ -71,15 +71,17 @@ class RankContext:
             else:
                 import torch.distributed as dist
 
-                td = datetime.timedelta(seconds=self.timeout)
+                td = datetime.timedelta(seconds=process_group_timeout_s(self.timeout))
                 made = None
                 for g in lists:  # every rank creates every group, in the same order
                     pg = (
-                        dist.group.WORLD
+                        (dist.group.WORLD, None)
                         if list(g) == list(range(self.world_size))
-                        else dist.new_group(list(g), timeout=td, sort_ranks=False)
+                        else new_process_group(g, td)
                     )
                     if g == mine:
                         made = pg
-                self._cache[key] = TorchGroup(made, name, mine, self.rank, self.trace, self.timeout)
+                self._cache[key] = TorchGroup(
+                    made[0], name, mine, self.rank, self.trace, self.timeout, made[1]
+                )
         return self._cache[key]

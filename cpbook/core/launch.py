@@ -35,7 +35,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from cpbook.core.backends import SimWorld
-from cpbook.core.comm import DEFAULT_TIMEOUT_S, CommAborted, Trace
+from cpbook.core.comm import DEFAULT_TIMEOUT_S, CommAborted, Trace, process_group_timeout_s
 from cpbook.core.context import RankContext
 
 __all__ = ["run", "RankResults", "pick_backend", "format_report"]
@@ -97,6 +97,7 @@ def run(
     torchrun_args: Sequence[str] = (),
     job_timeout: float = 900.0,
     report: bool = True,
+    device: str | torch.device = "cpu",
 ) -> RankResults:
     """Run ``fn(ctx, **fn_kwargs)`` on ``world_size`` ranks and return the per-rank results.
 
@@ -106,13 +107,20 @@ def run(
     is each torchrun worker's ``OMP_NUM_THREADS``.  Extra ``torchrun_args`` (``--nnodes=2``,
     ``--rdzv-endpoint=host:port``, ``--node-rank=0`` ...) replace ``--standalone`` when they
     configure a rendezvous.  With ``report=True`` the deterministic report is printed.
+    ``device`` is the simulated ranks' device (``"cuda:0"``: every thread on one GPU); under
+    torchrun each rank uses ``cuda:LOCAL_RANK`` with NCCL and the CPU with gloo.
     """
     kwargs = dict(fn_kwargs or {})
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"[world-size] requires a positive integer world_size; got {world_size!r}")
     if backend == "inline":
-        res = _run_inline(fn, world_size, timeout, kwargs)
+        res = _run_inline(fn, world_size, timeout, kwargs, torch.device(device))
     elif backend == "torchrun":
+        if torch.device(device).type != "cpu":
+            raise ValueError(
+                f"[launch-device] requires device='cpu' under torchrun (each rank's device "
+                f"follows its dist backend); got device={device!r}"
+            )
         res = _run_torchrun(
             fn,
             world_size,
@@ -149,11 +157,12 @@ class _PerThreadStdout(io.TextIOBase):
         self.fallback.flush()
 
 
-def _run_inline(fn, world_size: int, timeout: float, kwargs: dict) -> RankResults:
+def _run_inline(
+    fn, world_size: int, timeout: float, kwargs: dict, device: torch.device
+) -> RankResults:
     sim = SimWorld(world_size, timeout)
     ctxs = [
-        RankContext(r, world_size, "inline", torch.device("cpu"), timeout, sim=sim)
-        for r in range(world_size)
+        RankContext(r, world_size, "inline", device, timeout, sim=sim) for r in range(world_size)
     ]
     values: list[Any] = [None] * world_size
     bufs = [io.StringIO() for _ in range(world_size)]
@@ -315,7 +324,7 @@ def worker_context(dist_backend: str, timeout: float) -> RankContext:
         torch.cuda.set_device(device)
     dist.init_process_group(
         dist_backend,
-        timeout=datetime.timedelta(seconds=timeout),
+        timeout=datetime.timedelta(seconds=process_group_timeout_s(timeout)),
         **({"device_id": device} if dist_backend == "nccl" else {}),
     )
     return RankContext(rank, world, dist_backend, device, timeout)

@@ -83,6 +83,14 @@ class TinyMLA:
         )
         return cls(uk.to(dtype), uv.to(dtype), qk_rope_head_dim)
 
+    def to(
+        self, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+    ) -> "TinyMLA":
+        """The same up-projections on ``device`` and in ``dtype`` (``None``: unchanged)."""
+        return TinyMLA(
+            self.W_UK.to(device, dtype), self.W_UV.to(device, dtype), self.qk_rope_head_dim
+        )
+
     @property
     def kv_lora_rank(self) -> int:
         return self.W_UK.shape[0]

@@ -63,6 +63,17 @@ class TPABlock:
     num_q_heads: int
     mla: TinyMLA | None = None
 
+    def to(
+        self, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+    ) -> "TPABlock":
+        """The same block on ``device`` and in ``dtype`` (``None``: unchanged)."""
+        return TPABlock(
+            self.w_q.to(device, dtype),
+            self.w_o.to(device, dtype),
+            self.num_q_heads,
+            None if self.mla is None else self.mla.to(device, dtype),
+        )
+
     @property
     def q_dim(self) -> int:
         return self.w_q.shape[1] // self.num_q_heads

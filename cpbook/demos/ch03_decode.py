@@ -173,8 +173,9 @@ def mla_problem(
 
 
 def _reference(mla: TinyMLA, qn, qp, lat, context_lens, heads: slice) -> list[torch.Tensor]:
-    """Float64 dense MHA-form attention (causal over the new tokens) for ``heads``."""
-    m64 = TinyMLA(mla.W_UK.double(), mla.W_UV.double(), mla.qk_rope_head_dim)
+    """Float64 dense MHA-form attention (causal over the new tokens) for ``heads``, on the
+    host (``mla`` may live on a device: its weights are copied)."""
+    m64 = mla.to("cpu", torch.float64)
     outs = []
     for a, b, x, c in zip(qn, qp, lat, context_lens):
         k, v = m64.expand_kv(x.double(), heads)
@@ -277,7 +278,7 @@ def mla_decode_rank(
             torch.cat(qn)[:, heads].to(ctx.device),
             torch.cat(qp)[:, heads].to(ctx.device),
             [k[:, 0] for k, _, _ in local],
-            mla,
+            mla.to(ctx.device),
             heads,
             groups.dcp,
             dcp_comm_backend,
@@ -370,7 +371,7 @@ def mla_context_rank(
             [x[c:].to(dev) for x, c in zip(lat, context_lens)],
             context_lens,
             [k[:, 0] for k, _, _ in local],
-            mla,
+            mla.to(dev),
             heads,
             groups.dcp,
             cfg.interleave,

@@ -118,31 +118,33 @@ def pcp_prefill_rank(
     dt = _DTYPES[dtype]
     x, w = pcp_prefill_problem(seq_lens, hidden_size, num_q_heads, num_kv_heads, head_dim, seed)
 
-    def qkv(hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def qkv(hidden: torch.Tensor, positions: torch.Tensor, w: dict) -> tuple[torch.Tensor, ...]:
         t = hidden.shape[0]
         q = rope((hidden @ w["q"]).view(t, num_q_heads, head_dim), positions)[:, qh]
         k = rope((hidden @ w["k"]).view(t, num_kv_heads, head_dim), positions)[:, kh]
         v = (hidden @ w["v"]).view(t, num_kv_heads, head_dim)[:, kh]
         return tuple(a.to(dt).contiguous() for a in (q, k, v))
 
-    q_ref, k_ref, v_ref = qkv(x, torch.cat([torch.arange(n) for n in seq_lens]))
-    meta = part.metadata(groups.coords.pcp_rank)
-    q, k, v = qkv(pcp_shard(x, meta), meta.positions)
+    q_ref, k_ref, v_ref = qkv(x, torch.cat([torch.arange(n) for n in seq_lens]), w)
+    meta, dev = part.metadata(groups.coords.pcp_rank), ctx.device
+    on_dev = {n: t.to(dev) for n, t in w.items()}
+    q, k, v = qkv(pcp_shard(x.to(dev), meta), meta.positions.to(dev), on_dev)
     with ctx.traced() as comm:
         out, lse = pcp_prefill_attention(q, k, v, meta, groups.pcp)
     ref_out, ref_lse = _reference(q_ref, k_ref, v_ref, meta)
     real = ~meta.is_padding
+    out_h, lse_h = out.cpu(), lse.cpu()  # compared on the host, with the float64 reference
     err = (
         max(
-            (out[real].double() - ref_out[real]).abs().max().item(),
-            (lse[real].double() - ref_lse[real]).abs().max().item(),
+            (out_h[real].double() - ref_out[real]).abs().max().item(),
+            (lse_h[real].double() - ref_lse[real]).abs().max().item(),
         )
         if bool(real.any())
         else 0.0
     )
     with ctx.traced() as restore_comm:
         restored = pcp_restore(out, meta, groups.pcp)
-    placed = torch.equal(restored[meta.token_index[real]], out[real])
+    placed = torch.equal(restored.cpu()[meta.token_index[real]], out_h[real])
     work = part.work()[meta.pcp_rank]
     chunks = " ".join(f"r{s.request}[{s.start},{s.end})" for s in meta.segments[:8])
     more = f" +{len(meta.segments) - 8} more" if len(meta.segments) > 8 else ""

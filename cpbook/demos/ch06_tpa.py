@@ -116,14 +116,7 @@ def tpa_rank(
         attention, num_q_heads, num_kv_heads, head_dim, hidden_size, seq_lens, seed
     )
     dt, dev, tp_rank = getattr(torch, dtype), ctx.device, groups.coords.tp_rank
-    block = TPABlock(
-        block.w_q.to(dt),
-        block.w_o.to(dt),
-        num_q_heads,
-        None
-        if block.mla is None
-        else TinyMLA(block.mla.W_UK.to(dt), block.mla.W_UV.to(dt), block.mla.qk_rope_head_dim),
-    )
+    block = block.to(dev, dt)
     kvh = attention_kv_heads(cfg, tp_rank)
     cached_k = [k[:, None] if mla else k[:, kvh] for k in ks]
     cached_v = [None if v is None else v[:, kvh] for v in vs]

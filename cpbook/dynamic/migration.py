@@ -121,23 +121,28 @@ def migrate_kv(
     count = migration_plan(seq_len, old_size, new_size, old_interleave, new_interleave)
     got_k, got_v, got_p = [], [], []
     if old is not None:
-        k_old, v_old, pos = old[0].read(old[1], seq_len)
-        owner = torch.div(pos.cpu(), new_interleave, rounding_mode="floor") % new_size
+        k_old, v_old, _ = old[0].read(old[1], seq_len)
+        pos = local_positions(seq_len, old_size, r, old_interleave)  # on the host
+        owner = torch.div(pos, new_interleave, rounding_mode="floor") % new_size
+
+        def rows_for(t: int) -> torch.Tensor:
+            """This rank's rows whose new owner is ``t``, as indices on the cache's device."""
+            return (owner == t).nonzero().flatten().to(k_old.device)
+
         if new is not None:
-            keep = owner == r
-            got_k.append(k_old[keep.to(k_old.device)])
-            got_v.append(v_old[keep.to(v_old.device)])
-            got_p.append(pos.cpu()[keep])
+            keep = rows_for(r)
+            got_k.append(k_old.index_select(0, keep))
+            got_v.append(v_old.index_select(0, keep))
+            got_p.append(pos[owner == r])
     for src, dst, n in _pairs(count):
         if r == src:
-            mask = (owner == dst).to(k_old.device)
-            group.send(k_old[mask].contiguous(), dst)
-            group.send(v_old[mask].contiguous(), dst)
+            rows = rows_for(dst)
+            group.send(k_old.index_select(0, rows), dst)
+            group.send(v_old.index_select(0, rows), dst)
         elif r == dst:
-            like_k = torch.empty(n, *new[0].key_cache.shape[2:], dtype=new[0].key_cache.dtype)
-            like_v = torch.empty(n, *new[0].value_cache.shape[2:], dtype=new[0].key_cache.dtype)
-            got_k.append(group.recv(like_k.to(new[0].key_cache.device), src))
-            got_v.append(group.recv(like_v.to(new[0].key_cache.device), src))
+            kc, vc = new[0].key_cache, new[0].value_cache
+            got_k.append(group.recv(kc.new_empty(n, *kc.shape[2:]), src))
+            got_v.append(group.recv(vc.new_empty(n, *vc.shape[2:]), src))
             theirs = local_positions(seq_len, old_size, src, old_interleave)
             got_p.append(
                 theirs[torch.div(theirs, new_interleave, rounding_mode="floor") % new_size == r]

@@ -86,9 +86,9 @@ def valid_grid(
     return sorted(out, key=lambda c: (c[0] * c[2], c))
 
 
-def single_rank_context() -> RankContext:
-    """A one-rank inline context, for an engine used directly (no launcher)."""
-    return RankContext(0, 1, "inline", torch.device("cpu"), sim=SimWorld(1))
+def single_rank_context(device: torch.device | str = "cpu") -> RankContext:
+    """A one-rank inline context on ``device``, for an engine used directly (no launcher)."""
+    return RankContext(0, 1, "inline", torch.device(device), sim=SimWorld(1))
 
 
 @dataclass(frozen=True)
@@ -126,7 +126,8 @@ class Engine:
     :class:`~cpbook.core.config.ParallelConfig` from the model
     (:meth:`~cpbook.core.config.ParallelConfig.for_model`), so the two cannot disagree;
     ``num_kv_blocks`` physical blocks per rank (= block ids of the DCP group); ``ctx`` this
-    rank's context (default: a single inline rank); ``alpha`` / ``beta`` the link's seconds per
+    rank's context (default: a single inline rank on the CPU; the weights, caches and every
+    step's tensors live on ``ctx.device``); ``alpha`` / ``beta`` the link's seconds per
     call and per byte for ``strategy="auto"`` (default: the CPU fit,
     :data:`~cpbook.pcp.chunked_plan.CPU_ALPHA_S`).  Every rank of ``ctx``'s world must build
     the engine with the same arguments and drive it the same way.
@@ -166,12 +167,12 @@ class Engine:
             dcp_comm_backend=dcp_comm_backend,
         )
         self.ctx = ctx or single_rank_context()
-        self.model, self.config = model, cfg
+        self.model, self.config = model.to(self.ctx.device), cfg  # weights on the rank's device
         self.groups = make_groups(self.ctx, cfg)  # raises grid-matches-world before collectives
         self.kv = KVCacheManager.from_config(cfg, num_kv_blocks, enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, max_num_batched_tokens, max_num_seqs)
         self.runner = ModelRunner(
-            model,
+            self.model,
             cfg,
             self.groups,
             num_kv_blocks,

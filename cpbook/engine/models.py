@@ -173,6 +173,23 @@ class TinyModel:
         lm_head = w(H, cfg.vocab_size, fan_in=H, gain=4.0)
         return cls(cfg, embed, lm_head, torch.ones(H, dtype=dtype), layers, mlas)
 
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    def to(self, device: torch.device | str) -> "TinyModel":
+        """The same weights on ``device`` (``self`` if they are there already)."""
+        if self.embed.device == torch.device(device):
+            return self
+        return TinyModel(
+            self.config,
+            self.embed.to(device),
+            self.lm_head.to(device),
+            self.final_norm.to(device),
+            [{n: w.to(device) for n, w in lw.items()} for lw in self.layers],
+            [m.to(device) for m in self.mla],
+        )
+
     # -- the blocks, on a slice of heads / MLP columns ------------------------------------
     def attn_input(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         """RMSNorm before attention: ``[T, H] -> [T, H]``."""
@@ -243,8 +260,8 @@ def reference_forward(
     long, extended in place).  Causal; MLA in its MHA form.  Returns logits ``[T, vocab]``."""
     cfg = model.config
     every = slice(None)
-    pos = torch.arange(start, start + len(token_ids))
-    x = model.embed[torch.tensor(token_ids)]
+    pos = torch.arange(start, start + len(token_ids), device=model.device)
+    x = model.embed[torch.tensor(token_ids, device=model.device)]
     for layer in range(cfg.num_hidden_layers):
         h = model.attn_input(layer, x)
         if cfg.use_mla:

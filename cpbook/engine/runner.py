@@ -16,7 +16,11 @@ code inline and under torchrun (vLLM's ``GPUModelRunner.execute_model``):
   (context from the paged cache, AllGather-Q or AllGather-KV picked by the selector), then the new
   K/V is all-gathered over PCP and written through the slot mapping.
 * **Sampling**: greedy, on the last row of every request whose chunk reaches its last token;
-  rank 0's tokens are shared with every rank (one all-gather), as vLLM's driver broadcasts.
+  rank 0's tokens are shared with every rank (one all-gather), as vLLM's driver broadcasts,
+  and read to the host once per step for the scheduler.
+* **Devices**: weights, caches and every step's tensors live on the model's device
+  (``ctx.device`` of the :class:`~cpbook.engine.engine.Engine`); the step's token ids,
+  positions and slot mappings are built on the host and copied once.
 """
 
 from __future__ import annotations
@@ -76,6 +80,7 @@ class ModelRunner:
                 dcp_rank=c.dcp_rank,
                 interleave=config.interleave,
                 dtype=model.embed.dtype,
+                device=model.device,
             )
             for _ in range(mc.num_hidden_layers)
         ]
@@ -88,7 +93,7 @@ class ModelRunner:
     def _restore(self, t: torch.Tensor, meta: PCPMetadata) -> torch.Tensor:
         """Every prefill row of the step in sequence order (all-gather over PCP if > 1)."""
         if self.groups.pcp.size == 1:
-            return t.index_select(0, meta.restore_index)
+            return t.index_select(0, meta.restore_index.to(t.device))
         return pcp_restore(t, meta, self.groups.pcp)
 
     def _value_view(self, k: torch.Tensor, v: torch.Tensor | None) -> torch.Tensor:
@@ -191,7 +196,8 @@ class ModelRunner:
             ids.append(pcp_shard(flat, meta))
             starts = torch.tensor([c.start for c in pre], dtype=torch.long)
             pos.append(meta.positions + starts[meta.request_ids])
-        ids_t, pos_t = torch.cat(ids), torch.cat(pos)
+        dev = model.device  # the step's metadata is built on the host, then copied once
+        ids_t, pos_t = torch.cat(ids).to(dev), torch.cat(pos).to(dev)
         x = model.embed[ids_t]
         for layer in range(model.config.num_hidden_layers):
             h = model.attn_input(layer, x)
@@ -211,15 +217,13 @@ class ModelRunner:
         names, rows = [c.request_id for c in dec], [x[:nd]]
         if pre and any(c.sample for c in pre):
             seq = self._restore(x[nd:], meta)
-            ends = torch.tensor(meta.cu_seq_lens[1:]) - 1
             keep = [j for j, c in enumerate(pre) if c.sample]
             names += [pre[j].request_id for j in keep]
-            rows.append(seq[ends[keep]])
+            ends = torch.tensor([meta.cu_seq_lens[j + 1] - 1 for j in keep], device=dev)
+            rows.append(seq.index_select(0, ends))
         logits = model.logits(torch.cat(rows))
         tokens = logits.argmax(dim=-1)
         if groups.world.size > 1:  # everyone continues with rank 0's tokens
             tokens = groups.world.all_gather(tokens[None], dim=0)[0]
-        return (
-            {n: int(t) for n, t in zip(names, tokens)},
-            {n: row for n, row in zip(names, logits)},
-        )
+        # the step's one host read: the scheduler needs the sampled tokens
+        return dict(zip(names, tokens.tolist())), dict(zip(names, logits))

@@ -45,6 +45,8 @@ class PagedKVCache:
       returns the ``n = local_seq_len(seq_len, ...)`` tokens this rank holds for a request whose
       first ``seq_len`` tokens were written, in slot order, with their global positions.
       Reading a slot never written raises ``ValueError``.
+    * K/V (and the positions read back) live on ``device``; slot mappings, block tables and the
+      record of written slots stay on the host, so no check waits on the device.
     """
 
     def __init__(
@@ -77,7 +79,8 @@ class PagedKVCache:
         self.value_cache = (
             torch.zeros(*shape, v_head_dim, dtype=dtype, device=device) if v_head_dim else None
         )
-        self.written = torch.zeros(num_blocks * block_size, dtype=torch.bool, device=device)
+        # which slots hold a token: bookkeeping on the host, so checks never wait on the device
+        self.written = torch.zeros(num_blocks * block_size, dtype=torch.bool)
 
     @property
     def num_slots(self) -> int:
@@ -101,7 +104,7 @@ class PagedKVCache:
         """Store ``k[t]`` (and ``v[t]``) in slot ``slot_mapping[t]``; skip ``-1``.
 
         Returns the number of tokens written."""
-        slots = _as_long(slot_mapping, "slot_mapping").to(self.written.device).reshape(-1)
+        slots = _as_long(slot_mapping, "slot_mapping").cpu().reshape(-1)
         if k.shape[1:] != self.key_cache.shape[2:] or k.shape[0] != slots.numel():
             raise ConfigError(
                 "kv-shape",
@@ -130,14 +133,13 @@ class PagedKVCache:
                 max_slot=int(mine.max()),
                 num_slots=self.num_slots,
             )
-        keep = keep.to(k.device)
-        self.key_cache.view(self.num_slots, *self.key_cache.shape[2:])[mine] = k[keep].to(
-            self.key_cache
-        )
-        if v is not None:
-            self.value_cache.view(self.num_slots, *self.value_cache.shape[2:])[mine] = v[keep].to(
-                self.value_cache
-            )
+        dev = self.key_cache.device
+        rows = None if bool(keep.all()) else keep.nonzero().flatten().to(k.device)
+        at = mine.to(dev)
+        for cache, x in ((self.key_cache, k), (self.value_cache, v)):
+            if cache is not None:
+                x = x if rows is None else x.index_select(0, rows)
+                cache.view(self.num_slots, *cache.shape[2:]).index_copy_(0, at, x.to(cache))
         self.written[mine] = True
         return int(mine.numel())
 
@@ -164,7 +166,7 @@ class PagedKVCache:
         self, block_table: torch.Tensor | Sequence[int], seq_len: int
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """This rank's K, V (``None`` without a V cache) and global positions for a request."""
-        slots = self.local_slots(block_table, seq_len).to(self.written.device)
+        slots = self.local_slots(block_table, seq_len)
         if slots.numel() and (
             int(slots.max()) >= self.num_slots or not bool(self.written[slots].all())
         ):
@@ -175,16 +177,15 @@ class PagedKVCache:
                 dcp_rank=self.dcp_rank,
                 unwritten=int((~self.written[slots.clamp(max=self.num_slots - 1)]).sum()),
             )
-        k = self.key_cache.view(self.num_slots, *self.key_cache.shape[2:])[slots]
-        v = (
-            None
-            if self.value_cache is None
-            else self.value_cache.view(self.num_slots, *self.value_cache.shape[2:])[slots]
+        at = slots.to(self.key_cache.device)
+        k, v = (
+            None if c is None else c.view(self.num_slots, *c.shape[2:]).index_select(0, at)
+            for c in (self.key_cache, self.value_cache)
         )
         return (
             k,
             v,
-            local_positions(seq_len, self.dcp, self.dcp_rank, self.interleave).to(slots.device),
+            local_positions(seq_len, self.dcp, self.dcp_rank, self.interleave).to(at.device),
         )
 
 
