@@ -1,0 +1,195 @@
+"""cpbook's GPU-side cost model beside NVIDIA's AIConfigurator, case by case.
+
+    python -m venv .aic && . .aic/bin/activate
+    pip install torch==2.13.0 aiconfigurator==0.12.0 && pip install --no-deps -e .
+    python bench/vs_aiconfigurator.py --json [--store bench/results/vs_aiconfigurator.jsonl]
+
+AIConfigurator (``aiconfigurator`` on PyPI, CPU-only at run time) predicts TTFT and TPOT from
+kernel tables measured on H100 and H200 SXM; it is an optional peer, not a dependency of the
+book or of ``.ci/run``.  For every case both predict the same *static* batch with the vLLM
+backend: ``batch`` prompts of ``isl`` tokens prefilled together on each replica, then ``osl``
+decode steps.  The two sides are matched as follows:
+
+- weights and KV: bf16 KV on both sides (``kvcache_quant_mode="bfloat16"``); weights as
+  cpbook's :data:`~cpbook.costmodel.specs.MODELS` store them (bf16 for Llama and Qwen3, FP8
+  for DeepSeek-V3), which is also the peer's default for those checkpoints;
+- layouts: TP ``t`` is the peer's ``tp_size=t`` (MoE: ``moe_tp_size=t``); DP × EP is its
+  ``attention_dp_size=dp, moe_ep_size=dp`` with ``tp_size=1`` (cpbook's
+  ``Layout(dp=dp, ep=True)``); the peer's ``batch_size`` is per DP rank, cpbook's ``batch``
+  is global, so cpbook decodes ``batch × dp``;
+- TTFT: the peer's is the prefill of the whole batch on one replica; cpbook's is
+  ``batch × ttft(prompt)`` (prefill is compute-bound, so batching does not change its FLOPs);
+- TPOT: the peer averages the ``osl`` steps; cpbook's :func:`~cpbook.costmodel.latency.tpot`
+  is evaluated at the mean context ``isl + osl / 2``.
+
+A case runs only where cpbook's memory model holds the batch (``max_concurrency``).  Prints one
+line per case ``{"name": "vs_aic", "model", "gpu", "layout", "isl", "batch", "ttft_ms",
+"aic_ttft_ms", "tpot_ms", "aic_tpot_ms", "ttft_ratio", "tpot_ratio"}`` (ratios are cpbook /
+peer), then per model ``{"name": "vs_aic_summary", "model", "family", "cases", "aic_vllm_db",
+"ttft_median_abs_err", "ttft_worst_abs_err", "tpot_median_abs_err", "tpot_worst_abs_err"}``
+with ``abs_err = |ratio - 1|`` (``aic_vllm_db``: the vLLM version of the kernel tables),
+after a header line naming the peer's version.
+The peer's tables end near 128K tokens of context and at batch sizes it profiled: the cases
+stop at ``isl`` 128K, and nothing here covers longer contexts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from cpbook import costmodel as cm
+
+#: cpbook's model name -> the peer's Hugging Face id (shipped with the peer, no network)
+PEER_MODELS = {
+    "Llama-3.1-8B": "meta-llama/Meta-Llama-3.1-8B",
+    "Llama-3.1-70B": "meta-llama/Meta-Llama-3.1-70B",
+    "Qwen3-235B-A22B": "Qwen/Qwen3-235B-A22B",
+    "DeepSeek-V3": "deepseek-ai/DeepSeek-V3",
+}
+PEER_SYSTEMS = {"H200": "h200_sxm", "H100": "h100_sxm"}
+ISLS = (4096, 32768, 131072)
+BATCHES = (1, 8, 32, 64)
+OSL = 256
+
+
+@dataclass(frozen=True)
+class Case:
+    model: str
+    gpu: str
+    layout: cm.Layout
+    isl: int
+    batch: int  #: per replica, as the peer counts it
+
+    @property
+    def moe(self) -> bool:
+        return bool(cm.get_model(self.model).expert_params)
+
+
+def layouts(model: str) -> list[cm.Layout]:
+    """TP 1-8 for dense models; TP 4/8 and DP8 x EP8 for MoE models."""
+    if cm.get_model(model).expert_params:
+        return [cm.Layout(tp=4), cm.Layout(tp=8), cm.Layout(dp=8, ep=True)]
+    return [cm.Layout(tp=t) for t in (1, 2, 4, 8)]
+
+
+def cases(models: list[str], gpus: list[str]) -> list[Case]:
+    """Every (model, GPU, layout, isl, batch) whose batch fits cpbook's memory model."""
+    out = []
+    for name in models:
+        spec = cm.get_model(name)
+        for gpu in gpus:
+            for layout in layouts(name):
+                for isl in ISLS:
+                    try:
+                        fits = cm.max_concurrency(spec, cm.get_gpu(gpu), layout, isl + OSL)
+                    except ValueError:  # the weights alone do not fit
+                        continue
+                    out += [
+                        Case(name, gpu, layout, isl, b) for b in BATCHES if b * layout.dp <= fits
+                    ]
+    return out
+
+
+def cpbook_ms(case: Case) -> tuple[float, float]:
+    """cpbook's TTFT and TPOT of ``case`` in milliseconds (see the module docstring)."""
+    spec, gpu = cm.get_model(case.model), cm.get_gpu(case.gpu)
+    ttft = case.batch * cm.ttft(spec, gpu, case.layout, case.isl).total_s
+    step = cm.tpot(spec, gpu, case.layout, case.isl + OSL // 2, case.batch * case.layout.dp)
+    return ttft * 1e3, step.total_s * 1e3
+
+
+def peer_ms(case: Case) -> tuple[float, float, str]:
+    """The peer's static-mode TTFT and TPOT of ``case`` in milliseconds, and the version of
+    vLLM its kernel tables were measured with."""
+    from aiconfigurator.cli.api import cli_estimate
+
+    lay = case.layout
+    if lay.ep:
+        par = dict(tp_size=lay.tp, attention_dp_size=lay.dp, moe_tp_size=1, moe_ep_size=lay.dp)
+    elif case.moe:
+        par = dict(tp_size=lay.tp, moe_tp_size=lay.tp, moe_ep_size=1)
+    else:
+        par = dict(tp_size=lay.tp)
+    r = cli_estimate(
+        PEER_MODELS[case.model],
+        PEER_SYSTEMS[case.gpu],
+        mode="static",
+        backend_name="vllm",
+        isl=case.isl,
+        osl=OSL,
+        batch_size=case.batch,
+        kvcache_quant_mode="bfloat16",
+        **par,
+    )
+    return float(r.ttft), float(r.tpot), str(r.backend_version)
+
+
+def summary(model: str, rows: list[dict], db: str) -> dict:
+    """Median and worst ``|ratio - 1|`` of one model's rows."""
+    ttft = [abs(r["ttft_ratio"] - 1) for r in rows]
+    tpot = [abs(r["tpot_ratio"] - 1) for r in rows]
+    return {
+        "name": "vs_aic_summary",
+        "model": model,
+        "family": "moe" if cm.get_model(model).expert_params else "dense",
+        "cases": len(rows),
+        "aic_vllm_db": db,
+        "ttft_median_abs_err": round(statistics.median(ttft), 3),
+        "ttft_worst_abs_err": round(max(ttft), 3),
+        "tpot_median_abs_err": round(statistics.median(tpot), 3),
+        "tpot_worst_abs_err": round(max(tpot), 3),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json", action="store_true", help="print JSON lines (the default output)")
+    p.add_argument("--models", nargs="+", default=list(PEER_MODELS), choices=list(PEER_MODELS))
+    p.add_argument("--gpus", nargs="+", default=list(PEER_SYSTEMS), choices=list(PEER_SYSTEMS))
+    p.add_argument("--store", type=Path, help="also write the lines to this file")
+    a = p.parse_args(argv)
+    try:
+        from importlib.metadata import version
+
+        peer_version = version("aiconfigurator")
+    except Exception as e:  # the peer is optional: say how to get it
+        raise SystemExit(f"vs_aiconfigurator: {e}; install it as the docstring says") from e
+    logging.disable(logging.WARNING)  # the peer logs its database loads at INFO/WARNING
+    lines = [{"name": "vs_aic_peer", "aiconfigurator": peer_version, "backend": "vllm"}]
+    print(json.dumps(lines[0]), flush=True)
+    by_model: dict[str, list[dict]] = {}
+    for case in cases(a.models, a.gpus):
+        ttft, step = cpbook_ms(case)
+        aic_ttft, aic_step, db = peer_ms(case)
+        row = {
+            "name": "vs_aic",
+            "model": case.model,
+            "gpu": case.gpu,
+            "layout": case.layout.label,
+            "isl": case.isl,
+            "batch": case.batch,
+            "ttft_ms": round(ttft, 3),
+            "aic_ttft_ms": round(aic_ttft, 3),
+            "tpot_ms": round(step, 4),
+            "aic_tpot_ms": round(aic_step, 4),
+            "ttft_ratio": round(ttft / aic_ttft, 3),
+            "tpot_ratio": round(step / aic_step, 3),
+        }
+        by_model.setdefault(case.model, []).append(row)
+        lines.append(row)
+        print(json.dumps(row), flush=True)
+    summaries = [summary(m, rows, db) for m, rows in by_model.items()]
+    for line in summaries:
+        print(json.dumps(line))
+    lines += summaries
+    if a.store:
+        a.store.write_text("".join(json.dumps(x) + "\n" for x in lines))
+
+
+if __name__ == "__main__":
+    main()
