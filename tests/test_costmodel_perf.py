@@ -27,7 +27,7 @@ def test_layout_kv_per_token_by_hand():
     assert cm.layout_kv_bytes_per_token(L8B, L(pcp=8)) == 131_072  # PCP keeps the whole cache
     assert cm.layout_kv_bytes_per_token(QWEN3, L(tp=8, dcp=2)) == 192_512 / 4 / 2
     assert cm.layout_kv_bytes_per_token(QWEN3, L(tp=8, dcp=2, tpa=True)) == 192_512 / 4 / 2
-    assert cm.layout_kv_bytes_per_token(DSV3, L(tp=8, dcp=8), "fp8") == 656 * 61 / 8
+    assert cm.layout_kv_bytes_per_token(DSV3, L(tp=8, dcp=8), "fp8") == 576 * 61 / 8
 
 
 def test_layout_agrees_with_pre_split_functions():
@@ -97,7 +97,9 @@ def test_one_million_tokens_on_one_node():
 
     for gpu in (H200, A910):
         assert fits(gpu, 8, "bf16") and fits(gpu, 8, "fp8") and not fits(gpu, 1, "bf16")
-    assert not fits(H200, 1, "fp8", 0.92) and fits(H200, 1, "fp8", 0.925)
+    # fp8 KV (576 B per token and layer) without DCP: from a utilisation of 0.89 on
+    assert fits(H200, 1, "fp8") and fits(H200, 1, "fp8", 0.89) and not fits(H200, 1, "fp8", 0.885)
+    assert not fits(H200, 1, "fp8_ds_mla")  # V3.2's 656 B layout would miss at 0.9
     with pytest.raises(ValueError, match="model-fits"):
         cm.layout_max_context(KIMI, H200, L(tp=8, dcp=8), gpu_memory_utilization=0.95)
 

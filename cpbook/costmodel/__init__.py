@@ -17,6 +17,7 @@ from cpbook.costmodel.decode import (
     collective_time,
     decode_break_even,
     decode_layer_time,
+    tpa_weight_costs,
 )
 from cpbook.costmodel.latency import (
     DEFAULT_MFU,
@@ -54,6 +55,7 @@ from cpbook.costmodel.specs import (
     GIB,
     GPUS,
     KV_DTYPE_BYTES,
+    KV_DTYPES,
     LINKS,
     MODELS,
     GPUSpec,
@@ -88,6 +90,7 @@ __all__ = [
     "GPUS",
     "GPUSpec",
     "KV_DTYPE_BYTES",
+    "KV_DTYPES",
     "LINKS",
     "Layout",
     "LinkSpec",
@@ -112,5 +115,6 @@ __all__ = [
     "max_concurrency",
     "max_context_tokens",
     "prefill_flops",
+    "tpa_weight_costs",
     "weight_bytes_per_gpu",
 ]

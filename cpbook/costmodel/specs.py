@@ -155,10 +155,15 @@ MODELS: dict[str, ModelSpec] = {
     ),
 }
 
-#: bytes per cached element for GQA (and for the MLA latent, except "fp8")
+#: bytes per cached element, GQA and dense MLA alike: vLLM's ``fp8`` / ``fp8_e4m3`` cache of a
+#: dense MLA model (FlashMLA) stores the 512 + 64 latent in FP8 with one scale per tensor, 576 B
+#: per token and layer for DeepSeek-V3 and Kimi-K2
 KV_DTYPE_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
-#: vLLM's ``fp8_ds_mla`` layout: 512 fp8 latent + 16 B scales + 64 bf16 rope
+#: vLLM's ``fp8_ds_mla`` layout of *sparse* MLA (DeepSeek-V3.2, FlashMLA-sparse): 512 fp8 latent
+#: + 16 B scales + 64 bf16 rope; the ``kv_dtype`` of that name, for MLA models only
 FP8_DS_MLA_BYTES_PER_TOKEN_PER_LAYER = 512 + 16 + 64 * 2
+#: every ``kv_dtype`` the memory model accepts
+KV_DTYPES: tuple[str, ...] = (*KV_DTYPE_BYTES, "fp8_ds_mla")
 #: placeholder for activations, CUDA graphs and comm buffers (vLLM profiles it)
 DEFAULT_ACTIVATION_RESERVE_BYTES = 4 * GIB
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
