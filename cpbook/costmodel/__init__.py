@@ -14,6 +14,7 @@ from cpbook.costmodel.decode import (
     DECODE_MODES,
     DEFAULT_HBM_EFFICIENCY,
     DecodeLayerTime,
+    alpha_from_allreduce,
     collective_time,
     decode_break_even,
     decode_layer_time,
@@ -48,6 +49,9 @@ from cpbook.costmodel.memory import (
 )
 from cpbook.costmodel.recommend import Recommendation, Workload, recommend
 from cpbook.costmodel.specs import (
+    ALLREDUCE_BENCH_BYTES,
+    ALLREDUCE_BENCH_SOURCE,
+    ALLREDUCE_BENCH_US,
     DEFAULT_ACTIVATION_RESERVE_BYTES,
     DEFAULT_GPU_MEMORY_UTILIZATION,
     FP8_DS_MLA_BYTES_PER_TOKEN_PER_LAYER,
@@ -67,6 +71,10 @@ from cpbook.costmodel.specs import (
 )
 
 __all__ = [
+    "ALLREDUCE_BENCH_BYTES",
+    "ALLREDUCE_BENCH_SOURCE",
+    "ALLREDUCE_BENCH_US",
+    "alpha_from_allreduce",
     "DEFAULT_MFU",
     "DecodeTime",
     "PrefillTime",

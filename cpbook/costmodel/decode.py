@@ -40,6 +40,13 @@ def collective_time(op: str, bytes_per_rank: float, group_size: int, link: LinkS
     return link.alpha_s + bytes_per_rank / link.bw_bytes_per_s
 
 
+def alpha_from_allreduce(seconds: float, group_size: int, nbytes: int, link: LinkSpec) -> float:
+    """The α a measured all-reduce of ``nbytes`` on ``group_size`` GPUs implies: its time minus
+    the ring's transfer, ``2·(N−1)/N·nbytes`` sent per rank over ``link``'s bandwidth."""
+    sent = 2 * (group_size - 1) * nbytes / group_size
+    return seconds - sent / link.bw_bytes_per_s
+
+
 # ---------------------------------------------------------------- one decode step, per layer
 
 DECODE_MODES = ("no_cp", "dcp", "dcp_tpa")
