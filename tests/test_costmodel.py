@@ -495,12 +495,16 @@ def test_decode_collectives_are_the_tpa_formula():
         ("dcp_tpa", "tpa", 8),
     ):
         t = cm.decode_layer_time(DSV3, H200, 4096, mode, num_reqs=3)
-        expected = tpa_comm_bytes(tpa_mode, 3, 16, 576, 512, n, 8, 7168, "ag_rs", 2)
+        expected = tpa_comm_bytes(tpa_mode, 3, 16, 576, 512, n, 8, 7168, "ag_rs", 2, 4)
         assert [(op, b) for op, _, b in t.calls] == expected
         assert [g for op, g, _ in t.calls] == [8 if op == "all_reduce" else n for op, _ in expected]
         assert math.isclose(t.comm_s, sum(cm.collective_time(o, b, g, NVL) for o, g, b in t.calls))
     std = cm.decode_layer_time(DSV3, H200, 4096, "dcp")
     tpa = cm.decode_layer_time(DSV3, H200, 4096, "dcp_tpa")
+    # vLLM's LSEs are fp32: ag_rs gathers 8 x 16 of them per request, a2a packs 4 bytes each
+    assert std.calls[1] == ("all_gather", 8, 8 * 16 * 4 * 7)
+    a2a = cm.decode_layer_time(DSV3, H200, 4096, "dcp", dcp_comm_backend="a2a")
+    assert a2a.calls[1] == ("all_to_all", 8, 16 * (512 * 2 + 4) * 7)
     (_, _, q_bytes), *_ = std.calls
     assert math.isclose(std.comm_s - tpa.comm_s, NVL.alpha_s + q_bytes / NVL.bw_bytes_per_s)
     # TPA reads dcp - 1 more q_b_proj shards: 16 heads x 192 x 1536 fp8 bytes each

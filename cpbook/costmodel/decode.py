@@ -19,6 +19,10 @@ from cpbook.costmodel.specs import (
 from cpbook.dcp.tpa import tpa_comm_bytes, tpa_costs
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+#: bytes per LSE value in vLLM's DCP combine: ``cp_lse_ag_out_rs`` all-gathers fp32 LSEs, the
+#: ``a2a`` backend packs each fp32 LSE into two 16-bit slots of the output (vLLM v0.33.0,
+#: ``vllm/v1/attention/ops/dcp.py``)
+LSE_BYTES = 4
 
 
 def collective_time(op: str, bytes_per_rank: float, group_size: int, link: LinkSpec) -> float:
@@ -108,7 +112,8 @@ def decode_attention_calls(
 ) -> tuple[tuple[str, int, int], ...]:
     """One layer's decode-attention collectives on one GPU of ``cfg``, as
     ``(op, group_size, bytes_per_rank)``: :func:`cpbook.dcp.tpa.tpa_comm_bytes` (standard or TPA)
-    with MLA's latent widths or GQA's head dim, all-reduces over TP and the rest over DCP."""
+    with MLA's latent widths or GQA's head dim, activations of ``act_bytes`` and vLLM's fp32 LSE
+    (:data:`LSE_BYTES`), all-reduces over TP and the rest over DCP."""
 
     if model.use_mla:
         q_dim, out_dim = model.kv_lora_rank + model.qk_rope_head_dim, model.kv_lora_rank
@@ -125,6 +130,7 @@ def decode_attention_calls(
         model.hidden_size,
         dcp_comm_backend,
         act_bytes,
+        LSE_BYTES,
     )
     return tuple((op, cfg.tp if op == "all_reduce" else cfg.dcp, b) for op, b in calls)
 

@@ -26,7 +26,7 @@ query width — ``D`` for GQA, ``C + R`` for absorbed MLA — and ``Do`` the com
 collective             bytes                         mode
 =====================  ============================  ==========
 AllGather Q            ``B·h·Dq·e·(N−1)``            standard
-ag_rs: AllGather LSE   ``B·N·h·e·(N−1)``             both
+ag_rs: AllGather LSE   ``B·N·h·l·(N−1)``             both
 ag_rs: ReduceScatter   ``B·h·Do·e·(N−1)``            both
 o_proj AllReduce       ``2·B·hidden·e·(TP−1)/TP``    both
 =====================  ============================  ==========
@@ -133,14 +133,17 @@ def tpa_comm_bytes(
     hidden_size: int,
     dcp_comm_backend: str = "ag_rs",
     elem_bytes: int = 8,
+    lse_bytes: int | None = None,
 ) -> list[tuple[str, int]]:
     """The module docstring's table: ``[(op, bytes sent per rank), ...]`` in call order.
 
-    ``tpa`` is ``standard`` without its first entry, the query all-gather.
+    ``tpa`` is ``standard`` without its first entry, the query all-gather.  ``lse_bytes``: bytes
+    per LSE value (default ``elem_bytes``; vLLM's are fp32, 4), see
+    :func:`cpbook.dcp.decode.decode_comm_bytes`.
     """
     check_tpa_mode(mode)
     calls = decode_comm_bytes(
-        num_reqs, heads_per_rank, q_dim, out_dim, dcp, dcp_comm_backend, elem_bytes
+        num_reqs, heads_per_rank, q_dim, out_dim, dcp, dcp_comm_backend, elem_bytes, lse_bytes
     )
     b = num_reqs * hidden_size * elem_bytes
     return (calls if mode == "standard" else calls[1:]) + [("all_reduce", 2 * b * (tp - 1) // tp)]
