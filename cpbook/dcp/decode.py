@@ -10,7 +10,7 @@ request's tokens (:mod:`cpbook.kv.layout`).  One decode step per layer (vLLM
 2. **Local attention** of all ``N·h`` heads over the local shard, returning the LSE.
 3. **Combine** the ``N`` partial results exactly, keeping this rank's ``h`` heads:
 
-   * ``ag_rs`` (vLLM's default, :func:`cp_lse_ag_out_rs`): AllGather the LSE only, scale each
+   * ``ag_rs`` (vLLM's usual default, :func:`cp_lse_ag_out_rs`): AllGather the LSE only, scale each
      partial output by ``exp(lse_r − lse_total)`` (:func:`correct_attn_out`), ReduceScatter
      (sum) the outputs over heads;
    * ``a2a`` (vLLM's ``dcp_comm_backend="a2a"``, Helix's choice, :func:`dcp_a2a_lse_reduce`):
