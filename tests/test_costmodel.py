@@ -47,8 +47,8 @@ def valid_layouts(model: cm.ModelSpec, max_tp: int = 128):
 @pytest.mark.parametrize(
     "key, bf16, fp8",
     [
-        ("DeepSeek-V3", 70_272, 40_016),
-        ("Kimi-K2", 70_272, 40_016),
+        ("DeepSeek-V3", 70_272, 35_136),
+        ("Kimi-K2", 70_272, 35_136),
         ("Llama-3.1-8B", 131_072, 65_536),
         ("Llama-3.1-70B", 327_680, 163_840),
         ("Llama-3.1-405B", 516_096, 258_048),
@@ -63,15 +63,22 @@ def test_kv_bytes_per_token_matches_published_table(key, bf16, fp8):
     assert isinstance(cm.kv_bytes_per_token(model), int)
 
 
-def test_fp8_ds_mla_is_656_bytes_per_token_and_layer():
+def test_mla_fp8_kv_is_576_bytes_and_fp8_ds_mla_656():
+    # dense MLA (FlashMLA, kv_cache_dtype fp8 / fp8_e4m3): 512 + 64 values of one byte
+    assert cm.kv_bytes_per_token(DSV3, "fp8") == 576 * DSV3.num_layers
+    # sparse MLA's fp8_ds_mla (DeepSeek-V3.2): 512 fp8 + 16 B scales + 64 bf16 rope
     assert cm.FP8_DS_MLA_BYTES_PER_TOKEN_PER_LAYER == 656
-    assert cm.kv_bytes_per_token(DSV3, "fp8") == 656 * DSV3.num_layers
+    assert cm.kv_bytes_per_token(DSV3, "fp8_ds_mla") == 656 * DSV3.num_layers
+    with pytest.raises(ValueError, match=r"\[kv-dtype-ds-mla\].*Llama-3.1-70B"):
+        cm.kv_bytes_per_token(L70B, "fp8_ds_mla")
+    with pytest.raises(ValueError, match=r"\[kv-dtype\]"):
+        cm.kv_bytes_per_token(DSV3, "int4")
 
 
 def test_kv_bytes_for_context_is_linear():
     assert cm.kv_bytes_for_context(L70B, 0) == 0
     assert cm.kv_bytes_for_context(L70B, 2**17) == 40 * cm.GIB  # 128K tokens: 40 GiB
-    assert cm.kv_bytes_for_context(DSV3, 3, "fp8") == 3 * 40_016
+    assert cm.kv_bytes_for_context(DSV3, 3, "fp8") == 3 * 35_136
 
 
 # ---------------------------------------------------------------- replication
@@ -389,6 +396,12 @@ def test_appendix_prose_numbers():
     assert f"need {weights:.1f} GB per GPU" in text.replace("\n", " ")
     assert f"than the {usable:.1f} GB" in text.replace("\n", " ")
     assert weights > usable
+    # the FP8 layouts of MLA: dense 576 B (one byte per value), sparse fp8_ds_mla 656 B
+    flat = text.replace("\n", " ")
+    assert "values in FP8 with one scale per tensor, 576 bytes per token and layer" in flat
+    assert cm.kv_bytes_per_token(DSV3, "fp8") == 576 * DSV3.num_layers
+    assert "656 bytes of vLLM's `fp8_ds_mla` layout" in flat
+    assert f"{cm.kv_bytes_per_token(DSV3, 'fp8_ds_mla'):,} bytes per token" in flat
     # "Qwen3-235B-A22B ... DCP can be at most 2" at TP 8
     assert max(d for t, d in valid_layouts(QWEN3) if t == 8) == 2
     # "DSV3 ... stores less KV per token than Llama-3.1-8B"
@@ -482,17 +495,30 @@ def test_decode_collectives_are_the_tpa_formula():
         ("dcp_tpa", "tpa", 8),
     ):
         t = cm.decode_layer_time(DSV3, H200, 4096, mode, num_reqs=3)
-        expected = tpa_comm_bytes(tpa_mode, 3, 16, 576, 512, n, 8, 7168, "ag_rs", 2)
+        expected = tpa_comm_bytes(tpa_mode, 3, 16, 576, 512, n, 8, 7168, "ag_rs", 2, 4)
         assert [(op, b) for op, _, b in t.calls] == expected
         assert [g for op, g, _ in t.calls] == [8 if op == "all_reduce" else n for op, _ in expected]
         assert math.isclose(t.comm_s, sum(cm.collective_time(o, b, g, NVL) for o, g, b in t.calls))
     std = cm.decode_layer_time(DSV3, H200, 4096, "dcp")
     tpa = cm.decode_layer_time(DSV3, H200, 4096, "dcp_tpa")
+    # vLLM's LSEs are fp32: ag_rs gathers 8 x 16 of them per request, a2a packs 4 bytes each
+    assert std.calls[1] == ("all_gather", 8, 8 * 16 * 4 * 7)
+    a2a = cm.decode_layer_time(DSV3, H200, 4096, "dcp", dcp_comm_backend="a2a")
+    assert a2a.calls[1] == ("all_to_all", 8, 16 * (512 * 2 + 4) * 7)
     (_, _, q_bytes), *_ = std.calls
     assert math.isclose(std.comm_s - tpa.comm_s, NVL.alpha_s + q_bytes / NVL.bw_bytes_per_s)
     # TPA reads dcp - 1 more q_b_proj shards: 16 heads x 192 x 1536 fp8 bytes each
-    assert tpa.q_proj_extra_s * H200.hbm_bw_bytes_per_s * 0.8 == pytest.approx(7 * 16 * 192 * 1536)
+    hbm = H200.hbm_bw_bytes_per_s * 0.8
+    assert tpa.q_proj_extra_s * hbm == pytest.approx(7 * 16 * 192 * 1536)
     assert std.q_proj_extra_s == 0 == cm.decode_layer_time(DSV3, H200, 1, "no_cp").q_proj_extra_s
+    # and dcp - 1 more shards of W_UK_T_dcp_qrep: 16 heads x 128 x 512 bf16 values each
+    assert tpa.w_uk_t_extra_s * hbm == pytest.approx(7 * 16 * 128 * 512 * 2)
+    assert std.w_uk_t_extra_s == 0 == cm.decode_layer_time(L70B, H200, 1, "no_cp").w_uk_t_extra_s
+    gqa = cm.decode_layer_time(cm.MODELS["Qwen3-235B-A22B"], H200, 1, "dcp_tpa", dcp=8)
+    assert gqa.q_proj_extra_s > 0 == gqa.w_uk_t_extra_s  # GQA has no absorbed W_UK_T
+    assert math.isclose(
+        tpa.total_s, tpa.kv_read_s + tpa.comm_s + tpa.q_proj_extra_s + tpa.w_uk_t_extra_s
+    )
 
 
 @pytest.mark.parametrize("key", sorted(cm.MODELS))

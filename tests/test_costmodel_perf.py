@@ -27,7 +27,7 @@ def test_layout_kv_per_token_by_hand():
     assert cm.layout_kv_bytes_per_token(L8B, L(pcp=8)) == 131_072  # PCP keeps the whole cache
     assert cm.layout_kv_bytes_per_token(QWEN3, L(tp=8, dcp=2)) == 192_512 / 4 / 2
     assert cm.layout_kv_bytes_per_token(QWEN3, L(tp=8, dcp=2, tpa=True)) == 192_512 / 4 / 2
-    assert cm.layout_kv_bytes_per_token(DSV3, L(tp=8, dcp=8), "fp8") == 656 * 61 / 8
+    assert cm.layout_kv_bytes_per_token(DSV3, L(tp=8, dcp=8), "fp8") == 576 * 61 / 8
 
 
 def test_layout_agrees_with_pre_split_functions():
@@ -80,12 +80,25 @@ def test_tpot_matches_chapter6_break_even():
     assert slower(int(be * 0.99)) and not slower(int(be * 1.01))
 
 
-def test_meta_405b_prefill_within_30_percent():
-    """Yang et al., arXiv 2411.01783: 1M tokens in 77 s, 128K in 3.8 s, 128 H100 (TP8 x CP16)."""
-    kw = dict(cp_link=cm.LINKS["RDMA400"], cp_comm="ring")
-    for tokens, published in ((10**6, 77.0), (M1, 77.0), (128_000, 3.8), (2**17, 3.8)):
-        t = cm.ttft(L405B, H100, L(tp=8, pcp=16), tokens, **kw).total_s
-        assert abs(t / published - 1) <= 0.30, (tokens, t)
+def test_meta_405b_prefill_is_a_shape_check_at_the_papers_utilisation():
+    """Yang et al., arXiv 2411.01783: 1M tokens in 77 s, 128K in 3.8 s, 128 H100 (TP8 x CP16),
+    FP8 weights, 63 % FLOPS utilisation.  At 63 % of the dense BF16 peak the model is within
+    30 % at 1M but more than 30 % fast at 128K: a shape check, as chapter 8 says."""
+    fp8 = replace(L405B, weight_bytes_per_param=1)
+    with pytest.raises(ValueError, match="model-fits"):  # bf16 weights: 101.5 GB per GPU
+        cm.layout_kv_budget(L405B, H100, L(tp=8, pcp=16))
+    assert cm.layout_kv_budget(fp8, H100, L(tp=8, pcp=16)) > 0
+    kw = dict(cp_link=cm.LINKS["RDMA400"], cp_comm="ring", mfu=0.63)
+    err = {
+        n: cm.ttft(fp8, H100, L(tp=8, pcp=16), n, **kw).total_s / p - 1
+        for n, p in ((10**6, 77.0), (M1, 77.0), (128_000, 3.8), (2**17, 3.8))
+    }
+    assert all(abs(err[n]) <= 0.30 for n in (10**6, M1))
+    assert all(err[n] < -0.30 for n in (128_000, 2**17))
+    # the published 77 s is 51-55 % of the datasheet peak by the model's FLOP count
+    for n in (10**6, M1):
+        flops = sum(cm.prefill_flops(L405B, n))
+        assert 0.50 < flops / (77.0 * 128 * H100.bf16_flops) < 0.56
 
 
 def test_one_million_tokens_on_one_node():
@@ -97,7 +110,9 @@ def test_one_million_tokens_on_one_node():
 
     for gpu in (H200, A910):
         assert fits(gpu, 8, "bf16") and fits(gpu, 8, "fp8") and not fits(gpu, 1, "bf16")
-    assert not fits(H200, 1, "fp8", 0.92) and fits(H200, 1, "fp8", 0.925)
+    # fp8 KV (576 B per token and layer) without DCP: from a utilisation of 0.89 on
+    assert fits(H200, 1, "fp8") and fits(H200, 1, "fp8", 0.89) and not fits(H200, 1, "fp8", 0.885)
+    assert not fits(H200, 1, "fp8_ds_mla")  # V3.2's 656 B layout would miss at 0.9
     with pytest.raises(ValueError, match="model-fits"):
         cm.layout_max_context(KIMI, H200, L(tp=8, dcp=8), gpu_memory_utilization=0.95)
 

@@ -10,6 +10,7 @@ import pytest
 
 from cpbook.__main__ import main
 from cpbook.demos import DEMOS, demo_params, get_demo, parse_params
+from cpbook.demos.ch09_engine import vllm_runs_layout
 
 
 def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -112,3 +113,12 @@ def test_cli_torchrun_backend_reports_a_rejected_config_in_one_line():
     )
     assert out.returncode == 2
     assert out.stderr.startswith("cpbook: error: [block-size-divisible-by-interleave] requires")
+
+
+def test_vllm_runs_layout_follows_pcp_managers_model_rules():
+    """vLLM v0.33's PCPManager.validate_config: PCP > 1 needs MLA; with DCP > 1, sparse MLA
+    (which no engine model is); PCP = 1 layouts are all vLLM's."""
+    assert vllm_runs_layout("tiny-gqa", 2, 1) and vllm_runs_layout("tiny-mla", 4, 1)
+    assert not vllm_runs_layout("tiny-gqa", 1, 2)  # GQA under PCP
+    assert vllm_runs_layout("tiny-mla", 1, 2)  # dense MLA, PCP alone
+    assert not vllm_runs_layout("tiny-mla", 2, 2)  # dense MLA, PCP x DCP

@@ -48,8 +48,8 @@ finer set of rules; each rule below says which part of the article's line it ref
 ``pcp-dcp-combination``
     With PCP > 1, ``dcp`` must be 1, ``pcp`` or ``tp * pcp`` (vLLM's ``ParallelConfig``).
 ``comm-backend``
-    ``dcp_comm_backend`` is ``"ag_rs"`` (AllGather + ReduceScatter, vLLM's default) or
-    ``"a2a"`` (one All2All, vLLM's newer backend).
+    ``dcp_comm_backend`` is ``"ag_rs"`` (AllGather + ReduceScatter; vLLM's ``None`` default
+    picks it unless the model overrides it) or ``"a2a"`` (one All2All, vLLM's newer backend).
 
 TPA — attention heads sharded over ``tensor_parallel_size_attention`` ranks instead of TP
 (GQA; vLLM PR #36287, open as of Nov 2026, its rules in ``tests/distributed/test_dcp_a2a.py``),

@@ -17,9 +17,11 @@ from cpbook.costmodel.decode import (
     DECODE_MODES,
     DEFAULT_HBM_EFFICIENCY,
     DecodeLayerTime,
+    alpha_from_allreduce,
     collective_time,
     decode_break_even,
     decode_layer_time,
+    tpa_weight_costs,
 )
 from cpbook.costmodel.hf_config import SUPPORTED_MODEL_TYPES, model_from_hf_config
 from cpbook.costmodel.latency import (
@@ -69,6 +71,9 @@ from cpbook.costmodel.serve_flags import (
     serve_command,
 )
 from cpbook.costmodel.specs import (
+    ALLREDUCE_BENCH_BYTES,
+    ALLREDUCE_BENCH_SOURCE,
+    ALLREDUCE_BENCH_US,
     DEFAULT_ACTIVATION_RESERVE_BYTES,
     DEFAULT_GPU_MEMORY_UTILIZATION,
     FP8_DS_MLA_BYTES_PER_TOKEN_PER_LAYER,
@@ -76,6 +81,7 @@ from cpbook.costmodel.specs import (
     GIB,
     GPUS,
     KV_DTYPE_BYTES,
+    KV_DTYPES,
     LINKS,
     MODELS,
     GPUSpec,
@@ -88,6 +94,10 @@ from cpbook.costmodel.specs import (
 from cpbook.costmodel.vllm_rules import PLAN_KV_DTYPES, check_deployment, rule_probes
 
 __all__ = [
+    "ALLREDUCE_BENCH_BYTES",
+    "ALLREDUCE_BENCH_SOURCE",
+    "ALLREDUCE_BENCH_US",
+    "alpha_from_allreduce",
     "Estimate",
     "HF_REPOS",
     "OBJECTIVES",
@@ -133,6 +143,7 @@ __all__ = [
     "GPUS",
     "GPUSpec",
     "KV_DTYPE_BYTES",
+    "KV_DTYPES",
     "LINKS",
     "Layout",
     "LinkSpec",
@@ -157,5 +168,6 @@ __all__ = [
     "max_concurrency",
     "max_context_tokens",
     "prefill_flops",
+    "tpa_weight_costs",
     "weight_bytes_per_gpu",
 ]

@@ -19,6 +19,10 @@ from cpbook.costmodel.specs import (
 from cpbook.dcp.tpa import tpa_comm_bytes, tpa_costs
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+#: bytes per LSE value in vLLM's DCP combine: ``cp_lse_ag_out_rs`` all-gathers fp32 LSEs, the
+#: ``a2a`` backend packs each fp32 LSE into two 16-bit slots of the output (vLLM v0.33.0,
+#: ``vllm/v1/attention/ops/dcp.py``)
+LSE_BYTES = 4
 
 
 def collective_time(op: str, bytes_per_rank: float, group_size: int, link: LinkSpec) -> float:
@@ -40,6 +44,13 @@ def collective_time(op: str, bytes_per_rank: float, group_size: int, link: LinkS
     return link.alpha_s + bytes_per_rank / link.bw_bytes_per_s
 
 
+def alpha_from_allreduce(seconds: float, group_size: int, nbytes: int, link: LinkSpec) -> float:
+    """The α a measured all-reduce of ``nbytes`` on ``group_size`` GPUs implies: its time minus
+    the ring's transfer, ``2·(N−1)/N·nbytes`` sent per rank over ``link``'s bandwidth."""
+    sent = 2 * (group_size - 1) * nbytes / group_size
+    return seconds - sent / link.bw_bytes_per_s
+
+
 # ---------------------------------------------------------------- one decode step, per layer
 
 DECODE_MODES = ("no_cp", "dcp", "dcp_tpa")
@@ -54,18 +65,21 @@ class DecodeLayerTime:
 
     ``kv_read_s``: streaming this GPU's KV share from HBM; ``comm_s``: the layer's collectives
     (``calls``, ``[(op, group size, bytes sent)]``, α–β each); ``q_proj_extra_s``: reading the
-    extra ``q_proj`` weights TPA replicates.  Work that is the same in every mode (the rest of
-    ``q_proj``, ``o_proj``, the MLP) is left out: it shifts the step but not the break-even.
+    extra ``q_proj`` weights TPA replicates; ``w_uk_t_extra_s``: for MLA, reading the extra
+    absorbed ``W_UK_T`` heads of ``W_UK_T_dcp_qrep``.  Work that is the same in every mode (the
+    rest of ``q_proj``, ``o_proj``, the MLP) is left out: it shifts the step but not the
+    break-even.
     """
 
     kv_read_s: float
     comm_s: float
     q_proj_extra_s: float
     calls: tuple[tuple[str, int, int], ...]
+    w_uk_t_extra_s: float = 0.0
 
     @property
     def total_s(self) -> float:
-        return self.kv_read_s + self.comm_s + self.q_proj_extra_s
+        return self.kv_read_s + self.comm_s + self.q_proj_extra_s + self.w_uk_t_extra_s
 
 
 def _decode_config(model: ModelSpec, mode: str, tp: int, dcp: int) -> ParallelConfig:
@@ -98,7 +112,8 @@ def decode_attention_calls(
 ) -> tuple[tuple[str, int, int], ...]:
     """One layer's decode-attention collectives on one GPU of ``cfg``, as
     ``(op, group_size, bytes_per_rank)``: :func:`cpbook.dcp.tpa.tpa_comm_bytes` (standard or TPA)
-    with MLA's latent widths or GQA's head dim, all-reduces over TP and the rest over DCP."""
+    with MLA's latent widths or GQA's head dim, activations of ``act_bytes`` and vLLM's fp32 LSE
+    (:data:`LSE_BYTES`), all-reduces over TP and the rest over DCP."""
 
     if model.use_mla:
         q_dim, out_dim = model.kv_lora_rank + model.qk_rope_head_dim, model.kv_lora_rank
@@ -115,8 +130,23 @@ def decode_attention_calls(
         model.hidden_size,
         dcp_comm_backend,
         act_bytes,
+        LSE_BYTES,
     )
     return tuple((op, cfg.tp if op == "all_reduce" else cfg.dcp, b) for op, b in calls)
+
+
+def tpa_weight_costs(
+    model: ModelSpec, cfg: ParallelConfig, num_reqs: int, act_bytes: int = 2
+) -> dict[str, int]:
+    """:func:`cpbook.dcp.tpa.tpa_costs` of one layer of ``model`` on a GPU of ``cfg``: the query
+    projection (``q_b_proj`` for MLA, ``q_proj`` for GQA) in the model's weight dtype and, for
+    MLA, the absorbed ``W_UK_T`` (``qk_nope_head_dim × kv_lora_rank`` per head) in the activation
+    dtype, which ``dcp_q_replicate`` all-gathers into ``W_UK_T_dcp_qrep``."""
+    q_in = model.q_lora_rank or model.hidden_size
+    w_uk_t = 0
+    if model.use_mla:
+        w_uk_t = (model.head_dim - model.qk_rope_head_dim) * model.kv_lora_rank * act_bytes
+    return tpa_costs(cfg, q_in, num_reqs, model.head_dim, model.weight_bytes_per_param, w_uk_t)
 
 
 def decode_layer_time(
@@ -141,10 +171,11 @@ def decode_layer_time(
     * ``dcp``: DCP = ``dcp`` (vLLM's rules), ``1/dcp`` of the tokens, plus the query
       all-gather and the combine;
     * ``dcp_tpa``: the same without the query all-gather (``tensor_parallel_size_attention``
-      for GQA, ``dcp_q_replicate`` for MLA), plus reading ``dcp - 1`` more ``q_proj`` shards.
+      for GQA, ``dcp_q_replicate`` for MLA), plus reading ``dcp - 1`` more ``q_proj`` shards
+      (and for MLA ``dcp - 1`` more shards of the absorbed ``W_UK_T``).
 
     The collectives and their bytes are :func:`cpbook.dcp.tpa.tpa_comm_bytes` (activations of
-    ``act_bytes``), the extra weights :func:`cpbook.dcp.tpa.tpa_costs`; the KV heads a GPU holds
+    ``act_bytes``), the extra weights :func:`tpa_weight_costs`; the KV heads a GPU holds
     come from :func:`cpbook.core.heads.attention_kv_heads`.  Every term is linear in
     ``context_tokens``, so :func:`decode_break_even` solves for the crossing exactly.
     """
@@ -159,13 +190,13 @@ def decode_layer_time(
     sized = decode_attention_calls(
         model, cfg, mode == "dcp_tpa", num_reqs, dcp_comm_backend, act_bytes
     )
-    q_in = model.q_lora_rank or model.hidden_size
-    extra = tpa_costs(cfg, q_in, num_reqs, model.head_dim, model.weight_bytes_per_param)
+    extra = tpa_weight_costs(model, cfg, num_reqs, act_bytes)
     return DecodeLayerTime(
         kv_read_s=kv_bytes / hbm,
         comm_s=sum(collective_time(op, b, n, link) for op, n, b in sized),
         q_proj_extra_s=extra["extra_weight_bytes"] / hbm,
         calls=sized,
+        w_uk_t_extra_s=extra["extra_w_uk_t_bytes"] / hbm,
     )
 
 

@@ -8,6 +8,7 @@ from cpbook.costmodel.decode import (
     DEFAULT_HBM_EFFICIENCY,
     collective_time,
     decode_attention_calls,
+    tpa_weight_costs,
 )
 from cpbook.costmodel.memory import (
     Layout,
@@ -24,7 +25,6 @@ from cpbook.costmodel.specs import (
     check_tokens,
     link_of,
 )
-from cpbook.dcp.tpa import tpa_costs
 from cpbook.pcp.prefill import pcp_comm_bytes, pcp_restore_bytes
 from cpbook.pcp.ring_plan import ring_comm_bytes
 from cpbook.pcp.zigzag import padded_len
@@ -156,9 +156,9 @@ def ttft(
 class DecodeTime:
     """Modelled seconds of one decode step on one GPU of a layout.
 
-    Memory (weights, KV, TPA's extra ``q_proj`` shards, at ``hbm_efficiency`` of the HBM
-    bandwidth) and compute (at ``mfu``) overlap, so the step costs the larger of the two; the
-    collectives (α–β, per layer) add to it.  ``batch_per_gpu``: requests this GPU's replica
+    Memory (weights, KV, TPA's extra ``q_proj`` and MLA ``W_UK_T`` shards, at ``hbm_efficiency``
+    of the HBM bandwidth) and compute (at ``mfu``) overlap, so the step costs the larger of the
+    two; the collectives (α–β, per layer) add to it.  ``batch_per_gpu``: requests this GPU's replica
     (or, PCP without DCP, this PCP rank) decodes in the step.
     """
 
@@ -224,9 +224,9 @@ def tpot(
         touched = b * layout.dp if layout.ep else b
         weights -= local * (1.0 - _expert_fraction(model, touched))
     kv = layout_kv_bytes_per_token(model, layout, kv_dtype) * context_tokens * b
-    q_in = model.q_lora_rank or model.hidden_size
-    extra = tpa_costs(cfg, q_in, b, model.head_dim, model.weight_bytes_per_param)
-    memory = (weights + kv + extra["extra_weight_bytes"] * model.num_layers) / (
+    extra = tpa_weight_costs(model, cfg, b, act_bytes)
+    tpa_bytes = extra["extra_weight_bytes"] + extra["extra_w_uk_t_bytes"]
+    memory = (weights + kv + tpa_bytes * model.num_layers) / (
         gpu.hbm_bw_bytes_per_s * hbm_efficiency
     )
     q_dim = model.kv_lora_rank + model.qk_rope_head_dim if model.use_mla else model.head_dim

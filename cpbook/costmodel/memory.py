@@ -19,6 +19,7 @@ from cpbook.costmodel.specs import (
     FP8_DS_MLA_BYTES_PER_TOKEN_PER_LAYER,
     GB,
     KV_DTYPE_BYTES,
+    KV_DTYPES,
     GPUSpec,
     ModelSpec,
     check_tokens,
@@ -29,16 +30,22 @@ def kv_bytes_per_token(model: ModelSpec, kv_dtype: str = "bf16") -> int:
     """Bytes of KV cache one token occupies, summed over all layers (one copy).
 
     GQA: ``2 * num_kv_heads * head_dim * num_layers * bytes``.
-    MLA: ``(kv_lora_rank + qk_rope_head_dim) * num_layers * bytes``; with
-    ``kv_dtype="fp8"`` vLLM's ``fp8_ds_mla`` layout, 656 B per token and layer.
+    MLA: ``(kv_lora_rank + qk_rope_head_dim) * num_layers * bytes``: with ``kv_dtype="fp8"``
+    (vLLM's ``fp8`` / ``fp8_e4m3`` on FlashMLA) 576 B per token and layer for DeepSeek-V3;
+    ``kv_dtype="fp8_ds_mla"`` is sparse MLA's layout (DeepSeek-V3.2), 656 B per token and layer.
     """
-    if kv_dtype not in KV_DTYPE_BYTES:
+    if kv_dtype not in KV_DTYPES:
         raise ValueError(
-            f"[kv-dtype] requires kv_dtype in {sorted(KV_DTYPE_BYTES)}; got kv_dtype={kv_dtype!r}"
+            f"[kv-dtype] requires kv_dtype in {sorted(KV_DTYPES)}; got kv_dtype={kv_dtype!r}"
         )
+    if kv_dtype == "fp8_ds_mla":
+        if not model.use_mla:
+            raise ValueError(
+                f"[kv-dtype-ds-mla] requires an MLA model for kv_dtype='fp8_ds_mla'; "
+                f"got {model.name} (GQA)"
+            )
+        return FP8_DS_MLA_BYTES_PER_TOKEN_PER_LAYER * model.num_layers
     if model.use_mla:
-        if kv_dtype == "fp8":
-            return FP8_DS_MLA_BYTES_PER_TOKEN_PER_LAYER * model.num_layers
         width = model.kv_lora_rank + model.qk_rope_head_dim
         return width * model.num_layers * KV_DTYPE_BYTES[kv_dtype]
     return 2 * model.num_kv_heads * model.head_dim * model.num_layers * KV_DTYPE_BYTES[kv_dtype]

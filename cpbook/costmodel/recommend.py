@@ -165,6 +165,12 @@ def recommend(
                 "vLLM v0.33 runs PCP for MLA models only (PCPManager.validate_config);"
                 " for this GQA model the layout is a design option, not a shipped path."
             )
+        elif base.pcp > 1 and base.dcp > 1:  # every MLA model of MODELS is dense
+            reasons.append(
+                "vLLM v0.33 runs PCP with DCP > 1 for sparse MLA models only"
+                " (DeepSeek-V3.2-style; PCPManager.validate_config, PR #56157); for this dense"
+                " MLA model the layout is a design option, not a shipped path."
+            )
     elif base.dcp == 1 and short and crowded:  # question 3
         reasons.append(
             f"3. Short requests (< {SHORT_CONTEXT_TOKENS // 1024}K) at concurrency "

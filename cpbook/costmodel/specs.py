@@ -164,10 +164,15 @@ MODELS: dict[str, ModelSpec] = {
     ),
 }
 
-#: bytes per cached element for GQA (and for the MLA latent, except "fp8")
+#: bytes per cached element, GQA and dense MLA alike: vLLM's ``fp8`` / ``fp8_e4m3`` cache of a
+#: dense MLA model (FlashMLA) stores the 512 + 64 latent in FP8 with one scale per tensor, 576 B
+#: per token and layer for DeepSeek-V3 and Kimi-K2
 KV_DTYPE_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
-#: vLLM's ``fp8_ds_mla`` layout: 512 fp8 latent + 16 B scales + 64 bf16 rope
+#: vLLM's ``fp8_ds_mla`` layout of *sparse* MLA (DeepSeek-V3.2, FlashMLA-sparse): 512 fp8 latent
+#: + 16 B scales + 64 bf16 rope; the ``kv_dtype`` of that name, for MLA models only
 FP8_DS_MLA_BYTES_PER_TOKEN_PER_LAYER = 512 + 16 + 64 * 2
+#: every ``kv_dtype`` the memory model accepts
+KV_DTYPES: tuple[str, ...] = (*KV_DTYPE_BYTES, "fp8_ds_mla")
 #: placeholder for activations, CUDA graphs and comm buffers (vLLM profiles it)
 DEFAULT_ACTIVATION_RESERVE_BYTES = 4 * GIB
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
@@ -188,11 +193,22 @@ class LinkSpec:
     source: str
 
 
+#: vLLM PR #24111's isolated all-reduce benchmark on 8 x H100 (CUDA graphs, bf16, a tensor of
+#: shape (32, 8192), 0.5 MB): µs per call by group size.  ``pynccl`` is NCCL, the library DCP's
+#: all-gathers and reduce-scatters go through; ``ca_1stage`` is vLLM's one-stage custom
+#: all-reduce, which only all-reduces use.
+ALLREDUCE_BENCH_US: dict[str, dict[int, float]] = {
+    "pynccl": {4: 17.0, 6: 23.0, 8: 28.0},
+    "ca_1stage": {4: 10.0, 6: 13.0},
+}
+ALLREDUCE_BENCH_BYTES = 32 * 8192 * 2  #: the benchmark's 0.5 MB bf16 tensor
+ALLREDUCE_BENCH_SOURCE = "vllm_pr24111"
+
 LINKS: dict[str, LinkSpec] = {
-    # 900 GB/s bidirectional NVLink 4 per GPU = 450 GB/s per direction (datasheets).  α: vLLM
-    # PR #24111's isolated all-reduce benchmark on H100 (CUDA graphs, bf16, 0.5 MB): NCCL
-    # 17 µs on 4 GPUs and 23 µs on 6, vLLM's one-stage custom kernel 10 and 13 µs.  15 µs per
-    # NCCL call is the middle of that range once the ~2 µs of transfer is taken out.
+    # 900 GB/s bidirectional NVLink 4 per GPU = 450 GB/s per direction (datasheets).  α = 15 µs
+    # per call is an assumption, the book's base case: at the low end of the NCCL latencies of
+    # ALLREDUCE_BENCH_US once the ~2 µs of transfer is taken out (15 µs on 4 GPUs, 26 µs on the
+    # 8 GPUs of the layouts modelled); chapter 6 draws every result that depends on it against α.
     "NVLink4": LinkSpec(
         "NVLink 4 + NVSwitch (H100/H200 HGX), NCCL", 15e-6, 450e9, "nvidia_h200,vllm_pr24111"
     ),

@@ -10,7 +10,7 @@ request's tokens (:mod:`cpbook.kv.layout`).  One decode step per layer (vLLM
 2. **Local attention** of all ``N·h`` heads over the local shard, returning the LSE.
 3. **Combine** the ``N`` partial results exactly, keeping this rank's ``h`` heads:
 
-   * ``ag_rs`` (vLLM's default, :func:`cp_lse_ag_out_rs`): AllGather the LSE only, scale each
+   * ``ag_rs`` (vLLM's usual default, :func:`cp_lse_ag_out_rs`): AllGather the LSE only, scale each
      partial output by ``exp(lse_r − lse_total)`` (:func:`correct_attn_out`), ReduceScatter
      (sum) the outputs over heads;
    * ``a2a`` (vLLM's ``dcp_comm_backend="a2a"``, Helix's choice, :func:`dcp_a2a_lse_reduce`):
@@ -18,13 +18,15 @@ request's tokens (:mod:`cpbook.kv.layout`).  One decode step per layer (vLLM
      LSE-weighted combine.
 
 Bytes each rank sends per step (= bytes it receives), ``B`` decode requests, ``e`` bytes per
-element, ``Dq`` the gathered query width and ``Do`` the partial output width (``D`` for GQA):
+element, ``l`` bytes per LSE value (``e`` here, where the LSE travels in the output's dtype; 4 in
+vLLM, which gathers it in fp32 and packs it into two 16-bit slots for ``a2a``), ``Dq`` the
+gathered query width and ``Do`` the partial output width (``D`` for GQA):
 
 =====================  ============================
 AllGather Q            ``B·h·Dq·e·(N−1)``
-ag_rs: AllGather LSE   ``B·N·h·e·(N−1)``
+ag_rs: AllGather LSE   ``B·N·h·l·(N−1)``
 ag_rs: ReduceScatter   ``B·h·Do·e·(N−1)``
-a2a: All2All           ``B·h·(Do+1)·e·(N−1)``
+a2a: All2All           ``B·h·(Do·e+l)·(N−1)``
 =====================  ============================
 
 No term depends on the context length: DCP moves queries and partial outputs, never KV.
@@ -193,14 +195,18 @@ def decode_comm_bytes(
     dcp: int,
     dcp_comm_backend: str = "ag_rs",
     elem_bytes: int = 8,
+    lse_bytes: int | None = None,
 ) -> list[tuple[str, int]]:
-    """The module docstring's formulas: ``[(op, bytes sent per rank), ...]`` in call order."""
+    """The module docstring's formulas: ``[(op, bytes sent per rank), ...]`` in call order.
+
+    ``lse_bytes`` (default ``elem_bytes``, as this module's runs send it) is ``l``."""
     check_comm_backend(dcp_comm_backend)
     b, h, n, e = num_reqs, heads_per_rank, dcp, elem_bytes
+    lb = e if lse_bytes is None else lse_bytes
     calls = [("all_gather", b * h * q_dim * e * (n - 1))]
     if dcp_comm_backend == "ag_rs":
         return calls + [
-            ("all_gather", b * n * h * e * (n - 1)),
+            ("all_gather", b * n * h * lb * (n - 1)),
             ("reduce_scatter", b * h * out_dim * e * (n - 1)),
         ]
-    return calls + [("all_to_all", b * h * (out_dim + 1) * e * (n - 1))]
+    return calls + [("all_to_all", b * h * (out_dim * e + lb) * (n - 1))]

@@ -13,7 +13,7 @@ for one decode token per request, in two modes:
   ``--tensor-parallel-size-attention`` (PR #36287, successor #42674, both open in Nov 2026),
   which also lets a DCP group hold several KV heads; for MLA it is ``dcp_q_replicate``
   (``--dcp-q-replicate``, PRs #45964 and #50382, merged), whose absorbed ``W_UK_T`` is gathered
-  at load time.
+  at load time into ``W_UK_T_dcp_qrep``: ``N``× those weights too, read at every decode step.
 
 After attention both modes are identical: the combine (``ag_rs``: all-gather the LSE,
 reduce-scatter the outputs; or ``a2a``) leaves every rank its own ``h`` heads, ``o_proj`` is
@@ -26,7 +26,7 @@ query width — ``D`` for GQA, ``C + R`` for absorbed MLA — and ``Do`` the com
 collective             bytes                         mode
 =====================  ============================  ==========
 AllGather Q            ``B·h·Dq·e·(N−1)``            standard
-ag_rs: AllGather LSE   ``B·N·h·e·(N−1)``             both
+ag_rs: AllGather LSE   ``B·N·h·l·(N−1)``             both
 ag_rs: ReduceScatter   ``B·h·Do·e·(N−1)``            both
 o_proj AllReduce       ``2·B·hidden·e·(TP−1)/TP``    both
 =====================  ============================  ==========
@@ -144,35 +144,50 @@ def tpa_comm_bytes(
     hidden_size: int,
     dcp_comm_backend: str = "ag_rs",
     elem_bytes: int = 8,
+    lse_bytes: int | None = None,
 ) -> list[tuple[str, int]]:
     """The module docstring's table: ``[(op, bytes sent per rank), ...]`` in call order.
 
-    ``tpa`` is ``standard`` without its first entry, the query all-gather.
+    ``tpa`` is ``standard`` without its first entry, the query all-gather.  ``lse_bytes``: bytes
+    per LSE value (default ``elem_bytes``; vLLM's are fp32, 4), see
+    :func:`cpbook.dcp.decode.decode_comm_bytes`.
     """
     check_tpa_mode(mode)
     calls = decode_comm_bytes(
-        num_reqs, heads_per_rank, q_dim, out_dim, dcp, dcp_comm_backend, elem_bytes
+        num_reqs, heads_per_rank, q_dim, out_dim, dcp, dcp_comm_backend, elem_bytes, lse_bytes
     )
     b = num_reqs * hidden_size * elem_bytes
     return (calls if mode == "standard" else calls[1:]) + [("all_reduce", 2 * b * (tp - 1) // tp)]
 
 
 def tpa_costs(
-    config: ParallelConfig, hidden_size: int, num_reqs: int, q_dim: int, elem_bytes: int = 2
+    config: ParallelConfig,
+    hidden_size: int,
+    num_reqs: int,
+    q_dim: int,
+    elem_bytes: int = 2,
+    w_uk_t_head_bytes: int = 0,
 ) -> dict[str, int]:
     """Per rank and layer: ``q_proj`` FLOPs and weight bytes, and the extra that ``tpa`` pays
     (``dcp − 1`` more head shards of the same size).
 
-    ``q_dim`` is the per-head output width of ``q_proj`` (``D``, or ``Dn + R`` for MLA); MLA's
-    absorption ``q_nope @ W_UK_T`` grows by the same factor and is not counted here.
+    ``q_dim`` is the per-head output width of ``q_proj`` (``D``, or ``Dn + R`` for MLA).  For MLA
+    pass ``w_uk_t_head_bytes``, one head's absorbed ``W_UK_T`` (``qk_nope_head_dim ×
+    kv_lora_rank`` values in the activation dtype): vLLM's ``dcp_q_replicate`` all-gathers it at
+    load into ``W_UK_T_dcp_qrep`` (the group's ``N·h`` heads, kept beside the rank's own
+    ``W_UK_T``) and reads that at every decode step, so TPA also holds and reads ``dcp − 1`` more
+    head shards of it (``extra_w_uk_t_bytes``).  The absorption's extra FLOPs are not counted.
     """
     h, n = config.q_heads_per_rank, config.dcp
     flops = 2 * num_reqs * hidden_size * h * q_dim
     weights = hidden_size * h * q_dim * elem_bytes
+    w_uk_t = h * w_uk_t_head_bytes
     tpa = uses_tpa(config)
     return {
         "q_proj_flops": flops * (n if tpa else 1),
         "q_proj_weight_bytes": weights * (n if tpa else 1),
         "extra_flops": flops * (n - 1) if tpa else 0,
         "extra_weight_bytes": weights * (n - 1) if tpa else 0,
+        "w_uk_t_bytes": w_uk_t * (n if tpa else 1),
+        "extra_w_uk_t_bytes": w_uk_t * (n - 1) if tpa else 0,
     }

@@ -1,7 +1,8 @@
 """Chapter 9's harness around the engine: every valid grid of a model as
 :func:`~cpbook.engine.engine.serve_rank` keyword sets (:func:`grid_runs`), one launch that serves
-them all (:func:`serve_grid_rank`), and the capacity count of long requests
-(:func:`max_concurrent_long_requests`)."""
+them all (:func:`serve_grid_rank`), the capacity count of long requests
+(:func:`max_concurrent_long_requests`), and which layouts vLLM v0.33 itself runs
+(:func:`vllm_runs_layout`)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ from typing import Any, Sequence
 from cpbook.core.config import ParallelConfig
 from cpbook.core.context import RankContext
 from cpbook.engine.engine import serve_rank, valid_grid
+from cpbook.engine.models import ENGINE_MODELS
 from cpbook.engine.scheduler import Request, Scheduler
 from cpbook.kv.manager import KVCacheManager
 
-__all__ = ["grid_runs", "max_concurrent_long_requests", "serve_grid_rank"]
+__all__ = ["grid_runs", "max_concurrent_long_requests", "serve_grid_rank", "vllm_runs_layout"]
 
 
 def grid_runs(
@@ -37,6 +39,19 @@ def grid_runs(
                 )
             )
     return runs
+
+
+def vllm_runs_layout(
+    model: str, decode_context_parallel_size: int, prefill_context_parallel_size: int
+) -> bool:
+    """Whether vLLM v0.33.0 runs this layout's model family (the sizes are valid by
+    :func:`valid_grid`): PCP > 1 needs an MLA model, and PCP > 1 with DCP > 1 a *sparse* MLA
+    model with the ``ag_rs`` combine (``PCPManager.validate_config`` in
+    ``vllm/v1/worker/gpu/pcp_manager.py``, PR #56157).  The engine's models are GQA
+    (``tiny-gqa``) and dense MLA (``tiny-mla``), so PCP x DCP is never vLLM's here."""
+    if prefill_context_parallel_size == 1:
+        return True
+    return ENGINE_MODELS[model].use_mla and decode_context_parallel_size == 1
 
 
 def max_concurrent_long_requests(

@@ -16,8 +16,10 @@ code inline and under torchrun (vLLM's ``GPUModelRunner.execute_model``):
   (context from the paged cache, AllGather-Q or AllGather-KV picked by the selector), then the new
   K/V is all-gathered over PCP and written through the slot mapping.
 * **Sampling**: greedy, on the last row of every request whose chunk reaches its last token;
-  rank 0's tokens are shared with every rank (one all-gather), as vLLM's driver broadcasts,
-  and read to the host once per step for the scheduler.
+  rank 0's tokens are shared with every rank (one all-gather, a guard against drift; vLLM
+  all-gathers no sampled tokens: every worker samples the same logits and one output rank
+  replies, ``_get_output_rank`` in ``vllm/v1/executor/multiproc_executor.py``), and read to
+  the host once per step for the scheduler.
 * **Devices**: weights, caches and every step's tensors live on the model's device
   (``ctx.device`` of the :class:`~cpbook.engine.engine.Engine`); the step's token ids,
   positions and slot mappings are built on the host and copied once.

@@ -16,7 +16,13 @@ from matplotlib.ticker import FuncFormatter, NullLocator
 from cpbook import costmodel as cm
 from cpbook.viz.style import PALETTE, figure, legible, plain_label, tokens_label
 
-__all__ = ["tpa_dataflow", "measured_decode", "modelled_decode", "break_even_sensitivity"]
+__all__ = [
+    "tpa_dataflow",
+    "measured_decode",
+    "modelled_decode",
+    "break_even_sensitivity",
+    "alpha_break_even",
+]
 
 MODE_STYLE = {  # mode -> (label, colour, marker)
     "no_cp": ("no CP (TP only)", PALETTE[7], "o"),
@@ -188,6 +194,7 @@ def modelled_decode(
         ("kv_read_s", "KV read (HBM)", PALETTE[4]),
         ("comm_s", "collectives", PALETTE[1]),
         ("q_proj_extra_s", "extra q_proj", PALETTE[3]),
+        ("w_uk_t_extra_s", "extra W_UK_T", PALETTE[2]),
     ]
     labels = []
     for i, (c, mode) in enumerate((c, m) for c in bars_at for m in MODE_STYLE):
@@ -203,7 +210,7 @@ def modelled_decode(
     b.set_ylim(len(labels) - 0.5, -1.5)
     b.set_xlabel("µs per layer and step")
     b.grid(axis="y", visible=False)
-    b.legend(loc="upper center", fontsize=10, ncol=3, bbox_to_anchor=(0.5, 1.0))
+    b.legend(loc="upper center", fontsize=10, ncol=4, bbox_to_anchor=(0.5, 1.0))
     b.set_title("Where the time goes")
     return legible(fig)
 
@@ -347,4 +354,54 @@ def break_even_sensitivity(model: cm.ModelSpec, gpu: cm.GPUSpec, base: Mapping[s
         ax.set_ylabel("break-even context")
     a.set_ylim(700, 6 * 2**20)
     b.legend(loc="upper right", fontsize=10)
+    return legible(fig)
+
+
+def alpha_break_even(
+    model: cm.ModelSpec,
+    gpu: cm.GPUSpec,
+    link: cm.LinkSpec,
+    measured: Mapping[str, Mapping[int, float]],
+    alphas: Sequence[float],
+    num_reqs: Sequence[int] = (1,),
+):
+    """Break-even context of DCP and DCP + TPA against the latency α of one collective
+    (``alphas`` in seconds, the link's bandwidth kept), for each batch of ``num_reqs``.  The
+    measured all-reduces (``measured[kind][group size]``, seconds, converted to α by
+    :func:`cpbook.costmodel.alpha_from_allreduce` at the benchmark's size) are marked on the
+    DCP curve of the first batch: NCCL filled, the custom all-reduce DCP does not use hollow.
+    The dashed line is the article's 128K, the grey band the model's base α."""
+    fig, ax = figure(figsize=(7.2, 4.6))
+
+    def at(mode: str, alpha: float, b: int) -> float:
+        lk = cm.LinkSpec(link.name, alpha, link.bw_bytes_per_s, link.source)
+        return cm.decode_break_even(model, gpu, mode, link=lk, num_reqs=b)
+
+    us = [a * 1e6 for a in alphas]
+    for j, b in enumerate(num_reqs):
+        for mode in ("dcp", "dcp_tpa"):
+            label, color, _ = MODE_STYLE[mode]
+            ys = [at(mode, a, b) / 1024 for a in alphas]
+            name = f"{label}, batch {b}" if len(num_reqs) > 1 else label
+            ax.plot(us, ys, color=color, ls=("-", "--", ":")[j % 3], label=name)
+    ax.axhline(131072 / 1024, color="#777777", ls="--", lw=1)
+    ax.text(us[0], 131072 / 1024 * 1.03, "article: 128K", fontsize=10, color="#555555")
+    ax.axvline(link.alpha_s * 1e6, color="#BBBBBB", lw=5, alpha=0.6, zorder=0)
+    for kind, points in measured.items():
+        nccl = kind == "pynccl"
+        for n, seconds in points.items():
+            a = cm.alpha_from_allreduce(seconds, n, cm.ALLREDUCE_BENCH_BYTES, link)
+            y = at("dcp", a, num_reqs[0]) / 1024
+            face = MODE_STYLE["dcp"][1] if nccl else "white"
+            ax.plot(a * 1e6, y, "o", ms=8, mfc=face, mec=MODE_STYLE["dcp"][1], mew=1.5)
+            tag = f"{'NCCL' if nccl else 'custom AR'} {n} GPUs"
+            ax.annotate(
+                tag, (a * 1e6, y), (6, -14 if nccl else 6), textcoords="offset points", fontsize=9
+            )
+    ax.set_xlabel("α, latency of one collective (µs)")
+    ax.set_ylabel("break-even context (K tokens)")
+    ax.set_xlim(min(us), max(us))
+    ax.set_ylim(0, None)
+    ax.legend(loc="upper left", fontsize=10)
+    ax.set_title(f"Break-even against α: {model.name}, 8 x {gpu.name}")
     return legible(fig)

@@ -24,7 +24,8 @@ def _tokens(x: float) -> str:
 def decode_readout(
     context: int, alpha_us: float, batch: int, model: str = "DeepSeek-V3", gpu: str = "H200"
 ) -> str:
-    """HTML: the three modes' KV read, collectives and extra q_proj time, and the break-evens."""
+    """HTML: the three modes' KV read, collectives and TPA's extra weight reads, and the
+    break-evens."""
     m, g, nvl = cm.MODELS[model], cm.GPUS[gpu], cm.LINKS["NVLink4"]
     link = cm.LinkSpec(nvl.name, alpha_us * 1e-6, nvl.bw_bytes_per_s, nvl.source)
     kw = dict(num_reqs=batch, link=link)
@@ -32,7 +33,11 @@ def decode_readout(
     rows = [
         (
             _NAMES[mode],
-            [(t.kv_read_s * 1e6, BLUE), (t.comm_s * 1e6, ORANGE), (t.q_proj_extra_s * 1e6, PURPLE)],
+            [
+                (t.kv_read_s * 1e6, BLUE),
+                (t.comm_s * 1e6, ORANGE),
+                ((t.q_proj_extra_s + t.w_uk_t_extra_s) * 1e6, PURPLE),
+            ],
             f"{t.total_s * 1e6:,.1f} us",
         )
         for mode, t in times.items()
@@ -42,7 +47,11 @@ def decode_readout(
         title=f"one layer, one decode step: {model}, 8 x {gpu}, TP = DCP = "
         f"8, batch {batch}, {context // 1024:,}K tokens, "
         f"alpha {alpha_us} us",
-        legend=[("KV read", BLUE), ("collectives", ORANGE), ("extra q_proj weights", PURPLE)],
+        legend=[
+            ("KV read", BLUE),
+            ("collectives", ORANGE),
+            ("TPA's extra weights (q_proj, W_UK_T)", PURPLE),
+        ],
     )
     even = {mode: cm.decode_break_even(m, g, mode, **kw) for mode in ("dcp", "dcp_tpa")}
     fastest = min(times, key=lambda k: times[k].total_s)
