@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import matplotlib
@@ -239,3 +242,44 @@ def test_engine_timeline_explorer_runs_the_engine_in_every_state():
     assert "budget 32 tokens/step, 64 KV blocks" in shown
     steps = int(re.search(r"(\d+) steps", shown).group(1))
     assert shown.count("<i") == 7 * steps + 5  # one cell per request and step, 5 in the legend
+
+
+# ---- the reader's environment: JupyterLab with live explorers ----------------------------------
+
+
+def test_jupyter_lab_and_its_widget_manager_are_installed():
+    """After ``pip install -r requirements.txt``, ``jupyter lab notebooks/`` starts JupyterLab,
+    and JupyterLab has the ipywidgets manager the live explorers need."""
+    assert shutil.which("jupyter-lab"), "jupyter lab: command `jupyter-lab` not found"
+    out = subprocess.run(
+        [sys.executable, "-m", "jupyter", "labextension", "list"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    listing = out.stdout + out.stderr
+    assert out.returncode == 0, listing
+    assert re.search(r"@jupyter-widgets/jupyterlab-manager\s.*enabled", listing), listing
+
+
+def test_an_explorer_renders_live_in_a_kernel():
+    """In a kernel an explorer is a live ipywidgets view: the cell's result is a widget view
+    whose model the kernel opened over a comm (nbclient, as the front end, stores its state)."""
+    import nbclient
+    import nbformat
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [
+        nbformat.v4.new_code_cell(
+            "from cpbook.widgets.explorer import explorer\n"
+            "explorer(lambda n: f'n = {n}', {'n': [1, 2]})"
+        )
+    ]
+    client = nbclient.NotebookClient(nb, timeout=120, kernel_name="python3")
+    client.store_widget_state = True
+    client.execute()
+    data = nb.cells[0].outputs[-1]["data"]
+    view = data["application/vnd.jupyter.widget-view+json"]
+    state = nb.metadata["widgets"]["application/vnd.jupyter.widget-state+json"]["state"]
+    assert view["model_id"] in state
+    assert "text/html" in data  # the kernel-free view the book shows

@@ -1,9 +1,11 @@
 """The rendered book in a real browser (headless Chromium over the DevTools protocol).
 
 Serves ``_build/html`` on 127.0.0.1 and opens every page at 1280 px, then lays it out again at
-390 px.  Checks: no JavaScript error from the book's own code (scripts served from 127.0.0.1;
-CDN scripts such as MathJax are unreachable offline, are blocked on purpose, and are neither
-needed nor reported); every image loads and has alt text; every explorer
+390 px, with every other host unreachable (as on an air-gapped cluster).  Checks: no JavaScript
+error from the book's own code (scripts served from 127.0.0.1; CDN scripts are blocked on
+purpose, and none is needed); every formula typeset by the book's own MathJax
+(``book/_ext/cpbook_mathjax.py``), with no MathJax error node and no ``\\(``, ``\\[`` or ``$$``
+left as text outside code; every image loads and has alt text; every explorer
 (``cpbook.widgets.explorer``) shows another panel when a control changes, and the panel of the
 original values when they come back; no page is wider than the viewport at either width; every
 internal link and its fragment resolve.  Saves each chapter's first screen at both widths, and
@@ -277,6 +279,21 @@ IMAGES_JS = """Array.from(document.images).map(i => ({src: i.currentSrc.slice(0,
   hidden: !!i.closest('[hidden]')}))"""
 
 WIDTH_JS = "[document.documentElement.scrollWidth, window.innerWidth]"
+# After MathJax's first typeset: its script URLs, the typeset formulas, MathJax error nodes, and
+# TeX delimiters left as text outside code (a formula that did not render).
+MATH_JS = r"""(async () => {
+  const mj = window.MathJax;
+  if (mj && mj.startup && mj.startup.promise) await mj.startup.promise;
+  if (!document.body) return {src: [], typeset: 0, errors: 0, raw: []};  // a redirect page
+  const prose = document.body.cloneNode(true);
+  prose.querySelectorAll('pre, code, script, style, textarea, mjx-container')
+       .forEach(e => e.remove());
+  const text = prose.textContent;
+  return {src: Array.from(document.scripts).map(e => e.src).filter(u => /mathjax/i.test(u)),
+          typeset: document.querySelectorAll('mjx-container').length,
+          errors: document.querySelectorAll('mjx-merror, [data-mjx-error]').length,
+          raw: ['\\(', '\\[', '$$'].filter(t => text.includes(t))};
+})()"""
 
 # For every explorer and every control: does some other value show another panel?
 EXPLORERS_JS = """Array.from(document.querySelectorAll('.cpx')).map(root => {
@@ -335,7 +352,7 @@ def test_every_page_in_chromium(browser: Browser, site: Path, server: str):
     problems: list[str] = []
     shots = site.parent / "screenshots"
     shots.mkdir(exist_ok=True)
-    explorers = 0
+    explorers = formulas = 0
     all_pages = pages(site)
     assert any(p.startswith("notebooks/") for p in all_pages)
     wide, narrow = WIDTHS
@@ -343,6 +360,16 @@ def test_every_page_in_chromium(browser: Browser, site: Path, server: str):
         browser.open(urljoin(server, page), wide)
         browser.drain()
         problems += [f"{page}: JS error {e}" for e in own_errors(browser.events, server)]
+        math = browser.js(MATH_JS)
+        formulas += math["typeset"]
+        problems += [
+            f"{page}: MathJax from {u} (not the book)"
+            for u in math["src"]
+            if not u.startswith(server)
+        ]
+        problems += [f"{page}: formula left as TeX text ({t})" for t in math["raw"]]
+        if math["errors"]:
+            problems.append(f"{page}: {math['errors']} MathJax error node(s)")
         for img in browser.js(IMAGES_JS):
             if not img["alt"]:
                 problems.append(f"{page}: image without alt text ({img['src']})")
@@ -365,7 +392,11 @@ def test_every_page_in_chromium(browser: Browser, site: Path, server: str):
             browser.screenshot(shots / f"{Path(page).stem}-{narrow}.png")
     assert not problems, "\n".join(problems)
     assert explorers >= 3, f"only {explorers} explorers in the book"
-    print(f"{len(all_pages)} pages, {explorers} explorers, {time.monotonic() - t0:.0f} s")
+    assert formulas >= 50, f"only {formulas} formulas typeset in the book"
+    print(
+        f"{len(all_pages)} pages, {explorers} explorers, {formulas} formulas typeset offline, "
+        f"{time.monotonic() - t0:.0f} s"
+    )
 
 
 def explorer_problems(page: str, ex: dict) -> list[str]:
