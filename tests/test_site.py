@@ -279,6 +279,37 @@ IMAGES_JS = """Array.from(document.images).map(i => ({src: i.currentSrc.slice(0,
   hidden: !!i.closest('[hidden]')}))"""
 
 WIDTH_JS = "[document.documentElement.scrollWidth, window.innerWidth]"
+# WCAG 2 contrast of the small text readers squint at: code and text in explorer readouts, and
+# figure and table captions, against the first opaque background behind each (AA: >= 4.5);
+# and captions lighter than the body's weight (reported with ratio 0).
+CONTRAST_JS = r"""(() => {
+  const rgb = c => (c.match(/[\d.]+/g) || []).map(Number);
+  const lum = ([r, g, b]) => [r, g, b].map(v => v / 255)
+    .map(v => v <= 0.03928 ? v / 12.92 : ((v + 0.055) / 1.055) ** 2.4)
+    .reduce((a, v, i) => a + v * [0.2126, 0.7152, 0.0722][i], 0);
+  const back = e => {
+    for (; e; e = e.parentElement) {
+      const c = rgb(getComputedStyle(e).backgroundColor);
+      if (c.length === 3 || c[3] > 0.5) return c.slice(0, 3);
+    }
+    return rgb(getComputedStyle(document.body).backgroundColor).slice(0, 3);
+  };
+  const sel = '.cpx code, .cpx pre, .cpx-caption, .cpx output, figcaption, caption, ' +
+              '.caption-text';
+  return Array.from(document.querySelectorAll(sel))
+    .filter(e => e.offsetParent !== null && e.textContent.trim())
+    .map(e => {
+      const [a, b] = [lum(rgb(getComputedStyle(e).color)), lum(back(e))];
+      return {what: e.tagName.toLowerCase() + '.' + (e.className || '').toString().split(' ')[0],
+              text: e.textContent.trim().slice(0, 30),
+              ratio: (Math.max(a, b) + 0.05) / (Math.min(a, b) + 0.05)};
+    })
+    .filter(r => r.ratio < 4.5)
+    .concat(Array.from(document.querySelectorAll('figcaption p, caption, .caption-text'))
+      .filter(e => e.offsetParent !== null && +getComputedStyle(e).fontWeight < 400)
+      .map(e => ({what: 'light caption', text: e.textContent.trim().slice(0, 30), ratio: 0})));
+})()"""
+THEME_JS = "document.documentElement.dataset.theme = %r; document.documentElement.dataset.mode = %r"
 # After MathJax's first typeset: its script URLs, the typeset formulas, MathJax error nodes, and
 # TeX delimiters left as text outside code (a formula that did not render).
 MATH_JS = r"""(async () => {
@@ -376,6 +407,15 @@ def test_every_page_in_chromium(browser: Browser, site: Path, server: str):
             if not img["ok"]:
                 problems.append(f"{page}: image did not load ({img['src']})")
         chapter = page.startswith("notebooks/")
+        for theme in ("dark", "light"):
+            browser.js(THEME_JS % (theme, theme))
+            low = browser.js(CONTRAST_JS)
+            problems += [
+                f"{page} ({theme}): contrast {r['ratio']:.2f} < 4.5 for {r['what']} {r['text']!r}"
+                for r in low[:5]
+            ]
+            if chapter and theme == "dark":
+                browser.screenshot(shots / f"{Path(page).stem}-{wide}-dark.png")
         if chapter:
             browser.screenshot(shots / f"{Path(page).stem}-{wide}.png")
         for i, ex in enumerate(browser.js(EXPLORERS_JS)):
