@@ -279,6 +279,25 @@ IMAGES_JS = """Array.from(document.images).map(i => ({src: i.currentSrc.slice(0,
   hidden: !!i.closest('[hidden]')}))"""
 
 WIDTH_JS = "[document.documentElement.scrollWidth, window.innerWidth]"
+# At phone width: chapter figures that do not open at full size on a tap, and tables wider
+# than the column without a scroll container that shows a cue (_static/cpbook.css).
+PHONE_JS = r"""(() => {
+  const bad = [];
+  document.querySelectorAll('div.cell_output img, figure img').forEach(img => {
+    if (img.closest('.cpx') || img.src.startsWith('data:')) return;
+    const a = img.closest('a.cpbook-zoom');
+    if (!a || a.href !== img.src) bad.push('figure does not open at full size: ' +
+                                           img.src.split('/').pop());
+  });
+  document.querySelectorAll('article table').forEach(t => {
+    const box = t.parentElement;
+    if (t.scrollWidth <= box.clientWidth + 1) return;
+    const cs = getComputedStyle(box);
+    if (!/auto|scroll/.test(cs.overflowX) || cs.backgroundImage === 'none')
+      bad.push('wide table without a scroll cue: ' + (t.textContent || '').trim().slice(0, 30));
+  });
+  return bad;
+})()"""
 # WCAG 2 contrast of the small text readers squint at: code and text in explorer readouts, and
 # figure and table captions, against the first opaque background behind each (AA: >= 4.5);
 # and captions lighter than the body's weight (reported with ratio 0).
@@ -428,6 +447,8 @@ def test_every_page_in_chromium(browser: Browser, site: Path, server: str):
             scroll, inner = browser.js(WIDTH_JS)
             if scroll > inner:
                 problems.append(f"{page} at {width}px: page is {scroll}px wide")
+            if width < 600:
+                problems += [f"{page} at {width}px: {p}" for p in browser.js(PHONE_JS)]
         if chapter:
             browser.screenshot(shots / f"{Path(page).stem}-{narrow}.png")
     assert not problems, "\n".join(problems)
