@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 from hypothesis import given, settings
@@ -20,6 +21,7 @@ from cpbook.__main__ import main, parse_seconds, parse_tokens
 from cpbook.core.config import ConfigError
 from cpbook.costmodel import Layout, ServingWorkload, plan
 from cpbook.costmodel.hf_config import model_from_hf_config
+from cpbook.costmodel.plan_advice import plural
 from cpbook.costmodel.serve_flags import vllm_kv_cache_dtype
 
 from .test_hf_config import DSV32, GLM5
@@ -345,6 +347,18 @@ def test_idle_gpus_are_said():
     p = plan(L8B, H200, 8, ServingWorkload(4 * K, 256, 16))
     assert p.winner.num_gpus < 8
     assert any(r.startswith(f"Uses {p.winner.num_gpus} of 8 GPUs") for r in p.reasons)
+
+
+def test_counts_of_one_are_singular():
+    assert (plural(1, "request"), plural(1_024, "GPU")) == ("1 request", "1,024 GPUs")
+    two = plan(DSV3, H200, 8, ServingWorkload(512 * K, 1 * K, 2))
+    assert any("holds 1 such request;" in r for r in two.reasons)
+    alone = plan(DSV3, "H100", 4, ServingWorkload(M, 1 * K, 1))
+    assert alone.would_fit.lines[0].startswith(
+        "No deployment of at most 4 x H100 SXM serves 1 request "
+    )
+    for text in two.reasons + alone.would_fit.lines:
+        assert not re.search(r"\b1 (such )?requests\b", text), text
 
 
 def test_fp8_kv_suggestion():
