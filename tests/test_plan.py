@@ -236,8 +236,8 @@ def test_4k_512_users_says_what_it_shows():
 
 
 def test_llama_8b_128k_ttft_3s_ranks_tp8_first():
-    """The peer's answer: TP8 first (recommend picked TP1 + PCP8, which vLLM v0.33 does not
-    run for GQA: PCP is MLA-only)."""
+    """The peer's answer: TP8 first (the article's decision path picks TP1 + PCP8, which vLLM
+    v0.33 does not run for GQA: PCP is MLA-only; tests/test_decision_path.py)."""
     p = plan(L8B, H200, 8, ServingWorkload(128 * K, 1 * K, 1, ttft_target_s=3))
     assert p.winner.layout == Layout(tp=8) and p.winner.ttft_s <= 3
     with pytest.raises(ConfigError, match=r"\[pcp-mla-only\]"):
