@@ -41,7 +41,9 @@ def test_path_vs_plan_on_the_articles_cases():
     assert ttft.same_cp is False and ttft.reason.endswith("[pcp-mla-only].")
     assert ttft.plan.winner.ttft_s <= 15
     dp = path_vs_plan("Llama-3.1-8B", H200, 8, ServingWorkload(4 * K, 1 * K, 512))
-    assert dp.same_cp and dp.reason.startswith("ranked ")
+    assert dp.same_cp and dp.reason.startswith("DP8+TP1: ") and " less): decode costs" in dp.reason
+    rank = 1 + [e.layout for e in dp.plan.ranked].index(dp.path.layout)
+    assert rank > 1 and dp.reason.endswith(f"Ranked {rank} of {len(dp.plan.ranked)}.")
 
 
 @pytest.mark.parametrize(

@@ -178,5 +178,5 @@ def path_vs_plan(
         why = f"{e.label} fails [{e.drop}]."
     else:
         rank = 1 + next(i for i, x in enumerate(p.ranked) if (x.layout, x.kv_dtype) == (lay, kv))
-        why = f"ranked {rank} of {len(p.ranked)}: " + why_lost(e, best, w, objective)
+        why = f"{why_lost(e, best, w, objective)} Ranked {rank} of {len(p.ranked)}."
     return PathCheck(path, p, False, why)
