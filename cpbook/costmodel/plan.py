@@ -118,7 +118,8 @@ def headline(p: Plan) -> str:
         parts.append(f"PCP{lay.pcp}: each prefill on {gpus} GPUs, TTFT {fmt_s(best.ttft_s)}")
     if not parts:
         spread = f"DP{lay.dp} replicas hold" if lay.dp > 1 else f"TP{lay.tp} holds"
-        parts.append(f"no CP: {spread} {best.capacity:,} of {plural(w.concurrency, 'request')}")
+        held = plural(best.capacity, "request")
+        parts.append(f"no CP: {spread} {held} ({w.concurrency:,} in flight)")
     return "; ".join(parts)
 
 
