@@ -21,7 +21,7 @@ from cpbook.__main__ import main, parse_seconds, parse_tokens
 from cpbook.core.config import ConfigError
 from cpbook.costmodel import Layout, ServingWorkload, plan
 from cpbook.costmodel.hf_config import model_from_hf_config
-from cpbook.costmodel.plan_advice import plural
+from cpbook.costmodel.plan_advice import fmt_rate, plural
 from cpbook.costmodel.serve_flags import vllm_kv_cache_dtype
 
 from .test_hf_config import DSV32, GLM5
@@ -359,6 +359,14 @@ def test_counts_of_one_are_singular():
     )
     for text in two.reasons + alone.would_fit.lines:
         assert not re.search(r"\b1 (such )?requests\b", text), text
+
+
+def test_rates_print_without_an_exponent():
+    assert [fmt_rate(x) for x in (0.1474, 838.2, 2637.4)] == ["0.147", "838", "2,640"]
+    assert (fmt_rate(2637.4, 4), fmt_rate(2637.4, 2)) == ("2,637", "2,600")
+    p = plan(L8B, H200, 8, ServingWorkload(4 * K, 1 * K, 512))
+    assert p.winner.tokens_per_s_per_gpu > 1000
+    assert not any(re.search(r"\de\+\d", r) for r in p.reasons), p.reasons
 
 
 def test_fp8_kv_suggestion():

@@ -40,6 +40,13 @@ def plural(n: int, noun: str) -> str:
     return f"{n:,} {noun}{'' if n == 1 else 's'}"
 
 
+def fmt_rate(x: float, digits: int = 3) -> str:
+    """``x`` to ``digits`` significant figures without an exponent: ``"0.147"``, ``"838"``,
+    ``"2,640"`` (``format(2637, ".3g")`` would print ``"2.64e+03"``)."""
+    v = float(f"{x:.{digits}g}")
+    return f"{v:,.0f}" if abs(v) >= 10 ** (digits - 1) else f"{v:.{digits}g}"
+
+
 def fmt_s(seconds: float) -> str:
     """``"16.4 s"``, ``"18.2 ms"``; ``"-"`` for a time not computed."""
     if seconds == float("inf"):
@@ -54,7 +61,7 @@ def _tie(e: Estimate, best: Estimate, objective: str) -> str:
     shown = {
         "ttft": lambda x: f"TTFT {fmt_s(x.ttft_s)}",
         "tpot": lambda x: f"TPOT {fmt_s(x.tpot_s)}",
-        "rate": lambda x: f"{x.tokens_per_s_per_gpu:.4g} tok/s per GPU",
+        "rate": lambda x: f"{fmt_rate(x.tokens_per_s_per_gpu, 4)} tok/s per GPU",
     }
     for name in order.get(objective, ("rate", "ttft", "tpot")):
         if shown[name](e) != shown[name](best):
@@ -72,7 +79,7 @@ def why_lost(e: Estimate, best: Estimate, w: ServingWorkload, objective: str) ->
     if objective == "tpot":
         return f"{e.label}: TPOT {fmt_s(e.tpot_s)} vs {fmt_s(best.tpot_s)} ({_step(e, best)})."
     gap = 1 - e.tokens_per_s_per_gpu / best.tokens_per_s_per_gpu
-    head = f"{e.label}: {e.tokens_per_s_per_gpu:.3g} tok/s per GPU ({gap:.1%} less)"
+    head = f"{e.label}: {fmt_rate(e.tokens_per_s_per_gpu)} tok/s per GPU ({gap:.1%} less)"
     (pe, de), (pb, db) = (gpu_seconds_per_token(x, w.output_tokens) for x in (e, best))
     if pe - pb >= de - db:
         return (

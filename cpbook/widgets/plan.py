@@ -11,7 +11,7 @@ from __future__ import annotations
 import html
 
 from cpbook.costmodel import GPUS, Plan, ServingWorkload, headline, plan
-from cpbook.costmodel.plan_advice import fmt_s, plural
+from cpbook.costmodel.plan_advice import fmt_rate, fmt_s, plural
 from cpbook.viz.style import tokens_label
 from cpbook.widgets.explorer import Control, Explorer, pre
 
@@ -53,7 +53,7 @@ def plan_readout(p: Plan) -> str:
         + pre(p.command())
         + f"<p>Holds {plural(best.capacity, 'request')} of {w.request_tokens:,} tokens "
         f"({w.concurrency:,} in flight) · TTFT {fmt_s(best.ttft_s)} · "
-        f"TPOT {fmt_s(best.tpot_s)} · {best.tokens_per_s_per_gpu:.3g} output tok/s per GPU "
+        f"TPOT {fmt_s(best.tpot_s)} · {fmt_rate(best.tokens_per_s_per_gpu)} output tok/s per GPU "
         "(modelled).</p>"
     )
 
