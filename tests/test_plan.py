@@ -472,6 +472,8 @@ def test_size_and_time_parsing():
 
 
 def test_rule_probes_and_flowchart():
+    import matplotlib.pyplot as plt
+
     from cpbook.viz.plan import decision_flowchart
 
     families = {"GQA": L70B, "MLA": DSV3, "sparse MLA": V32}
@@ -483,3 +485,4 @@ def test_rule_probes_and_flowchart():
     texts = {t.get_text() for ax in fig.axes for t in ax.texts}
     assert "serves" in texts and any("pcp-mla-" in t for t in texts)
     assert sum("dropped [" in t for t in texts) == len(cm.plan_space.DROP_RULES)
+    plt.close(fig)  # tests/test_explorer.py checks that its own explorers leave no figure open
