@@ -62,8 +62,8 @@ def test_the_old_explorers_questions(context, concurrency, layout, reason):
     w = ServingWorkload(context, 1 * K, concurrency, ttft_target_s=10)
     c = path_vs_plan("DeepSeek-V3", H200, 8, w)
     assert c.path.layout == layout and c.reason == reason and not c.agree
-    if concurrency < 128:  # moderate concurrency: question 2 asks for PCP, and there is no room
-        assert c.path.steps[-1].endswith("but no PCP size holds the request on 8 GPUs.")
+    if concurrency < 128:  # moderate concurrency: question 2 asks for PCP, with no GPU for it
+        assert c.path.steps[-1].endswith("but TP8 already uses the 8 GPUs.")
     if context == 4 * K:
         assert "pure DP, but the weights need TP8, so DP1 x TP8" in c.path.steps[-1]
 

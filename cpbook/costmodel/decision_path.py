@@ -96,8 +96,8 @@ def decision_path(
     first = ttft(model, gpu, lay, w.prompt_tokens).total_s
     if target is not None and first > target and not crowded:
         step = f"2. TTFT {fmt_s(first)} exceeds the {fmt_s(target)} target: add PCP"
-        options = []
-        for p in _divisors(num_gpus // lay.tp)[1:]:
+        options, pcps = [], _divisors(num_gpus // lay.tp)[1:]
+        for p in pcps:
             for d in sorted({1, p, lay.tp * p}):
                 if (_room(model, gpu, replace(lay, pcp=p, dcp=d), w) or 0) >= tokens:
                     options.append(replace(lay, pcp=p, dcp=d))
@@ -107,6 +107,8 @@ def decision_path(
             lay = (on_time or options)[0 if on_time else -1]
             t = ttft(model, gpu, lay, w.prompt_tokens).total_s
             steps.append(f"{step}; PCP{lay.pcp} predicts {fmt_s(t)}.")
+        elif not pcps:
+            steps.append(f"{step}, but TP{lay.tp} already uses the {num_gpus} GPUs.")
         else:
             steps.append(f"{step}, but no PCP size holds the request on {num_gpus} GPUs.")
     elif lay.dcp == 1 and w.prompt_tokens < SHORT_CONTEXT_TOKENS and crowded:
@@ -128,8 +130,8 @@ def decision_path(
 @dataclass(frozen=True)
 class PathCheck:
     """The decision path beside the planner on one question: ``path`` (``None`` if it finds no
-    layout), ``plan``, whether both end on the same deployment, and ``reason``: why they do
-    not, in one line (empty when they agree)."""
+    layout), ``plan``, whether both end on the same deployment (or both on none), and
+    ``reason``: why they do not, in one line (empty when they agree)."""
 
     path: PathAnswer | None
     plan: Plan
