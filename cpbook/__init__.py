@@ -14,9 +14,10 @@ every import):
 4. ``pcp`` — the DualChunkSwap partition, PCP prefill, chunked prefill AllGather-Q /
    AllGather-KV (which combines over the DCP group, hence below ``dcp``), ring pass-KV /
    pass-Q, and their planners (chapters 4, 5).
-5. ``costmodel``, ``engine`` — sourced specs, memory, TTFT/TPOT, calibration, ``recommend``,
-   model shapes from ``config.json``, vLLM v0.33's deployment rules and the deployment planner
-   ``plan`` (chapters 1, 6, 8); tiny models, scheduler, runner, engine (chapter 9).
+5. ``costmodel``, ``engine`` — sourced specs, memory, TTFT/TPOT, calibration, model shapes
+   from ``config.json``, vLLM v0.33's deployment rules, the deployment planner ``plan`` and the
+   article's decision path as a check on it (chapters 1, 6, 8); tiny models, scheduler,
+   runner, engine (chapter 9).
 6. ``dynamic`` — the length router, live migration, the workload simulator (chapter 7).
 7. ``demos`` — one module per chapter: its ``*_problem``, ``*_rank`` and dense references, and
    the registry behind ``python -m cpbook demo``.

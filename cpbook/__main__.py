@@ -35,7 +35,7 @@ from cpbook.core.launch import (
 )
 from cpbook.costmodel.hf_config import model_from_hf_config
 from cpbook.costmodel.plan import Plan, estimate_record, plan
-from cpbook.costmodel.plan_advice import fmt_s
+from cpbook.costmodel.plan_advice import fmt_rate, fmt_s
 from cpbook.costmodel.plan_space import OBJECTIVES, ServingWorkload
 from cpbook.costmodel.specs import GB, GPUS, get_model
 from cpbook.costmodel.vllm_rules import PLAN_KV_DTYPES
@@ -187,7 +187,7 @@ def _plan_table(p: Plan, top: int) -> list[str]:
         lines.append(
             f"{i:>3}  {e.label:24s} {e.num_gpus:>4} {e.weight_bytes / GB:>5.1f} GB "
             f"{e.kv_budget_bytes / GB:>5.1f} GB {e.capacity:>6,} {fmt_s(e.ttft_s):>9} "
-            f"{fmt_s(e.tpot_s):>9} {e.tokens_per_s_per_gpu:>10.4g}"
+            f"{fmt_s(e.tpot_s):>9} {fmt_rate(e.tokens_per_s_per_gpu, 4):>10}"
         )
     return lines + ["", "Why:"] + [f"  - {r}" for r in p.reasons]
 

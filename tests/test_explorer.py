@@ -244,6 +244,29 @@ def test_engine_timeline_explorer_runs_the_engine_in_every_state():
     assert shown.count("<i") == 7 * steps + 5  # one cell per request and step, 5 in the legend
 
 
+def test_plan_explorer_states_are_the_planners_answers():
+    """Chapter 8's deployment explorer: each state is plan()'s answer for its controls, with
+    the winner's vllm serve line, or what would fit; counts of one are singular."""
+    from cpbook.costmodel import ServingWorkload, plan
+    from cpbook.widgets.plan import OUTPUT_TOKENS, plan_explorer, plan_readout
+
+    ex = plan_explorer(
+        ("DeepSeek-V3", "Llama-3.1-8B"), (4096, 2**20), (1, 16), (8,), ("H200", "H100"),
+        model="DeepSeek-V3", context=2**20, concurrency=1, gpu="H200",
+    )  # fmt: skip
+    assert len(ex.states) == 16
+    for idx in ex.states:
+        model, context, concurrency, gpus, gpu = ex._values(idx).values()
+        p = plan(model, gpu, gpus, ServingWorkload(context, OUTPUT_TOKENS, concurrency))
+        assert ex._parts[idx] == [("html", plan_readout(p))]
+    shown = visible_panel(ex.to_html())
+    assert "<b>TP8+DCP8+QR</b> on 8 of 8 GPUs: DCP8: without it 0 of 1 fit." in shown
+    assert "vllm serve deepseek-ai/DeepSeek-V3 --tensor-parallel-size 8" in shown
+    assert "Holds 4 requests of 1,049,600 tokens (1 in flight)" in shown
+    assert "<b>Nothing fits</b> on 8 × H200 SXM [holds-concurrency]" in ex.to_html()
+    assert not re.search(r"\b1 (such )?requests\b", ex.to_html())
+
+
 # ---- the reader's environment: JupyterLab with live explorers ----------------------------------
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 from hypothesis import given, settings
@@ -20,6 +21,7 @@ from cpbook.__main__ import main, parse_seconds, parse_tokens
 from cpbook.core.config import ConfigError
 from cpbook.costmodel import Layout, ServingWorkload, plan
 from cpbook.costmodel.hf_config import model_from_hf_config
+from cpbook.costmodel.plan_advice import fmt_rate, plural
 from cpbook.costmodel.serve_flags import vllm_kv_cache_dtype
 
 from .test_hf_config import DSV32, GLM5
@@ -234,8 +236,8 @@ def test_4k_512_users_says_what_it_shows():
 
 
 def test_llama_8b_128k_ttft_3s_ranks_tp8_first():
-    """The peer's answer: TP8 first (recommend picked TP1 + PCP8, which vLLM v0.33 does not
-    run for GQA: PCP is MLA-only)."""
+    """The peer's answer: TP8 first (the article's decision path picks TP1 + PCP8, which vLLM
+    v0.33 does not run for GQA: PCP is MLA-only; tests/test_decision_path.py)."""
     p = plan(L8B, H200, 8, ServingWorkload(128 * K, 1 * K, 1, ttft_target_s=3))
     assert p.winner.layout == Layout(tp=8) and p.winner.ttft_s <= 3
     with pytest.raises(ConfigError, match=r"\[pcp-mla-only\]"):
@@ -347,6 +349,26 @@ def test_idle_gpus_are_said():
     assert any(r.startswith(f"Uses {p.winner.num_gpus} of 8 GPUs") for r in p.reasons)
 
 
+def test_counts_of_one_are_singular():
+    assert (plural(1, "request"), plural(1_024, "GPU")) == ("1 request", "1,024 GPUs")
+    two = plan(DSV3, H200, 8, ServingWorkload(512 * K, 1 * K, 2))
+    assert any("holds 1 such request;" in r for r in two.reasons)
+    alone = plan(DSV3, "H100", 4, ServingWorkload(M, 1 * K, 1))
+    assert alone.would_fit.lines[0].startswith(
+        "No deployment of at most 4 x H100 SXM serves 1 request "
+    )
+    for text in two.reasons + alone.would_fit.lines:
+        assert not re.search(r"\b1 (such )?requests\b", text), text
+
+
+def test_rates_print_without_an_exponent():
+    assert [fmt_rate(x) for x in (0.1474, 838.2, 2637.4)] == ["0.147", "838", "2,640"]
+    assert (fmt_rate(2637.4, 4), fmt_rate(2637.4, 2)) == ("2,637", "2,600")
+    p = plan(L8B, H200, 8, ServingWorkload(4 * K, 1 * K, 512))
+    assert p.winner.tokens_per_s_per_gpu > 1000
+    assert not any(re.search(r"\de\+\d", r) for r in p.reasons), p.reasons
+
+
 def test_fp8_kv_suggestion():
     """Six 1M-token requests: TP8 + DCP8 holds 4 with a 16-bit cache; FP8 KV would hold them."""
     p = plan(DSV3, H200, 8, ServingWorkload(M, 1 * K, 6))
@@ -450,6 +472,8 @@ def test_size_and_time_parsing():
 
 
 def test_rule_probes_and_flowchart():
+    import matplotlib.pyplot as plt
+
     from cpbook.viz.plan import decision_flowchart
 
     families = {"GQA": L70B, "MLA": DSV3, "sparse MLA": V32}
@@ -461,3 +485,4 @@ def test_rule_probes_and_flowchart():
     texts = {t.get_text() for ax in fig.axes for t in ax.texts}
     assert "serves" in texts and any("pcp-mla-" in t for t in texts)
     assert sum("dropped [" in t for t in texts) == len(cm.plan_space.DROP_RULES)
+    plt.close(fig)  # tests/test_explorer.py checks that its own explorers leave no figure open

@@ -1,17 +1,19 @@
 """cpbook's cost model: sourced specs, memory, time, calibration on this machine, and the
-article's decision path as code.
+deployment planner, with the article's decision path kept as a check on it.
 
 Modules: :mod:`.specs` (GPUs, links, models, every number sourced in ``book/references.bib``),
 :mod:`.memory` (weights and KV per GPU, longest request, concurrency), :mod:`.decode` (α–β
 collectives and one decode step's attention per layer, chapter 6), :mod:`.latency` (TTFT, TPOT
 and throughput of whole layouts), :mod:`.calibration` (α, β and throughput of this machine from
-``bench/`` runs), :mod:`.recommend` (the decision path), :mod:`.hf_config` (model shapes from a
-``config.json``), :mod:`.vllm_rules` (what vLLM v0.33 serves), :mod:`.serve_flags` (the
-``vllm serve`` line), and the deployment planner: :mod:`.plan_space` (the search space, one
-deployment's numbers), :mod:`.plan_advice` (its reasons) and :mod:`.plan`.  Every public name
-is re-exported here, so ``from cpbook import costmodel as cm; cm.X`` keeps working.
+``bench/`` runs), :mod:`.decision_path` (the article's three questions, checked against the
+planner), :mod:`.hf_config` (model shapes from a ``config.json``), :mod:`.vllm_rules` (what
+vLLM v0.33 serves), :mod:`.serve_flags` (the ``vllm serve`` line), and the deployment planner:
+:mod:`.plan_space` (the search space, one deployment's numbers), :mod:`.plan_advice` (its
+reasons) and :mod:`.plan`.  Every public name is re-exported here, so
+``from cpbook import costmodel as cm; cm.X`` keeps working.
 """
 
+from cpbook.costmodel.decision_path import PathAnswer, PathCheck, decision_path, path_vs_plan
 from cpbook.costmodel.decode import (
     COLLECTIVES,
     DECODE_MODES,
@@ -63,7 +65,6 @@ from cpbook.costmodel.plan_space import (
     objective_value,
     pareto,
 )
-from cpbook.costmodel.recommend import Recommendation, Workload, recommend
 from cpbook.costmodel.serve_flags import (
     HF_REPOS,
     layout_flags,
@@ -102,12 +103,15 @@ __all__ = [
     "HF_REPOS",
     "OBJECTIVES",
     "PLAN_KV_DTYPES",
+    "PathAnswer",
+    "PathCheck",
     "Plan",
     "SUPPORTED_MODEL_TYPES",
     "ServingWorkload",
     "WouldFit",
     "brute_force",
     "check_deployment",
+    "decision_path",
     "deployments",
     "estimate",
     "estimate_record",
@@ -117,17 +121,15 @@ __all__ = [
     "model_from_hf_config",
     "pareto",
     "parse_serve_command",
+    "path_vs_plan",
     "plan",
     "rule_probes",
     "serve_command",
     "DEFAULT_MFU",
     "DecodeTime",
     "PrefillTime",
-    "Recommendation",
-    "Workload",
     "decode_throughput",
     "prefill_throughput",
-    "recommend",
     "tpot",
     "tpot_break_even",
     "ttft",

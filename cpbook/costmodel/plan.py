@@ -15,7 +15,7 @@ from collections import Counter
 from dataclasses import dataclass, replace
 
 from cpbook.costmodel.memory import Layout
-from cpbook.costmodel.plan_advice import WouldFit, fmt_s, why_lost, would_fit
+from cpbook.costmodel.plan_advice import WouldFit, fmt_rate, fmt_s, plural, why_lost, would_fit
 from cpbook.costmodel.plan_space import (
     Estimate,
     ServingWorkload,
@@ -110,15 +110,16 @@ def headline(p: Plan) -> str:
             )
         elif plain is not None:
             parts.append(
-                f"DCP{lay.dcp}: {best.tokens_per_s_per_gpu:.2g} vs "
-                f"{plain.tokens_per_s_per_gpu:.2g} tok/s per GPU without it"
+                f"DCP{lay.dcp}: {fmt_rate(best.tokens_per_s_per_gpu, 2)} vs "
+                f"{fmt_rate(plain.tokens_per_s_per_gpu, 2)} tok/s per GPU without it"
             )
     if lay.pcp > 1:
         gpus = lay.tp * lay.pcp
         parts.append(f"PCP{lay.pcp}: each prefill on {gpus} GPUs, TTFT {fmt_s(best.ttft_s)}")
     if not parts:
         spread = f"DP{lay.dp} replicas hold" if lay.dp > 1 else f"TP{lay.tp} holds"
-        parts.append(f"no CP: {spread} {best.capacity:,} of {w.concurrency:,} requests")
+        held = plural(best.capacity, "request")
+        parts.append(f"no CP: {spread} {held} ({w.concurrency:,} in flight)")
     return "; ".join(parts)
 
 
@@ -128,23 +129,26 @@ def _winner_reasons(p: Plan) -> list[str]:
     model, gpu, w, best = p.model, p.gpu, p.workload, p.winner
     lay = best.layout
     lines = [
-        f"{best.label} on {best.num_gpus} of {p.num_gpus} x {gpu.name}: holds {best.capacity:,} "
-        f"requests of {w.request_tokens:,} tokens ({w.concurrency:,} needed), weights "
+        f"{best.label} on {best.num_gpus} of {p.num_gpus} x {gpu.name}: holds "
+        f"{plural(best.capacity, 'request')} of {w.request_tokens:,} tokens "
+        f"({w.concurrency:,} needed), weights "
         f"{best.weight_bytes / GB:.1f} GB and KV room {best.kv_budget_bytes / GB:.1f} GB per GPU, "
         f"TTFT {fmt_s(best.ttft_s)}, TPOT {fmt_s(best.tpot_s)}, "
-        f"{best.tokens_per_s_per_gpu:.3g} output tok/s per GPU (modelled)."
+        f"{fmt_rate(best.tokens_per_s_per_gpu)} output tok/s per GPU (modelled)."
     ]
     if lay.dcp > 1:
         plain = _variant(model, gpu, best, w, dcp=1, tpa=False)
         if plain is not None and plain.capacity < w.concurrency:
             lines.append(
-                f"DCP{lay.dcp}: without it {plain.label} holds {plain.capacity:,} such "
-                f"requests; DCP shards each request's KV over {lay.dcp} GPUs."
+                f"DCP{lay.dcp}: without it {plain.label} holds "
+                f"{plural(plain.capacity, 'such request')}; DCP shards each request's KV over "
+                f"{lay.dcp} GPUs."
             )
         elif plain is not None:
             lines.append(
                 f"DCP{lay.dcp}: {plain.label} without it reaches "
-                f"{plain.tokens_per_s_per_gpu:.3g} tok/s per GPU (TPOT {fmt_s(plain.tpot_s)})."
+                f"{fmt_rate(plain.tokens_per_s_per_gpu)} tok/s per GPU "
+                f"(TPOT {fmt_s(plain.tpot_s)})."
             )
     if lay.pcp > 1:
         alone = _variant(model, gpu, best, w, pcp=1, dcp=1 if lay.dcp == lay.pcp else lay.dcp)
@@ -157,16 +161,16 @@ def _winner_reasons(p: Plan) -> list[str]:
         full = [e for e in p.ranked if e.num_gpus == p.num_gpus]
         tail = f"; the best on all {p.num_gpus}, {full[0].label}, " if full else "."
         if full:
-            tail += f"reaches {full[0].tokens_per_s_per_gpu:.3g} tok/s per GPU."
+            tail += f"reaches {fmt_rate(full[0].tokens_per_s_per_gpu)} tok/s per GPU."
         lines.append(
             f"Uses {best.num_gpus} of {p.num_gpus} GPUs: more replicas would split the same "
-            f"{w.concurrency:,} requests{tail}"
+            f"{plural(w.concurrency, 'request')}{tail}"
         )
     fastest = p.frontier_ttft[0] if p.frontier_ttft else None
     if p.objective != "ttft" and fastest is not None and fastest.ttft_s < best.ttft_s:
         lines.append(
             f"Lowest TTFT: {fastest.label}, {fmt_s(fastest.ttft_s)} at "
-            f"{fastest.tokens_per_s_per_gpu:.3g} tok/s per GPU (set a TTFT target or "
+            f"{fmt_rate(fastest.tokens_per_s_per_gpu)} tok/s per GPU (set a TTFT target or "
             f"objective='ttft' to prefer it)."
         )
     return lines

@@ -35,6 +35,18 @@ MAX_REPLICA_GPUS = 64
 MAX_GPUS = 1 << 14
 
 
+def plural(n: int, noun: str) -> str:
+    """``"1 request"``, ``"16 requests"``: ``n`` with thousands separators and ``noun``."""
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"
+
+
+def fmt_rate(x: float, digits: int = 3) -> str:
+    """``x`` to ``digits`` significant figures without an exponent: ``"0.147"``, ``"838"``,
+    ``"2,640"`` (``format(2637, ".3g")`` would print ``"2.64e+03"``)."""
+    v = float(f"{x:.{digits}g}")
+    return f"{v:,.0f}" if abs(v) >= 10 ** (digits - 1) else f"{v:.{digits}g}"
+
+
 def fmt_s(seconds: float) -> str:
     """``"16.4 s"``, ``"18.2 ms"``; ``"-"`` for a time not computed."""
     if seconds == float("inf"):
@@ -49,7 +61,7 @@ def _tie(e: Estimate, best: Estimate, objective: str) -> str:
     shown = {
         "ttft": lambda x: f"TTFT {fmt_s(x.ttft_s)}",
         "tpot": lambda x: f"TPOT {fmt_s(x.tpot_s)}",
-        "rate": lambda x: f"{x.tokens_per_s_per_gpu:.4g} tok/s per GPU",
+        "rate": lambda x: f"{fmt_rate(x.tokens_per_s_per_gpu, 4)} tok/s per GPU",
     }
     for name in order.get(objective, ("rate", "ttft", "tpot")):
         if shown[name](e) != shown[name](best):
@@ -67,7 +79,7 @@ def why_lost(e: Estimate, best: Estimate, w: ServingWorkload, objective: str) ->
     if objective == "tpot":
         return f"{e.label}: TPOT {fmt_s(e.tpot_s)} vs {fmt_s(best.tpot_s)} ({_step(e, best)})."
     gap = 1 - e.tokens_per_s_per_gpu / best.tokens_per_s_per_gpu
-    head = f"{e.label}: {e.tokens_per_s_per_gpu:.3g} tok/s per GPU ({gap:.1%} less)"
+    head = f"{e.label}: {fmt_rate(e.tokens_per_s_per_gpu)} tok/s per GPU ({gap:.1%} less)"
     (pe, de), (pb, db) = (gpu_seconds_per_token(x, w.output_tokens) for x in (e, best))
     if pe - pb >= de - db:
         return (
@@ -82,7 +94,7 @@ def why_lost(e: Estimate, best: Estimate, w: ServingWorkload, objective: str) ->
 
 def _replica(e: Estimate) -> str:
     n = e.layout.tp * e.layout.pcp
-    return f"{n} GPU{'s' if n > 1 else ''} per replica"
+    return f"{plural(n, 'GPU')} per replica"
 
 
 def _step(e: Estimate, best: Estimate) -> str:
@@ -205,14 +217,16 @@ def would_fit(
     reached = max((DROP_RULES.index(e.drop) for e in rows), default=0)
     rule = DROP_RULES[reached]
     lines = [
-        f"No deployment of at most {num_gpus} x {gpu.name} serves {w.concurrency:,} requests of "
-        f"{w.request_tokens:,} tokens{_targets(w)}: every one fails [{rule}]."
+        f"No deployment of at most {num_gpus} x {gpu.name} serves "
+        f"{plural(w.concurrency, 'request')} of {w.request_tokens:,} tokens{_targets(w)}: "
+        f"every one fails [{rule}]."
     ]
     more = _fewest_gpus(model, gpu, w, objective, cache)
     if more is not None:
         lines.append(
-            f"{more.num_gpus} GPUs would: {more.label} holds {more.capacity:,} requests, TTFT "
-            f"{fmt_s(more.ttft_s)}, TPOT {fmt_s(more.tpot_s)}."
+            f"{more.num_gpus} GPUs would: {more.label} holds "
+            f"{plural(more.capacity, 'request')}, TTFT {fmt_s(more.ttft_s)}, "
+            f"TPOT {fmt_s(more.tpot_s)}."
         )
     fp8 = None
     if "fp8" not in w.kv_dtypes:
@@ -221,7 +235,7 @@ def would_fit(
         if fp8 is not None:
             lines.append(
                 f"FP8 KV (--kv-cache-dtype fp8) would on {num_gpus} GPUs: {fp8.label} holds "
-                f"{fp8.capacity:,} requests."
+                f"{plural(fp8.capacity, 'request')}."
             )
 
     def fits(**change) -> bool:
@@ -242,7 +256,7 @@ def would_fit(
     on_time = [e.capacity for e in roomy if e.prefill is not None and _meets_ttft(e, w)]
     conc = _largest(1, w.concurrency - 1, lambda c: fits(concurrency=c), max(on_time, default=0))
     if conc is not None:
-        lines.append(f"At most {conc:,} requests in flight would fit.")
+        lines.append(f"At most {plural(conc, 'request')} in flight would fit.")
     held = [e for e in rows if e.capacity >= w.concurrency and e.decode is not None]
     ttft_t = tpot_t = None
     if w.ttft_target_s is not None:
