@@ -25,8 +25,9 @@ from tests.hf_models import FAMILIES, build, float64_transformers
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 WORK = dict(num_requests=3, max_new_tokens=4, dtype="float64", num_kv_blocks=40)
-LAYOUTS = [(1, 1, 2), (2, 1, 1), (2, 1, 2), (2, 2, 1), (4, 1, 1), (4, 2, 1), (4, 4, 1),
-           (2, 2, 2), (4, 2, 2), (4, 1, 2)]  # fmt: skip
+# GQA (4 query heads over 2 KV heads) accepts 6 of these, MLA all 8: KV-head replication at TP 4,
+# DCP with and without PCP, uneven zigzag shards
+LAYOUTS = [(1, 1, 2), (2, 1, 2), (2, 2, 1), (4, 1, 1), (4, 2, 1), (2, 2, 2), (4, 2, 2), (4, 4, 1)]
 TOL = 1e-8
 
 
