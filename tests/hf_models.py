@@ -16,8 +16,16 @@ from pathlib import Path
 
 import torch
 
-FAMILIES = ("llama", "qwen2", "qwen3", "deepseek_v2", "deepseek_v2_qlora_yarn", "deepseek_v3")
-_MODULES = ("llama", "qwen2", "qwen3", "deepseek_v2", "deepseek_v3")
+FAMILIES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "deepseek_v2",
+    "deepseek_v2_qlora_yarn",
+    "deepseek_v3",
+)
+_MODULES = ("llama", "mistral", "qwen2", "qwen3", "deepseek_v2", "deepseek_v3")
 
 
 class _TorchF64:
@@ -44,7 +52,7 @@ def float64_transformers():
     mods = [importlib.import_module(f"transformers.models.{m}.modeling_{m}") for m in _MODULES]
     mods.append(importlib.import_module("transformers.modeling_rope_utils"))
     saved = [(m, m.torch) for m in mods]
-    v2 = mods[3]
+    v2 = mods[_MODULES.index("deepseek_v2")]
     rot = v2.apply_rotary_emb
     try:
         for m in mods:
@@ -69,6 +77,8 @@ def _config(family: str, **over):
         return tf.LlamaForCausalLM, tf.LlamaConfig(
             **gqa, head_dim=16, rope_parameters=rope, attention_bias=True, **over
         )
+    if family == "mistral":  # Mistral-7B-v0.3 style: full attention (no sliding window)
+        return tf.MistralForCausalLM, tf.MistralConfig(**gqa, sliding_window=None, **over)
     if family == "qwen2":
         return tf.Qwen2ForCausalLM, tf.Qwen2Config(**gqa, tie_word_embeddings=True, **over)
     if family == "qwen3":

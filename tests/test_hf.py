@@ -1,7 +1,8 @@
 """cpbook.engine.hf: Hugging Face checkpoints load and serve token-exact against transformers.
 
 Random-initialised tiny ``LlamaForCausalLM`` (Llama-3 RoPE scaling, attention bias),
-``Qwen2ForCausalLM`` (QKV bias, tied embeddings), ``Qwen3ForCausalLM`` (q/k RMSNorm),
+``MistralForCausalLM`` (no sliding window), ``Qwen2ForCausalLM`` (QKV bias, tied embeddings),
+``Qwen3ForCausalLM`` (q/k RMSNorm),
 ``DeepseekV2ForCausalLM`` (MLA, MoE with a shared expert; with and without q-LoRA + YaRN) and
 ``DeepseekV3ForCausalLM`` (q-LoRA, YaRN, grouped top-k with bias correction) are saved with
 ``save_pretrained`` and served by cpbook's engine; transformers runs in float64 throughout
