@@ -16,9 +16,17 @@ Prints, after a ``{"name": "engine_run", "date_utc": ..., "machine": ...}`` line
   "plain_tokens_per_s", "ratio"}``: one rank, 8 requests all decoding, the engine's decode
   steps against a plain loop of :func:`cpbook.engine.models.reference_forward` (one request at a
   time, contiguous KV cache) over the same tokens; medians of ``--repeats`` rounds, taken in turns
-  (target: ratio >= 0.5).
+  (target: ratio >= 0.5);
+* ``{"name": "engine_vs_hf", "model", "batch", "prompt_len", "new_tokens", "tokens_per_s",
+  "hf_tokens_per_s", "ratio", "tokens_match"}``: one rank, a random-initialised Hugging Face
+  model (:data:`HF_MODELS`, saved with ``save_pretrained`` to a temporary folder and loaded by
+  :func:`cpbook.engine.hf.from_pretrained`) against ``transformers``' ``generate`` on the same
+  folder: float32, greedy, ``batch`` prompts of ``prompt_len`` tokens, ``new_tokens`` each,
+  batch 1 and 8; medians of ``--repeats`` rounds taken in turns (target: ratio >= 1.0 at batch
+  8).  ``tokens_match``: the two picked the same tokens.
 
-One intra-op thread (tiny tensors; several threads only contend on a shared CPU).
+One intra-op thread (tiny tensors; several threads only contend on a shared CPU) unless
+``--threads``; both engines of a comparison run with the same count.
 """
 
 from __future__ import annotations
@@ -26,9 +34,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import tempfile
 import time
 
 import torch
+import transformers
 
 from cpbook.core.launch import run
 from cpbook.demos.ch09_engine import max_concurrent_long_requests
@@ -93,15 +103,98 @@ def decode_overhead(
     return {"engine": statistics.median(eng_t[1:]), "plain": statistics.median(plain_t[1:])}
 
 
+HF_MODELS = {
+    "llama-h256-l4": (
+        "LlamaForCausalLM",
+        dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+             num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512),
+    ),
+    "deepseek-v3-h256-l4": (
+        "DeepseekV3ForCausalLM",
+        dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+             num_attention_heads=8, num_key_value_heads=8, kv_lora_rank=64, q_lora_rank=96,
+             qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=8,
+             num_experts_per_tok=2, moe_intermediate_size=128, n_shared_experts=1,
+             first_k_dense_replace=1, n_group=4, topk_group=2, max_position_embeddings=512),
+    ),
+}  # fmt: skip
+
+
+def engine_vs_hf(
+    name: str, batches: tuple[int, ...], prompt_len: int, new_tokens: int, repeats: int
+) -> list[dict]:
+    """Rows ``engine_vs_hf`` of ``HF_MODELS[name]`` (see the module docstring)."""
+    arch, kw = HF_MODELS[name]
+    cfg = getattr(transformers, arch.replace("ForCausalLM", "Config"))(**kw)
+    torch.manual_seed(0)
+    hf = getattr(transformers, arch)(cfg).eval()
+    with torch.no_grad():  # std 0.02 init gives near-uniform logits: widen it
+        for prm in hf.parameters():
+            if prm.ndim > 1:
+                prm.normal_(0, prm.shape[-1] ** -0.5)
+    folder = tempfile.mkdtemp(prefix="cpbook-bench-hf-")
+    hf.save_pretrained(folder)
+    gen = torch.Generator().manual_seed(1)
+    rows = []
+    for batch in batches:
+        prompts = torch.randint(kw["vocab_size"], (batch, prompt_len), generator=gen)
+        eng_t, hf_t = [], []
+        for _ in range(repeats + 1):
+            eng = Engine(
+                folder,
+                num_kv_blocks=batch * (prompt_len + new_tokens) // 16 + batch + 4,
+                block_size=16,
+                max_num_batched_tokens=batch * prompt_len,
+                max_num_seqs=batch,
+                dtype="float32",
+            )
+            start = time.perf_counter()
+            outs = eng.generate(prompts.tolist(), new_tokens)
+            eng_t.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            with torch.no_grad():
+                ref = hf.generate(
+                    prompts,
+                    attention_mask=torch.ones_like(prompts),
+                    max_new_tokens=new_tokens,
+                    min_new_tokens=new_tokens,
+                    do_sample=False,
+                )
+            hf_t.append(time.perf_counter() - start)
+        mine = [list(o.tokens) for o in outs]
+        te, th = statistics.median(eng_t[1:]), statistics.median(hf_t[1:])
+        rows.append(
+            {
+                "name": "engine_vs_hf",
+                "model": name,
+                "batch": batch,
+                "prompt_len": prompt_len,
+                "new_tokens": new_tokens,
+                "tokens_per_s": round(batch * new_tokens / te, 1),
+                "hf_tokens_per_s": round(batch * new_tokens / th, 1),
+                "ratio": round(th / te, 3),
+                "tokens_match": mine == ref[:, prompt_len:].tolist(),
+            }
+        )
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", action="store_true", help="print JSON lines (the default output)")
     p.add_argument("--requests", type=int, default=6)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--device", default="cpu", help="the simulated ranks' device (cuda:0: a GPU)")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--only-hf", action="store_true", help="only the engine_vs_hf rows")
     a = p.parse_args(argv)
-    torch.set_num_threads(1)
+    torch.set_num_threads(a.threads)
     print(json.dumps({"name": "engine_run", **machine_record(a.device, "inline")}), flush=True)
+    for name in HF_MODELS:
+        for row in engine_vs_hf(name, (1, 8), 32, 32, a.repeats):
+            print(json.dumps(row), flush=True)
+    if a.only_hf:
+        return
     for model, tp, dcp, pcp in CONFIGS:
         res = run(
             serve_timing,

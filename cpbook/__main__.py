@@ -4,6 +4,9 @@
 prompts with the chapter 9 engine on ``T·P`` ranks (inline, or ``--backend torchrun``, or
 started by ``torchrun --nproc-per-node T·P -m cpbook serve ...``).  ``--device cuda:0`` puts
 simulated ranks on one GPU; under torchrun each rank's device follows its dist backend.
+``--model FOLDER`` serves a Hugging Face checkpoint (:func:`cpbook.engine.hf.from_pretrained`);
+with the folder's ``tokenizer.json`` and the ``tokenizers`` extra, ``--prompt TEXT`` is
+encoded and the output printed as text; ``--json`` request lines carry the prompt's token ids.
 
 ``python -m cpbook plan --model DeepSeek-V3 --gpu H200 --gpus 8 --context 1M --output 1K
 --concurrency 16 [--ttft 10s] [--tpot 50ms] [--hf-config PATH] [--json]`` prints the
@@ -80,7 +83,22 @@ def _parser() -> argparse.ArgumentParser:
         description="Greedy generation with the chapter 9 engine (paged KV, continuous "
         "batching, chunked prefill, prefix caching) on tp*pcp ranks.",
     )
-    s.add_argument("--model", choices=["tiny-gqa", "tiny-mla"], default="tiny-gqa")
+    s.add_argument(
+        "--model",
+        default="tiny-gqa",
+        help="tiny-gqa, tiny-mla, or a Hugging Face model folder (config.json + *.safetensors)",
+    )
+    s.add_argument(
+        "--prompt",
+        action="append",
+        help="a text prompt (repeatable; needs the folder's tokenizer.json and `tokenizers`)",
+    )
+    s.add_argument(
+        "--dtype",
+        choices=["float32", "float64"],
+        default=None,
+        help="weights and activations (default: float64 tiny, float32 folder)",
+    )
     s.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
     s.add_argument("--dcp", type=int, default=1, help="decode_context_parallel_size")
     s.add_argument("--pcp", type=int, default=1, help="prefill_context_parallel_size")
@@ -249,8 +267,21 @@ def _plan(a: argparse.Namespace) -> int:
     return 0
 
 
-def _serve_lines(res: dict, as_json: bool) -> list[str]:
-    """Rank 0's result as JSON lines (one per request, then the summary) or a short table."""
+def _tokenizer(model: str):
+    """The folder's ``tokenizer.json`` through the optional ``tokenizers`` package, or None."""
+    path = os.path.join(model, "tokenizer.json")
+    if not os.path.isfile(path):
+        return None
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        return None
+    return Tokenizer.from_file(path)
+
+
+def _serve_lines(res: dict, as_json: bool, tok=None) -> list[str]:
+    """Rank 0's result as JSON lines (one per request with its prompt's token ids, then the
+    summary) or a short table; with a tokenizer also the decoded text."""
     summary = {
         "name": "engine_summary",
         "model": res["model"],
@@ -269,7 +300,9 @@ def _serve_lines(res: dict, as_json: bool) -> list[str]:
                     "name": "request",
                     "id": i,
                     "prompt_len": len(p),
+                    "prompt": p,
                     "tokens": t,
+                    **({"text": tok.decode(t)} if tok else {}),
                     **({"error": e} if e else {}),
                 }
             )
@@ -278,7 +311,8 @@ def _serve_lines(res: dict, as_json: bool) -> list[str]:
         return lines + [json.dumps(summary)]
     lines = [f"{res['model']}  tp={res['tp']} dcp={res['dcp']} pcp={res['pcp']}"]
     for i, (p, t, e) in enumerate(zip(res["prompts"], res["tokens"], res["errors"])):
-        lines.append(f"  request {i}: prompt {len(p):3d} tokens -> {e or t}")
+        shown = e or (repr(tok.decode(t)) if tok and t else t)
+        lines.append(f"  request {i}: prompt {len(p):3d} tokens -> {shown}")
     lines.append(
         f"  {res['steps']} steps, {summary['tokens_per_s']} tokens/s, prefix hits "
         f"{res['prefix_hit_tokens']} tokens, {res['preemptions']} preemptions"
@@ -289,7 +323,19 @@ def _serve_lines(res: dict, as_json: bool) -> list[str]:
 def _serve(a: argparse.Namespace) -> int:
 
     engine_config(a.model, a.tp, a.dcp, a.pcp)  # a bad grid fails here, before any process
+    folder = os.path.isdir(a.model)
+    tok = _tokenizer(a.model) if folder else None
+    prompts = None
+    if a.prompt:
+        if tok is None:
+            raise ValueError(
+                "[serve-prompt-text] requires --model FOLDER with tokenizer.json and the "
+                f"`tokenizers` package installed; got --model {a.model!r}"
+            )
+        prompts = [tok.encode(t).ids for t in a.prompt]
     kwargs = dict(
+        prompts=prompts,
+        dtype=a.dtype or ("float32" if folder else "float64"),
         model=a.model,
         tensor_parallel_size=a.tp,
         decode_context_parallel_size=a.dcp,
@@ -308,7 +354,7 @@ def _serve(a: argparse.Namespace) -> int:
         ctx = worker_context(a.dist_backend or pick_backend(world, local), a.timeout)
         res = serve_timing(ctx, **kwargs)
         if ctx.rank == 0:
-            print("\n".join(_serve_lines(res, a.json)))
+            print("\n".join(_serve_lines(res, a.json, tok)))
         import torch.distributed as dist
 
         dist.destroy_process_group()
@@ -323,7 +369,7 @@ def _serve(a: argparse.Namespace) -> int:
         report=False,
         device=a.device,
     )[0]
-    print("\n".join(_serve_lines(res, a.json)))
+    print("\n".join(_serve_lines(res, a.json, tok)))
     return 0
 
 

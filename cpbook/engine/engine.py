@@ -12,7 +12,9 @@ launch.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Sequence
 
 import torch
@@ -21,7 +23,8 @@ from cpbook.core.backends import SimWorld
 from cpbook.core.config import ConfigError, ParallelConfig
 from cpbook.core.context import RankContext
 from cpbook.core.groups import make_groups
-from cpbook.engine.models import ModelConfig, TinyModel, get_engine_model
+from cpbook.engine.hf import from_pretrained, hf_config
+from cpbook.engine.models import ENGINE_MODELS, ModelConfig, TinyModel, get_engine_model
 from cpbook.engine.runner import ModelRunner
 from cpbook.engine.scheduler import Request, Scheduler, SchedulerOutput
 from cpbook.kv.manager import KVCacheManager
@@ -33,6 +36,7 @@ __all__ = [
     "StepRecord",
     "RequestOutput",
     "make_prompts",
+    "model_config",
     "valid_grid",
     "serve_rank",
 ]
@@ -49,11 +53,12 @@ def engine_config(
     dcp_comm_backend: str = "ag_rs",
 ) -> ParallelConfig:
     """The validated :class:`~cpbook.core.config.ParallelConfig` of engine model ``model`` (a
-    name of :data:`~cpbook.engine.models.ENGINE_MODELS`, or its :class:`ModelConfig`) on a
-    TP×DCP×PCP grid, by :meth:`~cpbook.core.config.ParallelConfig.for_model`.  Raises
+    name of :data:`~cpbook.engine.models.ENGINE_MODELS`, a Hugging Face model folder, or its
+    :class:`ModelConfig`) on a TP×DCP×PCP grid, by
+    :meth:`~cpbook.core.config.ParallelConfig.for_model`.  Raises
     :class:`~cpbook.core.config.ConfigError` naming the rule."""
     return ParallelConfig.for_model(
-        get_engine_model(model) if isinstance(model, str) else model,
+        model_config(model) if isinstance(model, str) else model,
         tensor_parallel_size=tensor_parallel_size,
         decode_context_parallel_size=decode_context_parallel_size,
         prefill_context_parallel_size=prefill_context_parallel_size,
@@ -61,6 +66,16 @@ def engine_config(
         block_size=block_size,
         dcp_comm_backend=dcp_comm_backend,
     )
+
+
+def model_config(model: str) -> ModelConfig:
+    """The :class:`ModelConfig` of an engine model name or of a Hugging Face folder's
+    ``config.json`` (validated by :func:`cpbook.engine.hf.hf_config`, no weights read)."""
+    if model in ENGINE_MODELS or not Path(model).is_dir():
+        return get_engine_model(model)
+    if not (Path(model) / "config.json").is_file():
+        raise ConfigError("hf-folder", "a folder with config.json", path=model)
+    return hf_config(json.loads((Path(model) / "config.json").read_text()), Path(model).name)[0]
 
 
 def valid_grid(
@@ -121,7 +136,8 @@ class Engine:
 
     ``Engine(model, num_kv_blocks=64, *, tensor_parallel_size=1, ..., ctx=None, ...)``, like
     vLLM's ``LLM(model, tensor_parallel_size=...)``: ``model`` is a name of
-    :data:`cpbook.engine.models.ENGINE_MODELS` (weights from ``seed``) or a :class:`TinyModel`;
+    :data:`cpbook.engine.models.ENGINE_MODELS` (weights from ``seed``), a Hugging Face model folder
+    (:func:`cpbook.engine.hf.from_pretrained`, in ``dtype``) or a :class:`TinyModel`;
     the layout's sizes take vLLM's names and the engine builds its
     :class:`~cpbook.core.config.ParallelConfig` from the model
     (:meth:`~cpbook.core.config.ParallelConfig.for_model`), so the two cannot disagree;
@@ -155,8 +171,10 @@ class Engine:
         seed: int = 0,
         dtype: str = "float64",
     ) -> None:
-        if isinstance(model, str):
+        if isinstance(model, str) and (model in ENGINE_MODELS or not Path(model).is_dir()):
             model = TinyModel.from_name(model, seed, getattr(torch, dtype))
+        elif isinstance(model, str):  # a Hugging Face model folder
+            model = from_pretrained(model, getattr(torch, dtype))
         cfg = engine_config(
             model.config,
             tensor_parallel_size,
@@ -294,8 +312,10 @@ def serve_rank(
     strategy: str = "auto",
     seed: int = 0,
     dtype: str = "float64",
+    prompts: Sequence[Sequence[int]] | None = None,
 ) -> dict[str, Any]:
-    """Serve :func:`make_prompts` (``num_requests``, ``seed``) greedily on this rank of the grid.
+    """Serve ``prompts`` (default: :func:`make_prompts` of ``num_requests``, ``seed``) greedily
+    on this rank of the grid.
 
     The configuration is validated (and the grid checked against the world size) before any
     collective.  Returns per-request ``tokens`` and the ``logits`` rows they came from, the
@@ -321,7 +341,9 @@ def serve_rank(
             seed=seed,
             dtype=dtype,
         )
-        prompts = make_prompts(num_requests, seed, eng.model.config.vocab_size)
+        if prompts is None:
+            prompts = make_prompts(num_requests, seed, eng.model.config.vocab_size)
+        prompts = [list(map(int, p)) for p in prompts]
         outs = eng.generate(prompts, max_new_tokens)
     cfg = eng.config
     c = eng.groups.coords

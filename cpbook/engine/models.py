@@ -16,8 +16,8 @@ the interleaved form, pairs ``(x[2i], x[2i + 1])`` of the ``qk_rope_head_dim`` p
 their rotary embedding with ``get_rope(..., is_neox_style=False)`` (``DeepseekV2MLAAttention`` in
 ``vllm/model_executor/models/deepseek_v2.py``, v0.33.0).  The two forms differ by one fixed
 permutation of the rope dimensions (of the query and ``k_pe`` projections' rope columns), so
-seeded weights are as valid either way; a real checkpoint needs the interleaved form (or that
-permutation applied to its weights).
+seeded weights are as valid either way; a real checkpoint needs the interleaved form or that
+permutation applied to its weights, which is what :func:`cpbook.engine.hf.from_pretrained` does.
 """
 
 from __future__ import annotations
@@ -240,6 +240,11 @@ class TinyModel:
             attn = self.mla[layer].v_up_proj(attn, heads)
         return torch.einsum("tnd,ndh->th", attn, self.layers[layer]["wo"][heads])
 
+    def mlp_shard(self, tp_rank: int, tp: int) -> slice:
+        """The MLP columns TP rank ``tp_rank`` of ``tp`` computes (what :meth:`mlp` takes)."""
+        inter = self.config.intermediate_size
+        return slice(tp_rank * inter // tp, (tp_rank + 1) * inter // tp)
+
     def mlp(self, layer: int, x: torch.Tensor, cols: slice) -> torch.Tensor:
         """RMSNorm then SwiGLU on MLP columns ``cols`` (``[T, H] -> [T, H]``, a partial sum)."""
         lw = self.layers[layer]
@@ -269,7 +274,7 @@ def reference_forward(
             cache[layer] = [torch.cat(cache[layer] + [lat])]
             kk, vv = model.mla[layer].expand_kv(cache[layer][0], every)
             a = dense_attention(
-                q, kk, vv, causal=True, q_offset=start, scale=model.mla[layer].scale
+                q, kk, vv, causal=True, q_offset=start, scale=model.attn_scale(layer)
             )[0]
             x = x + torch.einsum("tnd,ndh->th", a, model.layers[layer]["wo"])
         else:

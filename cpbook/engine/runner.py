@@ -68,8 +68,7 @@ class ModelRunner:
         self.alpha, self.beta = alpha, beta  # the link, for strategy="auto" (None: CPU fit)
         self.heads = q_heads_of(config, c.tp_rank)
         self.kv_heads = kv_heads_of(config, c.tp_rank)
-        inter, tp = mc.intermediate_size, config.tp
-        self.cols = slice(c.tp_rank * inter // tp, (c.tp_rank + 1) * inter // tp)
+        self.cols = model.mlp_shard(c.tp_rank, config.tp)
         nkv = self.kv_heads.stop - self.kv_heads.start
         self.caches = [
             PagedKVCache(
