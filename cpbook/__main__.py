@@ -435,6 +435,9 @@ def main(argv: list[str] | None = None) -> int:
         return {"demo": lambda: _demo(a, p), "serve": lambda: _serve(a), "plan": lambda: _plan(a)}[
             a.cmd
         ]()
+    except BrokenPipeError:  # the reader closed our stdout (``| head``): stop quietly, exit 0
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except Exception as e:  # noqa: BLE001 - one line for a command-line user, all with --debug
         if a.debug:
             raise

@@ -11,6 +11,9 @@ from __future__ import annotations
 import json
 import math
 import re
+import shlex
+import subprocess
+import sys
 
 import pytest
 from hypothesis import given, settings
@@ -486,3 +489,17 @@ def test_rule_probes_and_flowchart():
     assert "serves" in texts and any("pcp-mla-" in t for t in texts)
     assert sum("dropped [" in t for t in texts) == len(cm.plan_space.DROP_RULES)
     plt.close(fig)  # tests/test_explorer.py checks that its own explorers leave no figure open
+
+
+def test_cli_output_piped_into_head_stops_quietly():
+    """``python -m cpbook plan ... --json | head -1``: the closed pipe ends the command with exit
+    0 and no error line (about 100 KB of layout lines, more than a pipe holds)."""
+    cmd = (
+        f"{shlex.quote(sys.executable)} -m cpbook plan --model DeepSeek-V3 --gpus 16 "
+        "--context 32K --concurrency 16 --json | head -1"
+    )
+    r = subprocess.run(
+        ["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True, timeout=300
+    )
+    assert r.stdout.startswith('{"name": "layout", "rank": 1')
+    assert r.stderr == "" and r.returncode == 0, (r.returncode, r.stderr)
