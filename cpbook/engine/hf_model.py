@@ -75,19 +75,6 @@ class HFModel(TinyModel):
 
     inv_freq: torch.Tensor = field(default_factory=lambda: torch.empty(0))
 
-    def to(self, device: torch.device | str) -> "HFModel":
-        if self.embed.device == torch.device(device):
-            return self
-        return HFModel(
-            self.config,
-            self.embed.to(device),
-            self.lm_head.to(device),
-            self.final_norm.to(device),
-            [{n: w.to(device) for n, w in lw.items()} for lw in self.layers],
-            [m.to(device) for m in self.mla],
-            self.inv_freq.to(device),
-        )
-
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return rope_rotate(x, positions, self.inv_freq, self.config.rope_attention_factor)
 

@@ -23,7 +23,7 @@ permutation applied to its weights, which is what :func:`cpbook.engine.hf.from_p
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
@@ -178,16 +178,19 @@ class TinyModel:
         return self.embed.device
 
     def to(self, device: torch.device | str) -> "TinyModel":
-        """The same weights on ``device`` (``self`` if they are there already)."""
+        """The same weights on ``device`` (``self`` if they are there already), of the same
+        class: every field but ``config`` is moved (tensors, per-layer dicts, MLA blocks)."""
         if self.embed.device == torch.device(device):
             return self
-        return TinyModel(
-            self.config,
-            self.embed.to(device),
-            self.lm_head.to(device),
-            self.final_norm.to(device),
-            [{n: w.to(device) for n, w in lw.items()} for lw in self.layers],
-            [m.to(device) for m in self.mla],
+
+        def moved(v):
+            if isinstance(v, dict):
+                return {k: moved(x) for k, x in v.items()}
+            return [moved(x) for x in v] if isinstance(v, list) else v.to(device)
+
+        return replace(
+            self,
+            **{f.name: moved(getattr(self, f.name)) for f in fields(self) if f.name != "config"},
         )
 
     # -- the blocks, on a slice of heads / MLP columns ------------------------------------
