@@ -7,7 +7,9 @@ purpose, and none is needed); every formula typeset by the book's own MathJax
 (``book/_ext/cpbook_mathjax.py``), with no MathJax error node and no ``\\(``, ``\\[`` or ``$$``
 left as text outside code; every image loads and has alt text; every explorer
 (``cpbook.widgets.explorer``) shows another panel when a control changes, and the panel of the
-original values when they come back; no page is wider than the viewport at either width; every
+original values when they come back; code and printout take at most 30 % of every chapter's
+height at 1280 px (``CODE_SHARE_JS``; the shares are printed and saved as ``code_share.json``
+beside the screenshots); no page is wider than the viewport at either width; every
 internal link and its fragment resolve.  Saves each chapter's first screen at both widths, and
 each explorer at 1280 px, under ``_build/screenshots/`` (next to ``html/``).
 
@@ -328,6 +330,19 @@ CONTRAST_JS = r"""(() => {
       .filter(e => e.offsetParent !== null && +getComputedStyle(e).fontWeight < 400)
       .map(e => ({what: 'light caption', text: e.textContent.trim().slice(0, 30), ratio: 0})));
 })()"""
+# Share of the article's height taken by code a reader sees and text it prints: visible code-cell
+# inputs and the plain-text printouts of cell outputs (figures, tables and explorers are what the
+# code is for, and do not count; a collapsed hide-input cell counts only as its toggle's height,
+# which is not code).
+CODE_SHARE_JS = r"""(() => {
+  const art = document.querySelector('article.bd-article') || document.querySelector('main');
+  const h = e => e.offsetParent === null ? 0 : e.getBoundingClientRect().height;
+  const inputs = Array.from(art.querySelectorAll('div.cell_input')).reduce((a, e) => a + h(e), 0);
+  const printed = Array.from(art.querySelectorAll('div.cell_output pre'))
+    .reduce((a, e) => a + h(e), 0);
+  return {article: art.getBoundingClientRect().height, code: inputs, printed: printed};
+})()"""
+CODE_SHARE_MAX = 0.30
 THEME_JS = "document.documentElement.dataset.theme = %r; document.documentElement.dataset.mode = %r"
 # After MathJax's first typeset: its script URLs, the typeset formulas, MathJax error nodes, and
 # TeX delimiters left as text outside code (a formula that did not render).
@@ -403,6 +418,7 @@ def test_every_page_in_chromium(browser: Browser, site: Path, server: str):
     shots = site.parent / "screenshots"
     shots.mkdir(exist_ok=True)
     explorers = formulas = 0
+    shares: dict[str, float] = {}
     all_pages = pages(site)
     assert any(p.startswith("notebooks/") for p in all_pages)
     wide, narrow = WIDTHS
@@ -426,6 +442,14 @@ def test_every_page_in_chromium(browser: Browser, site: Path, server: str):
             if not img["ok"]:
                 problems.append(f"{page}: image did not load ({img['src']})")
         chapter = page.startswith("notebooks/")
+        if chapter:
+            m = browser.js(CODE_SHARE_JS)
+            shares[Path(page).stem] = share = (m["code"] + m["printed"]) / m["article"]
+            if share > CODE_SHARE_MAX:
+                problems.append(
+                    f"{page}: code and printout take {share:.0%} of the page's height at "
+                    f"{wide}px (at most {CODE_SHARE_MAX:.0%})"
+                )
         for theme in ("dark", "light"):
             browser.js(THEME_JS % (theme, theme))
             low = browser.js(CONTRAST_JS)
@@ -451,6 +475,8 @@ def test_every_page_in_chromium(browser: Browser, site: Path, server: str):
                 problems += [f"{page} at {width}px: {p}" for p in browser.js(PHONE_JS)]
         if chapter:
             browser.screenshot(shots / f"{Path(page).stem}-{narrow}.png")
+    (shots / "code_share.json").write_text(json.dumps(shares, indent=1) + "\n")
+    print("code share at 1280px: " + ", ".join(f"{k} {v:.0%}" for k, v in shares.items()))
     assert not problems, "\n".join(problems)
     assert explorers >= 3, f"only {explorers} explorers in the book"
     assert formulas >= 50, f"only {formulas} formulas typeset in the book"
