@@ -18,7 +18,9 @@ from cpbook.viz.style import figure, ink, rank_color
 
 __all__ = ["Step", "transfer_steps", "transfers_figure"]
 
-_WIDTH = 6.25  # inches: the text column at 1280 px (see cpbook.viz.chunked)
+# inches: narrower than the 6.25 in text column at 1280 px, so that on a phone, where every
+# figure is scaled to the column, its 9 pt labels shrink less
+_WIDTH = 5.6
 _TITLES = {"allgather_q": "AllGather-Q", "allgather_kv": "AllGather-KV"}
 _COMBINE = {
     "all_to_all": "partial out + LSE",
@@ -106,15 +108,15 @@ def transfers_figure(
         for st, traces in comm.items()
     }
     cols = max(len(s[0]) for s in steps.values())
-    fig, axes = figure(len(comm), 1, figsize=(_WIDTH, 0.35 + 1.05 * n * len(comm)), squeeze=False)
+    fig, axes = figure(len(comm), 1, figsize=(_WIDTH, 0.45 + 1.1 * n * len(comm)), squeeze=False)
     totals = {}
     for ax, (st, per_rank) in zip(axes[:, 0], steps.items()):
         for r in range(n):
             y = _lane_y(r, n)
             ax.plot([0, cols], [y, y], color="#BBBBBB", lw=0.8, zorder=0)
             c = rank_color(r)
-            ax.add_patch(Rectangle((-0.72, y - 0.2), 0.62, 0.4, facecolor=c, edgecolor="none"))
-            ax.text(-0.41, y, f"rank {r}", ha="center", va="center", fontsize=9, color=ink(c))
+            ax.add_patch(Rectangle((-0.66, y - 0.2), 0.56, 0.4, facecolor=c, edgecolor="none"))
+            ax.text(-0.38, y, f"rank {r}", ha="center", va="center", fontsize=9, color=ink(c))
             sent = sum(s.bytes for s in per_rank[r])
             totals[(st, r)] = sent
             ax.text(cols + 0.08, y, f"{sent:,} B", ha="left", va="center", fontsize=9)
@@ -122,21 +124,21 @@ def transfers_figure(
             ax.text(
                 j + 0.5,
                 n - 0.5,
-                f"{_OP[step.op]} over {step.group}\n{step.what}",
+                f"{_OP[step.op]}\nover {step.group}:\n{step.what}",
                 ha="center",
                 va="bottom",
                 fontsize=9,
             )
             for r in range(n):
                 s, c = per_rank[r][j], rank_color(r)
-                x, y = j + 0.5 + (r - (n - 1) / 2) * (0.8 / n), _lane_y(r, n)
+                x, y = j + 0.5 + (r - (n - 1) / 2) * (1.0 / n), _lane_y(r, n)
                 per_peer = s.bytes // (n - 1)
                 ax.add_patch(
                     Rectangle(
-                        (x - 0.4 / n, y - 0.17), 0.8 / n, 0.34, facecolor=c, edgecolor="white"
+                        (x - 0.44 / n, y - 0.17), 0.88 / n, 0.34, facecolor=c, edgecolor="white"
                     )
                 )
-                ax.text(x, y, f"{per_peer:,} B", ha="center", va="center", fontsize=8, color=ink(c))
+                ax.text(x, y, f"{per_peer:,} B", ha="center", va="center", fontsize=9, color=ink(c))
                 for d in range(n):
                     if d != r:
                         yd = _lane_y(d, n)
@@ -156,19 +158,15 @@ def transfers_figure(
             f"{_TITLES[st]}: {sum(totals[(st, r)] for r in range(n)) // n:,} B sent per rank",
             fontsize=10,
             loc="left",
-            pad=24,
+            pad=40,
         )
-        ax.set_xlim(-0.75, cols + 0.75)
+        ax.set_xlim(-0.7, cols + 0.72)
         ax.set_ylim(-0.45, n - 0.5)
         ax.axis("off")
     kv_wins = context_len <= slope * chunk_len
-    fig.text(
-        0.5,
-        0.005,
-        f"AllGather-KV sends fewer bytes while C ≤ {slope:.2f} T; here C = {context_len}, "
+    fig.supxlabel(
+        f"AllGather-KV sends fewer bytes while C ≤ {slope:.2f} T;\nhere C = {context_len}, "
         f"T = {chunk_len}: {'AllGather-KV' if kv_wins else 'AllGather-Q'} moves less",
-        ha="center",
-        va="bottom",
         fontsize=9,
     )
     return fig
