@@ -154,7 +154,8 @@ class Engine:
     :data:`~cpbook.pcp.chunked_plan.CPU_ALPHA_S`); ``speculative_config`` a
     :class:`~cpbook.engine.spec_decode.SpeculativeConfig` or a dict of its (vLLM's) keys
     (``method``: ``"ngram"`` or ``"draft"``, ``num_speculative_tokens``; ``model`` an engine
-    model name for a separately seeded draft, ``seed + 1``) or ``draft_model`` a
+    model name for a separately seeded draft, ``seed + 1``, or a Hugging Face folder) or
+    ``draft_model`` a
     :class:`TinyModel`.  Every rank of ``ctx``'s world must build the engine with the same
     arguments and drive it the same way.
     """
@@ -214,7 +215,11 @@ class Engine:
         )
         self.speculative_config = spec
         if spec is not None and spec.method == "draft" and draft_model is None and spec.model:
-            draft_model = TinyModel.from_name(spec.model, seed + 1, getattr(torch, dtype))
+            draft_model = (
+                from_pretrained(spec.model, getattr(torch, dtype))
+                if Path(spec.model).is_dir()
+                else TinyModel.from_name(spec.model, seed + 1, getattr(torch, dtype))
+            )
         self.proposer = (
             None
             if spec is None

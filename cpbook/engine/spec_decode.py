@@ -37,6 +37,7 @@ __all__ = [
     "NgramProposer",
     "DraftModelProposer",
     "make_proposer",
+    "check_draft_vocab",
     "first_layer_drafter",
     "greedy_accept",
 ]
@@ -111,17 +112,23 @@ def first_layer_drafter(target: TinyModel) -> TinyModel:
     return replace(target, config=cfg, layers=target.layers[:1], mla=target.mla[:1])
 
 
+def check_draft_vocab(draft_vocab_size: int, target_vocab_size: int) -> None:
+    """Greedy acceptance compares token ids, so the draft must share the target's vocabulary
+    (vLLM requires the same; rule ``draft-vocab-matches``)."""
+    if draft_vocab_size != target_vocab_size:
+        raise ConfigError(
+            "draft-vocab-matches",
+            "the draft model's vocab_size == the target's",
+            draft_vocab_size=draft_vocab_size,
+            target_vocab_size=target_vocab_size,
+        )
+
+
 class DraftModelProposer:
     """``k`` greedy steps of ``draft`` per request over its own contiguous (replicated) KV."""
 
     def __init__(self, draft: TinyModel, target_vocab_size: int) -> None:
-        if draft.config.vocab_size != target_vocab_size:
-            raise ConfigError(
-                "draft-vocab-matches",
-                "the draft model's vocab_size == the target's",
-                draft_vocab_size=draft.config.vocab_size,
-                target_vocab_size=target_vocab_size,
-            )
+        check_draft_vocab(draft.config.vocab_size, target_vocab_size)
         self.draft = draft
         self.cache: dict[str, tuple[list[int], list[list[torch.Tensor]]]] = {}
 
