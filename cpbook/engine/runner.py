@@ -38,8 +38,7 @@ import torch
 from cpbook.core.config import ParallelConfig
 from cpbook.core.groups import ParallelGroups
 from cpbook.core.heads import kv_heads_of, q_heads_of
-from cpbook.dcp.decode import local_attention
-from cpbook.dcp.verify import dcp_verify_attention, row_shards
+from cpbook.dcp.verify import dcp_verify_attention, local_verify_attention
 from cpbook.engine.models import TinyModel
 from cpbook.engine.scheduler import ScheduledChunk, SchedulerOutput
 from cpbook.kv.context import ContextShard
@@ -125,7 +124,7 @@ class ModelRunner:
         grp, scale = self.groups.dcp, self.model.attn_scale(layer)
         starts, rows = [c.start for c in chunks], [c.num_tokens for c in chunks]
         if grp.size == 1:
-            return local_attention(q, *row_shards(ks, vs, starts, rows, 1, 0, 1), scale)[0]
+            return local_verify_attention(q, ks, vs, starts, rows, 1, 0, 1, scale)[0]
         if ks[0].shape[1] > 1:  # gathered heads come in DCP blocks: tile the KV heads to match
             ks = [x.repeat(1, grp.size, 1) for x in ks]
             vs = [x.repeat(1, grp.size, 1) for x in vs]

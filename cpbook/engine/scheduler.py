@@ -244,22 +244,24 @@ class Scheduler:
         chunks.sort(key=lambda c: c.kind != "decode")
         return SchedulerOutput(self.step_count, tuple(chunks), tuple(admitted), tuple(preempted))
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
+    def update(self, out: SchedulerOutput, sampled: dict[str, int | list[int]]) -> list[Request]:
         """Advance every scheduled request by its chunk and append its sampled tokens; returns
         the requests that finished this step (their blocks are freed).
 
         ``sampled[id]``: the greedy token of each row of a decode chunk (of the last row of a
-        prefill chunk).  A decode chunk keeps :func:`greedy_accept` of its drafts; its rejected
-        rows are truncated from the manager and listed in :attr:`rollbacks`."""
+        prefill chunk); a bare ``int`` is one row.  A decode chunk keeps :func:`greedy_accept`
+        of its drafts; its rejected rows are truncated from the manager and listed in
+        :attr:`rollbacks`."""
         finished = []
         vb = self.kv.virtual_block_size
         self.rollbacks, self.emitted = [], {}
+        rows = {k: [v] if isinstance(v, int) else list(v) for k, v in sampled.items()}
         for c in out.chunks:
             req = self.requests[c.request_id]
-            new = list(sampled.get(c.request_id, ()))[-1:]
+            new = rows.get(c.request_id, [])[-1:]
             if c.kind == "decode":
                 drafts = list(c.token_ids[1:])
-                new = greedy_accept(drafts, sampled[c.request_id])
+                new = greedy_accept(drafts, rows[c.request_id])
                 st = self.spec_stats
                 st["decode_steps"] += 1
                 st["drafted"] += len(drafts)
