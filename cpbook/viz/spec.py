@@ -16,7 +16,7 @@ from matplotlib.patches import Patch, Rectangle
 
 from cpbook.dcp.verify import verify_key_counts
 from cpbook.kv.layout import token_owner
-from cpbook.viz.style import BLACK, BLUE, GREEN, ORANGE, VERMILLION, figure, ink, rank_color, tint
+from cpbook.viz.style import BLACK, BLUE, GREEN, ORANGE, VERMILLION, figure, rank_color, tint
 
 __all__ = ["verify_mask_figure", "break_even_figure"]
 
@@ -51,9 +51,10 @@ def verify_mask_figure(start: int, num_rows: int, dcp: int, interleave: int = 1)
     for p in range(total):
         ax.text(p + 0.5, num_rows + 0.25, str(p), ha="center", fontsize=7, color=BLACK)
     labels = ["last token"] + [f"draft {j}" for j in range(1, num_rows)]
-    ax.set_yticks([num_rows - 1 - j + 0.5 for j in range(num_rows)], [
-        f"{lab} @ {start + j}" for j, lab in enumerate(labels)
-    ])
+    ax.set_yticks(
+        [num_rows - 1 - j + 0.5 for j in range(num_rows)],
+        [f"{lab} @ {start + j}" for j, lab in enumerate(labels)],
+    )
     ax.set_xlim(0, total + 3.2)
     ax.set_ylim(0, num_rows + 0.8)
     ax.set_xticks([])
@@ -69,7 +70,6 @@ def verify_mask_figure(start: int, num_rows: int, dcp: int, interleave: int = 1)
         fontsize=9,
         frameon=False,
     )
-    ink(rank_color(0))  # the palette is the one the other chapters use
     return fig
 
 
