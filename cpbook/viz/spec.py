@@ -16,7 +16,7 @@ from matplotlib.patches import Patch, Rectangle
 
 from cpbook.dcp.verify import verify_key_counts
 from cpbook.kv.layout import token_owner
-from cpbook.viz.style import BLACK, BLUE, GREEN, ORANGE, VERMILLION, figure, rank_color, tint
+from cpbook.viz.style import BLACK, BLUE, GREEN, VERMILLION, figure, rank_color, tint
 
 __all__ = ["verify_mask_figure", "break_even_figure"]
 
@@ -79,7 +79,8 @@ def break_even_figure(
     """Left: measured ms per output token against the context on 2 gloo ranks for no CP, DCP
     and DCP + spec at ``k`` (rows ``spec_decode`` of ``bench/spec_decode.py``).  Right: the
     modelled break-even context (K tokens) against the acceptance rate, one line per entry of
-    ``modelled`` (``label -> [(acceptance, tokens)]``)."""
+    ``modelled`` (``label -> [(acceptance, tokens)]``; a label with "k = 1" dashed, one whose
+    baseline, after "vs", speculates green, else blue)."""
     fig, (a, b) = figure(1, 2, figsize=(_WIDTH, 2.9), layout="constrained")
     rows = sorted((r for r in measured if r["k"] == k), key=lambda r: r["context"])
     ctx = [r["context"] for r in rows]
@@ -96,9 +97,12 @@ def break_even_figure(
     a.set_xlabel("context (tokens)")
     a.set_ylabel("ms per output token")
     a.set_title("measured, 2 gloo ranks", fontsize=10)
-    a.legend(fontsize=8, frameon=False)
-    for (label, pts), color in zip(modelled.items(), (BLUE, ORANGE, GREEN, VERMILLION)):
-        b.plot([x for x, _ in pts], [y / 1024 for _, y in pts], color=color, label=label)
+    a.legend(fontsize=8, frameon=False, loc="upper left")
+    for label, pts in modelled.items():
+        color = GREEN if "spec" in label.split("vs", 1)[-1] else BLUE
+        dashed = "k = 1" in label
+        b.plot([x for x, _ in pts], [y / 1024 for _, y in pts], color=color,
+               ls="--" if dashed else "-", label=label)  # fmt: skip
     b.set_xlabel("acceptance rate per draft")
     b.set_ylabel("break-even (K tokens)")
     b.set_title("modelled, DeepSeek-V3, 8 × H200", fontsize=10)
