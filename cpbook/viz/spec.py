@@ -49,7 +49,7 @@ def verify_mask_figure(start: int, num_rows: int, dcp: int, interleave: int = 1)
         counts = [verify_key_counts(start, num_rows, dcp, r, interleave)[j] for r in range(dcp)]
         ax.text(total + 0.3, y + 0.5, " / ".join(map(str, counts)), va="center", fontsize=9)
     for p in range(total):
-        ax.text(p + 0.5, num_rows + 0.25, str(p), ha="center", fontsize=7, color=BLACK)
+        ax.text(p + 0.5, num_rows + 0.25, str(p), ha="center", fontsize=9, color=BLACK)
     labels = ["last token"] + [f"draft {j}" for j in range(1, num_rows)]
     ax.set_yticks(
         [num_rows - 1 - j + 0.5 for j in range(num_rows)],
@@ -59,7 +59,7 @@ def verify_mask_figure(start: int, num_rows: int, dcp: int, interleave: int = 1)
     ax.set_ylim(0, num_rows + 0.8)
     ax.set_xticks([])
     ax.set_xlabel("key position (colour: owning DCP rank; hatched: written by this step)")
-    ax.text(total + 0.3, num_rows + 0.25, "keys seen per rank", fontsize=8)
+    ax.text(total + 0.3, num_rows + 0.25, "keys per rank", fontsize=9)
     for s in ("top", "right", "bottom"):
         ax.spines[s].set_visible(False)
     ax.legend(
@@ -97,7 +97,7 @@ def break_even_figure(
     a.set_xlabel("context (tokens)")
     a.set_ylabel("ms per output token")
     a.set_title("measured, 2 gloo ranks", fontsize=10)
-    a.legend(fontsize=8, frameon=False, loc="upper left")
+    a.legend(fontsize=9, frameon=False, loc="lower right")
     for label, pts in modelled.items():
         color = GREEN if "spec" in label.split("vs", 1)[-1] else BLUE
         dashed = "k = 1" in label
@@ -106,5 +106,5 @@ def break_even_figure(
     b.set_xlabel("acceptance rate per draft")
     b.set_ylabel("break-even (K tokens)")
     b.set_title("modelled, DeepSeek-V3, 8 × H200", fontsize=10)
-    b.legend(fontsize=8, frameon=False)
+    b.legend(fontsize=9, frameon=False, loc="lower left")
     return fig
