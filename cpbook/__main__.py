@@ -7,6 +7,9 @@ simulated ranks on one GPU; under torchrun each rank's device follows its dist b
 ``--model FOLDER`` serves a Hugging Face checkpoint (:func:`cpbook.engine.hf.from_pretrained`);
 with the folder's ``tokenizer.json`` and the ``tokenizers`` extra, ``--prompt TEXT`` is
 encoded and the output printed as text; ``--json`` request lines carry the prompt's token ids.
+``--spec ngram|draft --num-spec-tokens K`` serves with speculative decoding (chapter 10;
+``--draft-model`` an engine model name or folder) and adds the acceptance rate and the mean
+tokens per decode step to the summary.
 
 ``python -m cpbook plan --model DeepSeek-V3 --gpu H200 --gpus 8 --context 1M --output 1K
 --concurrency 16 [--ttft 10s] [--tpot 50ms] [--hf-config PATH] [--json]`` prints the
