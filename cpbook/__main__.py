@@ -7,6 +7,9 @@ simulated ranks on one GPU; under torchrun each rank's device follows its dist b
 ``--model FOLDER`` serves a Hugging Face checkpoint (:func:`cpbook.engine.hf.from_pretrained`);
 with the folder's ``tokenizer.json`` and the ``tokenizers`` extra, ``--prompt TEXT`` is
 encoded and the output printed as text; ``--json`` request lines carry the prompt's token ids.
+``--spec ngram|draft --num-spec-tokens K`` serves with speculative decoding (chapter 10;
+``--draft-model`` an engine model name or folder) and adds the acceptance rate and the mean
+tokens per decode step to the summary.
 
 ``python -m cpbook plan --model DeepSeek-V3 --gpu H200 --gpus 8 --context 1M --output 1K
 --concurrency 16 [--ttft 10s] [--tpot 50ms] [--hf-config PATH] [--json]`` prints the
@@ -43,7 +46,8 @@ from cpbook.costmodel.plan_space import OBJECTIVES, ServingWorkload
 from cpbook.costmodel.specs import GB, GPUS, get_model
 from cpbook.costmodel.vllm_rules import PLAN_KV_DTYPES
 from cpbook.demos import DEMOS, describe, get_demo, parse_params
-from cpbook.engine.engine import engine_config
+from cpbook.engine.engine import engine_config, model_config
+from cpbook.engine.spec_decode import SpeculativeConfig, check_draft_vocab
 from cpbook.timing import serve_timing
 
 _RULE = re.compile(r"(\[[\w-]+\] requires .*)")
@@ -112,6 +116,18 @@ def _parser() -> argparse.ArgumentParser:
         choices=["auto", "allgather_q", "allgather_kv"],
         default="auto",
         help="chunked-prefill strategy (auto: the chapter 5 selector)",
+    )
+    s.add_argument(
+        "--spec", default=None, help="speculative decoding method: ngram or draft (chapter 10)"
+    )
+    s.add_argument("--num-spec-tokens", type=int, default=3, help="num_speculative_tokens k")
+    s.add_argument("--prompt-lookup-min", type=int, default=None, help="ngram: shortest n-gram")
+    s.add_argument("--prompt-lookup-max", type=int, default=None, help="ngram: longest n-gram")
+    s.add_argument(
+        "--draft-model",
+        default=None,
+        help="draft: an engine model name or Hugging Face folder (default: the target's "
+        "first layer)",
     )
     s.add_argument("--backend", choices=["inline", "torchrun"], default="inline")
     s.add_argument(
@@ -293,6 +309,9 @@ def _serve_lines(res: dict, as_json: bool, tok=None) -> list[str]:
         "prefix_hit_tokens": res["prefix_hit_tokens"],
         "preemptions": res["preemptions"],
     }
+    if res.get("spec"):
+        summary["acceptance_rate"] = round(res["spec"]["acceptance_rate"], 4)
+        summary["mean_accepted_tokens"] = round(res["spec"]["mean_accepted_tokens"], 4)
     if as_json:
         lines = [
             json.dumps(
@@ -316,13 +335,38 @@ def _serve_lines(res: dict, as_json: bool, tok=None) -> list[str]:
     lines.append(
         f"  {res['steps']} steps, {summary['tokens_per_s']} tokens/s, prefix hits "
         f"{res['prefix_hit_tokens']} tokens, {res['preemptions']} preemptions"
+        + (
+            f", acceptance {summary['acceptance_rate']:.2f}, "
+            f"{summary['mean_accepted_tokens']:.2f} tokens per decode step"
+            if "acceptance_rate" in summary
+            else ""
+        )
     )
     return lines
+
+
+def _spec_config(a: argparse.Namespace) -> dict | None:
+    """``--spec ...`` as a ``speculative_config`` dict, validated (and the draft's vocabulary
+    checked against the target's) before any process starts."""
+    if a.spec is None:
+        return None
+    spec = dict(
+        method=a.spec,
+        num_speculative_tokens=a.num_spec_tokens,
+        prompt_lookup_min=a.prompt_lookup_min,
+        prompt_lookup_max=a.prompt_lookup_max,
+        model=a.draft_model,
+    )
+    SpeculativeConfig(**spec)
+    if a.spec == "draft" and a.draft_model:
+        check_draft_vocab(model_config(a.draft_model).vocab_size, model_config(a.model).vocab_size)
+    return spec
 
 
 def _serve(a: argparse.Namespace) -> int:
 
     engine_config(a.model, a.tp, a.dcp, a.pcp)  # a bad grid fails here, before any process
+    spec = _spec_config(a)
     folder = os.path.isdir(a.model)
     tok = _tokenizer(a.model) if folder else None
     prompts = None
@@ -346,6 +390,7 @@ def _serve(a: argparse.Namespace) -> int:
         num_kv_blocks=a.num_kv_blocks,
         strategy=a.strategy,
         seed=a.seed,
+        speculative_config=spec,
     )
     world = a.tp * a.pcp
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # we are a torchrun worker

@@ -26,6 +26,7 @@ from cpbook.core.context import RankContext
 from cpbook.core.groups import make_groups
 from cpbook.core.heads import attention_kv_heads, kv_heads_of, q_heads_of, tpa_config
 from cpbook.dcp.tpa import TPABlock, attention_block
+from cpbook.dcp.verify import dcp_verify_attention, local_verify_attention
 from cpbook.demos.ch05_chunked import chunked_prefill_problem
 from cpbook.engine.engine import serve_rank
 from cpbook.kv.context import context_shard
@@ -47,6 +48,7 @@ __all__ = [
     "collective_timing",
     "ring_prefill_timing",
     "serve_timing",
+    "spec_decode_timing",
 ]
 
 
@@ -428,3 +430,44 @@ def serve_timing(ctx: RankContext, **kwargs: Any) -> dict[str, Any]:
         "device": device_name(ctx.device),
         "dist_backend": ctx.backend,
     }
+
+
+def spec_decode_timing(
+    ctx: RankContext,
+    *,
+    contexts: Sequence[int] = (1024, 4096),
+    num_speculative_tokens: Sequence[int] = (1, 3),
+    num_q_heads: int = 16,
+    head_dim: int = 128,
+    repeats: int = 5,
+    seed: int = 0,
+) -> dict[int, dict[str, float]]:
+    """Medians of one decode (or verification) step's attention for one request of each
+    context (float32, one KV head, ``num_q_heads / world`` heads per rank), in turns from a
+    common barrier: ``no_cp`` (TP only: the whole KV on every rank, one row), ``dcp`` (DCP =
+    world: the interleaved shard, AllGather Q and the ``ag_rs`` combine, one row), and per ``k``
+    ``dcp_spec{k}`` (the same with ``k + 1`` rows,
+    :func:`cpbook.dcp.verify.dcp_verify_attention`) and ``no_cp_spec{k}`` (``k + 1`` rows over
+    the whole KV).  Returns ``{context: {method: seconds}}`` for this rank."""
+    n, r, out = ctx.world_size, ctx.rank, {}
+    gen = torch.Generator().manual_seed(seed)
+    h = num_q_heads // n
+    for c in contexts:
+        k, v = (torch.randn(c, 1, head_dim, generator=gen).to(ctx.device) for _ in range(2))
+        mine = torch.arange(r, c, n, device=ctx.device)  # interleave 1: this rank's tokens
+        ks, vs = k[mine].contiguous(), v[mine].contiguous()
+        rows = [0, *num_speculative_tokens]
+        q = {j: torch.randn(j + 1, h, head_dim, generator=gen).to(ctx.device) for j in rows}
+        methods = {}
+        for j in rows:
+            name = "" if j == 0 else f"_spec{j}"
+            start = c - j - 1  # the step's rows are the last j + 1 positions
+            methods["no_cp" + name] = functools.partial(
+                local_verify_attention, q[j], [k], [v], [start], [j + 1], 1, 0, 1
+            )
+            methods["dcp" + name] = functools.partial(
+                dcp_verify_attention, q[j], [ks], [vs], [start], [j + 1], ctx.world, 1
+            )
+        medians, _ = timed_rounds(ctx, methods, repeats)
+        out[c] = {m: medians[m] for m in methods}
+    return out

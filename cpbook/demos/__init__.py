@@ -31,6 +31,8 @@ DEMOS: dict[str, tuple[int, str]] = {
     "tpa": (6, "cpbook.demos.ch06_tpa:tpa_rank"),
     "migrate": (7, "cpbook.demos.ch07_migration:migration_rank"),
     "engine": (9, "cpbook.engine.engine:serve_rank"),
+    "spec-verify": (10, "cpbook.demos.ch10_spec:spec_verify_rank"),
+    "draft-placement": (10, "cpbook.demos.ch10_spec:draft_placement_rank"),
 }
 
 

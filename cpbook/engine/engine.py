@@ -5,6 +5,9 @@ engine (same model weights from the seed, same deterministic
 :class:`~cpbook.engine.scheduler.Scheduler`) and its own
 :class:`~cpbook.engine.runner.ModelRunner`; a step is ``schedule -> execute -> update``.
 ``generate`` is greedy; the step API (``add_request``, ``step``) shows each step's batch.
+``speculative_config`` (chapter 10) drafts ``k`` tokens per decode request before each step
+(:mod:`cpbook.engine.spec_decode`), verifies them in the step and keeps the greedy-accepted
+prefix, so the output equals the non-speculative engine's token for token.
 :func:`serve_rank` is the per-rank function behind ``python -m cpbook serve``; chapter 9's grids
 run it through :func:`cpbook.demos.ch09_engine.serve_grid_rank`, several configurations in one
 launch.
@@ -27,6 +30,7 @@ from cpbook.engine.hf import from_pretrained, hf_config
 from cpbook.engine.models import ENGINE_MODELS, ModelConfig, TinyModel, get_engine_model
 from cpbook.engine.runner import ModelRunner
 from cpbook.engine.scheduler import Request, Scheduler, SchedulerOutput
+from cpbook.engine.spec_decode import SpeculativeConfig, make_proposer
 from cpbook.kv.manager import KVCacheManager
 
 __all__ = [
@@ -117,6 +121,8 @@ class StepRecord:
     finished: tuple[str, ...]
     num_batched_tokens: int
     num_free_blocks: int
+    drafted: int = 0
+    accepted: int = 0
 
 
 @dataclass(frozen=True)
@@ -145,8 +151,13 @@ class Engine:
     rank's context (default: a single inline rank on the CPU; the weights, caches and every
     step's tensors live on ``ctx.device``); ``alpha`` / ``beta`` the link's seconds per
     call and per byte for ``strategy="auto"`` (default: the CPU fit,
-    :data:`~cpbook.pcp.chunked_plan.CPU_ALPHA_S`).  Every rank of ``ctx``'s world must build
-    the engine with the same arguments and drive it the same way.
+    :data:`~cpbook.pcp.chunked_plan.CPU_ALPHA_S`); ``speculative_config`` a
+    :class:`~cpbook.engine.spec_decode.SpeculativeConfig` or a dict of its (vLLM's) keys
+    (``method``: ``"ngram"`` or ``"draft"``, ``num_speculative_tokens``; ``model`` an engine
+    model name for a separately seeded draft, ``seed + 1``, or a Hugging Face folder) or
+    ``draft_model`` a
+    :class:`TinyModel`.  Every rank of ``ctx``'s world must build the engine with the same
+    arguments and drive it the same way.
     """
 
     def __init__(
@@ -170,7 +181,10 @@ class Engine:
         beta: float | None = None,
         seed: int = 0,
         dtype: str = "float64",
+        speculative_config: SpeculativeConfig | dict | None = None,
+        draft_model: TinyModel | None = None,
     ) -> None:
+        spec = SpeculativeConfig.of(speculative_config)
         if isinstance(model, str) and (model in ENGINE_MODELS or not Path(model).is_dir()):
             model = TinyModel.from_name(model, seed, getattr(torch, dtype))
         elif isinstance(model, str):  # a Hugging Face model folder
@@ -199,6 +213,18 @@ class Engine:
             alpha=alpha,
             beta=beta,
         )
+        self.speculative_config = spec
+        if spec is not None and spec.method == "draft" and draft_model is None and spec.model:
+            draft_model = (
+                from_pretrained(spec.model, getattr(torch, dtype))
+                if Path(spec.model).is_dir()
+                else TinyModel.from_name(spec.model, seed + 1, getattr(torch, dtype))
+            )
+        self.proposer = (
+            None
+            if spec is None
+            else make_proposer(spec, self.model, draft_model and draft_model.to(self.ctx.device))
+        )
         self.logits: dict[str, list[torch.Tensor]] = {}
         self.history: list[StepRecord] = []
         self._next_id = 0
@@ -225,15 +251,32 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
 
+    def _propose(self) -> None:
+        """Draft up to ``k`` tokens for every decoding request (fewer near ``max_new_tokens``,
+        so a step never emits more than the request still needs)."""
+        k = self.speculative_config.num_speculative_tokens
+        for req in self.scheduler.running:
+            room = min(k, req.max_new_tokens - len(req.output) - 1)
+            if req.prefill_done and room > 0:
+                req.spec_token_ids = self.proposer.propose(req.request_id, req.all_tokens, room)
+
     def step(self) -> StepRecord:
-        """Schedule, run and update one step; returns what happened."""
+        """Draft (with speculation), schedule, run and update one step, roll back rejected
+        draft rows on this rank; returns what happened."""
+        if self.proposer is not None:
+            self._propose()
+        before = dict(self.scheduler.spec_stats)
         out: SchedulerOutput = self.scheduler.schedule()
-        sampled = {}
-        if out.chunks:
-            sampled, rows = self.runner.execute(out)
-            for rid, row in rows.items():
-                self.logits[rid].append(row)
+        sampled, rows = ({}, {}) if not out.chunks else self.runner.execute(out)
         finished = self.scheduler.update(out, sampled)
+        for rid, n in self.scheduler.emitted.items():
+            self.logits[rid].extend(rows[rid][:n])
+        for rid, table, start, end in self.scheduler.rollbacks:
+            self.runner.rollback(table, start, end)
+        for r in finished:
+            if self.proposer is not None:
+                self.proposer.release(r.request_id)
+        st = self.scheduler.spec_stats
         rec = StepRecord(
             out.step,
             tuple((c.request_id, c.kind, c.start, c.num_tokens) for c in out.chunks),
@@ -242,6 +285,8 @@ class Engine:
             tuple(r.request_id for r in finished),
             out.num_batched_tokens,
             self.kv.num_free_blocks,
+            st["drafted"] - before["drafted"],
+            st["accepted"] - before["accepted"],
         )
         self.history.append(rec)
         return rec
@@ -273,6 +318,20 @@ class Engine:
     @property
     def prefix_hit_tokens(self) -> int:
         return self.kv.stats["hit_tokens"]
+
+    @property
+    def spec_metrics(self) -> dict[str, float]:
+        """Drafted and accepted tokens, the acceptance rate (accepted / drafted) and the mean
+        tokens emitted per decode (request, step): ``1 +`` accepted drafts, bonus included."""
+        st = self.scheduler.spec_stats
+        return {
+            "drafted": st["drafted"],
+            "accepted": st["accepted"],
+            "acceptance_rate": st["accepted"] / st["drafted"] if st["drafted"] else 0.0,
+            "mean_accepted_tokens": st["emitted"] / st["decode_steps"]
+            if st["decode_steps"]
+            else 0.0,
+        }
 
 
 def make_prompts(
@@ -313,6 +372,7 @@ def serve_rank(
     seed: int = 0,
     dtype: str = "float64",
     prompts: Sequence[Sequence[int]] | None = None,
+    speculative_config: dict | None = None,
 ) -> dict[str, Any]:
     """Serve ``prompts`` (default: :func:`make_prompts` of ``num_requests``, ``seed``) greedily
     on this rank of the grid.
@@ -320,7 +380,8 @@ def serve_rank(
     The configuration is validated (and the grid checked against the world size) before any
     collective.  Returns per-request ``tokens`` and the ``logits`` rows they came from, the
     step count, prefix-cache hits, preemptions, the prefill strategies used and this rank's
-    traced ``comm`` (:func:`cpbook.timing.serve_timing` adds the wall time).  Exactness is
+    traced ``comm`` (:func:`cpbook.timing.serve_timing` adds the wall time), and with
+    ``speculative_config`` the engine's :attr:`Engine.spec_metrics` as ``spec``.  Exactness is
     checked by the caller against :func:`cpbook.engine.models.reference_generate` (a whole engine
     run has no closed-form byte count, so there is no ``expected`` list).
     """
@@ -340,6 +401,7 @@ def serve_rank(
             strategy=strategy,
             seed=seed,
             dtype=dtype,
+            speculative_config=speculative_config,
         )
         if prompts is None:
             prompts = make_prompts(num_requests, seed, eng.model.config.vocab_size)
@@ -347,11 +409,18 @@ def serve_rank(
         outs = eng.generate(prompts, max_new_tokens)
     cfg = eng.config
     c = eng.groups.coords
+    spec = eng.spec_metrics if speculative_config is not None else None
+    tail = (
+        ""
+        if spec is None
+        else f"; acceptance {spec['acceptance_rate']:.2f}, "
+        f"{spec['mean_accepted_tokens']:.2f} tokens per decode step"
+    )
     print(
         f"{model} tp {cfg.tp} dcp {cfg.dcp} pcp {cfg.pcp}, rank {ctx.rank} (tp {c.tp_rank}, "
         f"pcp {c.pcp_rank}, dcp {c.dcp_rank}): {len(eng.history)} steps, "
         f"{eng.scheduler.num_preemptions} preemptions, {eng.prefix_hit_tokens} prefix-hit "
-        f"tokens; request 0 -> {list(outs[0].tokens)}"
+        f"tokens{tail}; request 0 -> {list(outs[0].tokens)}"
     )
     return {
         "model": model,
@@ -372,5 +441,6 @@ def serve_rank(
         "preemptions": eng.scheduler.num_preemptions,
         "strategies": dict(eng.runner.strategies),
         "history": eng.history,
+        "spec": spec,
         "comm": comm,
     }

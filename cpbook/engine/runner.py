@@ -7,15 +7,19 @@ code inline and under torchrun (vLLM's ``GPUModelRunner.execute_model``):
 * **TP**: this rank's query heads (``q_heads_of``), KV heads (``kv_heads_of``; MLA:
   the one latent) and MLP columns; the partial attention-output and MLP projections are summed
   by an all-reduce over the TP group.
-* **Decode rows** (one token per request; every PCP rank holds all of them): the new K/V is
-  written through the DCP slot mapping, then :func:`cpbook.dcp.decode.dcp_decode_attention` over the
-  DCP group (AllGather Q, attention over the local shard, ``ag_rs`` or ``a2a`` combine).  MLA
-  runs the same function on its absorbed latent queries against the cached latents.
+* **Decode rows** (``1 + k`` per request: the last sampled token and ``k`` speculative drafts,
+  ``k = 0`` without speculation; every PCP rank holds all of them): the new K/V is written
+  through the DCP slot mapping, then :func:`cpbook.dcp.verify.dcp_verify_attention` over the DCP
+  group — each row attends the local keys at positions up to its own (causal by global
+  position), then AllGather Q, attention over the local shard, ``ag_rs`` or ``a2a`` combine.
+  MLA runs the same function on its absorbed latent queries against the cached latents.
+  :meth:`ModelRunner.rollback` invalidates the slots of rejected draft rows on this rank.
 * **Prefill rows** (whole or chunked prompts): split zigzag over the PCP group
   (:mod:`cpbook.pcp.zigzag`), attended by :func:`cpbook.pcp.chunked.chunked_prefill_attention`
   (context from the paged cache, AllGather-Q or AllGather-KV picked by the selector), then the new
   K/V is all-gathered over PCP and written through the slot mapping.
-* **Sampling**: greedy, on the last row of every request whose chunk reaches its last token;
+* **Sampling**: greedy, on every decode row and on the last row of every prefill chunk that
+  reaches its request's last token;
   rank 0's tokens are shared with every rank (one all-gather, a guard against drift; vLLM
   all-gathers no sampled tokens: every worker samples the same logits and one output rank
   replies, ``_get_output_rank`` in ``vllm/v1/executor/multiproc_executor.py``), and read to
@@ -34,7 +38,7 @@ import torch
 from cpbook.core.config import ParallelConfig
 from cpbook.core.groups import ParallelGroups
 from cpbook.core.heads import kv_heads_of, q_heads_of
-from cpbook.dcp.decode import dcp_decode_attention, local_attention
+from cpbook.dcp.verify import dcp_verify_attention, local_verify_attention
 from cpbook.engine.models import TinyModel
 from cpbook.engine.scheduler import ScheduledChunk, SchedulerOutput
 from cpbook.kv.context import ContextShard
@@ -109,21 +113,35 @@ class ModelRunner:
         v: torch.Tensor | None,
         chunks: list[ScheduledChunk],
     ) -> torch.Tensor:
-        cache = self.caches[layer]
-        slots = torch.cat([cache.slot_mapping([c.start], c.block_table) for c in chunks])
+        cache, cfg = self.caches[layer], self.config
+        slots = torch.cat([cache.slot_mapping(self._positions(c), c.block_table) for c in chunks])
         cache.write(k, v, slots)
         ks, vs = [], []
         for c in chunks:
-            kk, vv, _ = cache.read(c.block_table, c.start + 1)
+            kk, vv, _ = cache.read(c.block_table, c.start + c.num_tokens)
             ks.append(kk)
             vs.append(self._value_view(kk, vv))
         grp, scale = self.groups.dcp, self.model.attn_scale(layer)
+        starts, rows = [c.start for c in chunks], [c.num_tokens for c in chunks]
         if grp.size == 1:
-            return local_attention(q, ks, vs, scale)[0]
+            return local_verify_attention(q, ks, vs, starts, rows, 1, 0, 1, scale)[0]
         if ks[0].shape[1] > 1:  # gathered heads come in DCP blocks: tile the KV heads to match
             ks = [x.repeat(1, grp.size, 1) for x in ks]
             vs = [x.repeat(1, grp.size, 1) for x in vs]
-        return dcp_decode_attention(q, ks, vs, grp, self.config.dcp_comm_backend, scale)
+        return dcp_verify_attention(
+            q, ks, vs, starts, rows, grp, cfg.interleave, cfg.dcp_comm_backend, scale
+        )
+
+    @staticmethod
+    def _positions(c: ScheduledChunk) -> torch.Tensor:
+        return torch.arange(c.start, c.start + c.num_tokens)
+
+    def rollback(self, block_table: tuple[int, ...], start: int, end: int) -> int:
+        """Invalidate this rank's slots of positions ``[start, end)`` (rejected draft rows) in
+        every layer's cache; returns how many it dropped (per layer; 0 if it owns none)."""
+        pos = torch.arange(start, end)
+        dropped = {c.invalidate(c.slot_mapping(pos, block_table)) for c in self.caches}
+        return dropped.pop()  # the same slots in every layer
 
     def _prefill(
         self,
@@ -180,14 +198,15 @@ class ModelRunner:
         return out
 
     # -- one step -----------------------------------------------------------------------------
-    def execute(self, out: SchedulerOutput) -> tuple[dict[str, int], dict[str, torch.Tensor]]:
-        """Run the step; returns the greedy token and its logits row for every sampling chunk."""
+    def execute(self, out: SchedulerOutput) -> tuple[dict[str, list[int]], dict[str, torch.Tensor]]:
+        """Run the step; returns, for every sampling chunk, its greedy tokens (one per decode
+        row; one for a prefill chunk) and their logits rows ``[n, vocab]``."""
         model, groups = self.model, self.groups
         dec = [c for c in out.chunks if c.kind == "decode"]
         pre = [c for c in out.chunks if c.kind != "decode"]
-        nd = len(dec)
-        ids = [torch.tensor([c.token_ids[0] for c in dec], dtype=torch.long)]
-        pos = [torch.tensor([c.start for c in dec], dtype=torch.long)]
+        nd = sum(c.num_tokens for c in dec)
+        ids = [torch.tensor([t for c in dec for t in c.token_ids], dtype=torch.long)]
+        pos = [torch.cat([self._positions(c) for c in dec]) if dec else torch.zeros(0).long()]
         meta = None
         if pre:
             meta = zigzag_partition([c.num_tokens for c in pre], self.config.pcp).metadata(
@@ -215,11 +234,12 @@ class ModelRunner:
             attn = torch.cat(parts)
             x = x + self._tp_sum(model.o_proj(layer, attn, self.heads))
             x = x + self._tp_sum(model.mlp(layer, x, self.cols))
-        names, rows = [c.request_id for c in dec], [x[:nd]]
+        names, counts, rows = [c.request_id for c in dec], [c.num_tokens for c in dec], [x[:nd]]
         if pre and any(c.sample for c in pre):
             seq = self._restore(x[nd:], meta)
             keep = [j for j, c in enumerate(pre) if c.sample]
             names += [pre[j].request_id for j in keep]
+            counts += [1] * len(keep)
             ends = torch.tensor([meta.cu_seq_lens[j + 1] - 1 for j in keep], device=dev)
             rows.append(seq.index_select(0, ends))
         logits = model.logits(torch.cat(rows))
@@ -227,4 +247,8 @@ class ModelRunner:
         if groups.world.size > 1:  # everyone continues with rank 0's tokens
             tokens = groups.world.all_gather(tokens[None], dim=0)[0]
         # the step's one host read: the scheduler needs the sampled tokens
-        return dict(zip(names, tokens.tolist())), dict(zip(names, logits))
+        flat, per_tok, per_row, at = tokens.tolist(), {}, {}, 0
+        for name, n in zip(names, counts):
+            per_tok[name], per_row[name] = flat[at : at + n], logits[at : at + n]
+            at += n
+        return per_tok, per_row

@@ -15,7 +15,14 @@ blocks of ``block_size * dcp`` tokens, prefix caching).  Simplifications, stated
   request is preempted: its blocks are freed and it goes back to the head of the queue, to be
   recomputed (vLLM's ``RECOMPUTE``) — its prompt and the tokens it already produced;
 * a request that could never fit (prompt + ``max_new_tokens`` over the whole cache) fails alone,
-  with an error naming the rule; every other request is served.
+  with an error naming the rule; every other request is served;
+* speculative decoding (chapter 10): a decode request's ``spec_token_ids`` (set by the engine's
+  drafter) ride in its decode chunk after the last sampled token, so the chunk verifies
+  ``1 + k`` rows; :meth:`Scheduler.update` keeps the greedy-accepted prefix plus the bonus token
+  (:func:`~cpbook.engine.spec_decode.greedy_accept`) and rolls the rest back: the manager is
+  truncated to the accepted length (:meth:`~cpbook.kv.manager.KVCacheManager.truncate`: blocks a
+  rejected row opened are freed, no prefix hash names rejected tokens), and the rejected
+  positions are listed in :attr:`Scheduler.rollbacks` for the runner to invalidate on every rank.
 
 The scheduler is pure Python and deterministic: every rank runs the same one and reaches the
 same decision without communicating (vLLM schedules on one process and broadcasts instead).
@@ -27,6 +34,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from cpbook.core.config import ConfigError, check_positive
+from cpbook.engine.spec_decode import greedy_accept
 from cpbook.kv.layout import num_virtual_blocks
 from cpbook.kv.manager import AllocationError, KVCacheManager
 
@@ -47,10 +55,15 @@ class Request:
     prefill_done: bool = False
     preemptions: int = 0
     prefix_hit_tokens: int = 0
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts for the next decode step
 
     @property
     def all_tokens(self) -> list[int]:
         return self.prompt + self.output
+
+    @property
+    def tokens_with_spec(self) -> list[int]:
+        return self.prompt + self.output + self.spec_token_ids
 
     @property
     def num_tokens(self) -> int:
@@ -61,9 +74,10 @@ class Request:
 class ScheduledChunk:
     """Tokens ``[start, start + num_tokens)`` of one request in this step.
 
-    ``kind``: ``"decode"`` (one new token after a finished prefill), ``"prefill"`` (the whole
-    remaining prompt in one chunk) or ``"chunked_prefill"`` (a part of it).  ``sample``: the
-    chunk ends at the request's last token, so its last row yields the next token.
+    ``kind``: ``"decode"`` (the last sampled token after a finished prefill, then any draft
+    tokens), ``"prefill"`` (the whole remaining prompt in one chunk) or ``"chunked_prefill"``
+    (a part of it).  ``sample``: the chunk reaches the request's last token, so its last row
+    (a decode chunk: every row) yields a token.
     """
 
     request_id: str
@@ -107,6 +121,9 @@ class Scheduler:
         self.written: set[int] = set()  # block ids whose whole virtual block holds computed K/V
         self.step_count = 0
         self.num_preemptions = 0
+        self.rollbacks: list[tuple[str, tuple[int, ...], int, int]] = []  # last update's
+        self.emitted: dict[str, int] = {}  # tokens each request gained in the last update
+        self.spec_stats = {"decode_steps": 0, "drafted": 0, "accepted": 0, "emitted": 0}
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, request: Request) -> Request:
@@ -147,6 +164,7 @@ class Scheduler:
         self.kv.free(req.request_id)
         self.kv.uncache([b for b in blocks if b not in self.written and not self.kv.ref_cnt[b]])
         req.status, req.num_computed_tokens, req.prefill_done = "waiting", 0, False
+        req.spec_token_ids = []
         req.preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -155,7 +173,7 @@ class Scheduler:
         """Make the manager hold ``upto`` tokens of ``req`` (raises AllocationError)."""
         have = self.kv.num_tokens(req.request_id)
         if upto > have:
-            new = self.kv.append(req.request_id, upto - have, req.all_tokens[have:upto])
+            new = self.kv.append(req.request_id, upto - have, req.tokens_with_spec[have:upto])
             self.written.difference_update(new)
 
     def _chunk(self, req: Request, n: int) -> ScheduledChunk:
@@ -172,9 +190,9 @@ class Scheduler:
             req.request_id,
             kind,
             start,
-            tuple(req.all_tokens[start:end]),
+            tuple(req.tokens_with_spec[start:end]),
             tuple(self.kv.block_table(req.request_id).tolist()),
-            end == req.num_tokens,
+            end >= req.num_tokens,
         )
 
     def schedule(self) -> SchedulerOutput:
@@ -183,7 +201,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            todo = req.num_tokens - req.num_computed_tokens
+            n = min(todo + (len(req.spec_token_ids) if req.prefill_done else 0), budget)
             while True:
                 try:
                     self._grow(req, req.num_computed_tokens + n)
@@ -225,19 +244,43 @@ class Scheduler:
         chunks.sort(key=lambda c: c.kind != "decode")
         return SchedulerOutput(self.step_count, tuple(chunks), tuple(admitted), tuple(preempted))
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance every scheduled request by its chunk, append its sampled token; returns the
-        requests that finished this step (their blocks are freed)."""
+    def update(self, out: SchedulerOutput, sampled: dict[str, int | list[int]]) -> list[Request]:
+        """Advance every scheduled request by its chunk and append its sampled tokens; returns
+        the requests that finished this step (their blocks are freed).
+
+        ``sampled[id]``: the greedy token of each row of a decode chunk (of the last row of a
+        prefill chunk); a bare ``int`` is one row.  A decode chunk keeps :func:`greedy_accept`
+        of its drafts; its rejected rows are truncated from the manager and listed in
+        :attr:`rollbacks`."""
         finished = []
         vb = self.kv.virtual_block_size
+        self.rollbacks, self.emitted = [], {}
+        rows = {k: [v] if isinstance(v, int) else list(v) for k, v in sampled.items()}
         for c in out.chunks:
             req = self.requests[c.request_id]
-            req.num_computed_tokens = c.start + c.num_tokens
+            new = rows.get(c.request_id, [])[-1:]
+            if c.kind == "decode":
+                drafts = list(c.token_ids[1:])
+                new = greedy_accept(drafts, rows[c.request_id])
+                st = self.spec_stats
+                st["decode_steps"] += 1
+                st["drafted"] += len(drafts)
+                st["accepted"] += len(new) - 1
+                st["emitted"] += len(new)
+                req.spec_token_ids = []
+            keep = c.num_tokens if c.kind != "decode" else len(new)
+            req.num_computed_tokens = c.start + keep
+            if keep < c.num_tokens:  # rejected rows: undo them everywhere
+                self.kv.truncate(req.request_id, req.num_computed_tokens)
+                self.rollbacks.append(
+                    (req.request_id, c.block_table, req.num_computed_tokens, c.start + c.num_tokens)
+                )
             self.written.update(c.block_table[: req.num_computed_tokens // vb])
             if not c.sample:
                 continue
             req.prefill_done = True
-            req.output.append(sampled[c.request_id])
+            self.emitted[req.request_id] = len(new)
+            req.output.extend(new)
             if len(req.output) >= req.max_new_tokens:
                 req.status = "finished"
                 self.running.remove(req)

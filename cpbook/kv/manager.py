@@ -236,6 +236,43 @@ class KVCacheManager:
         self._register_full_blocks(req)
         return new
 
+    def truncate(self, request_id: str, num_tokens: int) -> list[int]:
+        """Shrink a request to its first ``num_tokens`` tokens (a speculative step's rollback).
+
+        Ids past ``ceil(num_tokens / (block_size·dcp))`` are released (returned, last first),
+        the token ids and prefix hashes past ``num_tokens`` are dropped, and every prefix-cache
+        entry this request registered for a virtual block no longer full is forgotten, so no
+        cached hash names a block holding rejected tokens."""
+        req = self._get(request_id)
+        if (
+            isinstance(num_tokens, bool)
+            or not isinstance(num_tokens, int)
+            or not (0 <= num_tokens <= req.num_tokens)
+        ):
+            raise ConfigError(
+                "truncate-within-request",
+                "0 <= num_tokens <= the request's tokens",
+                num_tokens=num_tokens,
+                request_tokens=req.num_tokens,
+            )
+        full = num_tokens // self.virtual_block_size
+        for b in range(full, len(req.hashes)):
+            blk = req.blocks[b]
+            if self.block_hash[blk] == req.hashes[b]:
+                self.uncache([blk])
+        req.hashes = req.hashes[:full]
+        keep = num_virtual_blocks(num_tokens, self.block_size, self.dcp)
+        released = req.blocks[keep:][::-1]
+        req.blocks = req.blocks[:keep]
+        for blk in released:
+            self.ref_cnt[blk] -= 1
+            if self.ref_cnt[blk] == 0:
+                self.free_queue[blk] = None
+        req.num_tokens = num_tokens
+        if req.token_ids is not None:
+            req.token_ids = req.token_ids[:num_tokens]
+        return released
+
     def free(self, request_id: str) -> None:
         """Release a request's ids (tail first, so its last blocks are evicted first)."""
         req = self._get(request_id)

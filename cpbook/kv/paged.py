@@ -143,6 +143,25 @@ class PagedKVCache:
         self.written[mine] = True
         return int(mine.numel())
 
+    def invalidate(self, slot_mapping: torch.Tensor | Sequence[int]) -> int:
+        """Forget the tokens in ``slot_mapping``'s slots (skip ``-1``): a speculative step's
+        rejected rows.  Their K/V stays in memory but the slots count as never written, so a
+        read that reaches them raises until they are written again.  Returns the slots
+        dropped."""
+        slots = _as_long(slot_mapping, "slot_mapping").cpu().reshape(-1)
+        mine = slots[slots != PAD_SLOT_ID]
+        if mine.numel() and (int(mine.min()) < 0 or int(mine.max()) >= self.num_slots):
+            raise ConfigError(
+                "slot-in-cache",
+                "every slot in [0, num_blocks*block_size) or -1",
+                min_slot=int(mine.min()),
+                max_slot=int(mine.max()),
+                num_slots=self.num_slots,
+            )
+        dropped = int(self.written[mine].sum())
+        self.written[mine] = False
+        return dropped
+
     def local_slots(self, block_table: torch.Tensor | Sequence[int], seq_len: int) -> torch.Tensor:
         """Slots of this rank's tokens of a request (``block_table[j // B] * B + j % B``),
         in slot order."""

@@ -62,6 +62,9 @@ DEMOS = [
     ("tpa", 4, {"attention": "mla"}),
     ("migrate", 4, {}),
     ("engine", 1, {"model": "tiny-mla"}),
+    ("spec-verify", 4, {}),
+    ("spec-verify", 4, {"use_mla": True, "dcp_comm_backend": "a2a"}),
+    ("draft-placement", 2, {}),
 ]
 #: (tq, tk, q heads, kv heads, q/k width, v width, causal, q_offset)
 ATTENTION = [
