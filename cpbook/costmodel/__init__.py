@@ -26,6 +26,7 @@ from cpbook.costmodel.decode import (
     collective_time,
     decode_break_even,
     decode_layer_time,
+    kv_read_efficiency,
     tpa_weight_costs,
 )
 from cpbook.costmodel.decode_step import decode_step
@@ -163,6 +164,7 @@ __all__ = [
     "decode_break_even",
     "decode_bytes_per_step",
     "decode_layer_time",
+    "kv_read_efficiency",
     "get_gpu",
     "get_model",
     "kv_budget_bytes_per_gpu",

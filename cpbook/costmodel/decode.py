@@ -182,11 +182,12 @@ def decode_layer_time(
       for GQA, ``dcp_q_replicate`` for MLA), plus reading ``dcp - 1`` more ``q_proj`` shards
       (and for MLA ``dcp - 1`` more shards of the absorbed ``W_UK_T``).
 
-    The KV streams at :func:`kv_read_efficiency` (a batch-1 read of one KV head reaches about
-    0.35 of HBM); the collectives and their bytes are :func:`cpbook.dcp.tpa.tpa_comm_bytes`
-    (activations of ``act_bytes``; all-reduces at the CUDA-graph latency
-    :data:`~cpbook.costmodel.gpu_terms.DECODE_ALLREDUCE_ALPHA_S`, the rest at ``link``'s α),
-    the extra weights :func:`tpa_weight_costs`; the KV heads a GPU holds
+    The KV streams at ``hbm_efficiency`` of HBM whatever the batch (the whole-model
+    :func:`~cpbook.costmodel.latency.tpot` adds :func:`kv_read_efficiency`'s occupancy bound;
+    chapter 8 compares the two); the collectives and their bytes are
+    :func:`cpbook.dcp.tpa.tpa_comm_bytes` (activations of ``act_bytes``; all-reduces at the
+    CUDA-graph latency :data:`~cpbook.costmodel.gpu_terms.DECODE_ALLREDUCE_ALPHA_S`, the rest at
+    ``link``'s α), the extra weights :func:`tpa_weight_costs`; the KV heads a GPU holds
     come from :func:`cpbook.core.heads.attention_kv_heads`.  Every term is linear in
     ``context_tokens``, so :func:`decode_break_even` solves for the crossing exactly.
     """
@@ -198,14 +199,13 @@ def decode_layer_time(
     per_head = kv_bytes_per_token(model, kv_dtype) / model.num_layers / model.num_kv_heads
     kv_bytes = per_head * (heads.stop - heads.start) / cfg.dcp * context_tokens * num_reqs
     hbm = gpu.hbm_bw_bytes_per_s * hbm_efficiency
-    kv_eff = kv_read_efficiency(hbm_efficiency, num_reqs, heads.stop - heads.start)
     sized = decode_attention_calls(
         model, cfg, mode == "dcp_tpa", num_reqs, dcp_comm_backend, act_bytes
     )
     extra = tpa_weight_costs(model, cfg, num_reqs, act_bytes)
     graph = replace(link, alpha_s=gt.DECODE_ALLREDUCE_ALPHA_S)
     return DecodeLayerTime(
-        kv_read_s=kv_bytes / (gpu.hbm_bw_bytes_per_s * kv_eff),
+        kv_read_s=kv_bytes / hbm,
         comm_s=sum(
             collective_time(op, b, n, graph if op == "all_reduce" else link) for op, n, b in sized
         ),
