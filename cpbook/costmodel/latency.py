@@ -98,9 +98,10 @@ def _prefill_compute_s(
     if model.use_mla:  # PV is v_head_dim (= qk_nope_head_dim) wide, not the 192 of QK
         attn *= (2 * model.head_dim - model.qk_rope_head_dim) / (2 * model.head_dim)
     peak = gpu.peak_flops(model.weight_bytes_per_param)
-    if mfu is not None:
-        attn_s = attn / gpus / (gpu.bf16_flops * mfu)
-        return (dense + experts) / gpus / (peak * mfu) + attn_s, attn_s
+    if mfu is not None:  # the former model: prefill_flops' count, all at mfu of the BF16 peak
+        mm, attn = prefill_flops(model, tokens)
+        mm *= model.params_per_token / model.num_params
+        return (mm + attn) / gpus / (gpu.bf16_flops * mfu), attn / gpus / (gpu.bf16_flops * mfu)
     attn_s = attn / gpus / (gpu.bf16_flops * gt.attention_mfu(tokens))
     # EP: every DP rank prefills at once (the loaded case), so each GPU does one prompt's
     # expert FLOPs, slowed by the busiest rank
@@ -128,10 +129,12 @@ def ttft(
     GEMMs (:func:`prefill_gemm_flops`: no embedding FLOPs, the LM head for the last token) at
     :data:`~cpbook.costmodel.gpu_terms.GEMM_MFU` of the weights' peak (FP8 weights: the FP8
     peak), routed experts at ``MOE_GEMM_MFU`` (EP: times ``EP_PREFILL_IMBALANCE``), attention
-    at :func:`~cpbook.costmodel.gpu_terms.attention_mfu` of the BF16 peak; ``mfu`` instead
-    prices every FLOP at one MFU.  Norms and activations stream their bytes; TP all-reduces and
-    EP all-to-alls use the link's α–β.  DCP adds nothing to a fresh prefill (every rank
-    computes its heads over the whole prompt and keeps its share of the cache), DP none either.
+    at :func:`~cpbook.costmodel.gpu_terms.attention_mfu` of the BF16 peak.  ``mfu`` instead
+    gives the former model: :func:`prefill_flops`' count (MoE: active share), every FLOP at
+    ``mfu`` of the BF16 peak, no elementwise or EP terms.  Norms and activations stream their
+    bytes; TP all-reduces and EP all-to-alls use the link's α–β.  DCP adds nothing to a fresh
+    prefill (every rank computes its heads over the whole prompt and keeps its share of the
+    cache), DP none either.
     PCP splits the tokens zigzag over ``pcp`` ranks: ``cp_comm="allgather"`` is vLLM's K/V
     all-gather before attention (:func:`cpbook.pcp.prefill.pcp_comm_bytes`, not overlapped),
     ``"ring"`` Meta's pass-KV ring (:func:`cpbook.pcp.ring_plan.ring_comm_bytes`), each step
@@ -173,6 +176,8 @@ def ttft(
     if n > 1:
         restore = pcp_restore_bytes(rows, model.hidden_size * act_bytes, n)
         cp_s += sum(collective_time(op, b, n, cp_link) for op, b in restore)
+    if mfu is not None:
+        return PrefillTime(compute, tp_s, cp_s)
     bw = gpu.hbm_bw_bytes_per_s
     dense_layers = layers - model.moe_layers if model.expert_params else layers
     elem = 2 * layers * gt.elementwise_s(rows * model.hidden_size, gt.NORM_BYTES_PER_ELEMENT, bw)
