@@ -696,3 +696,21 @@ def test_kv_read_efficiency_is_occupancy_bound_at_one_request():
     at = cm.decode_break_even(DSV3, H200, "dcp", hbm_efficiency=0.35)
     assert abs(cm.tpot_break_even(DSV3, H200, lay, base) / at - 1) < 0.01
     assert at < cm.decode_break_even(DSV3, H200, "dcp") / 2
+
+
+def test_appendix_gpu_terms_table_matches_gpu_terms():
+    rows = {key(r["Constant"]): r["Value"] for r in appendix_table("tab-gpu-terms")}
+    us = {k: v * 1e6 for k, v in vars(GT).items() if k.endswith("_S") and isinstance(v, float)}
+    for name, cell in rows.items():
+        base, _, idx = name.partition("[")
+        value = getattr(GT, base)
+        if idx:
+            value = value[int(idx.rstrip("]"))]
+        if isinstance(value, dict):
+            value = " / ".join(f"{v * 1e6:g}" if base.endswith("_S") else f"{v:g}"
+                               for v in (value[2], value[1]))  # fmt: skip
+            assert cell == value, name
+        elif isinstance(value, tuple):
+            assert cell == f"{value[0][1]:g} to {value[-1][1]:g}" or cell == f"{value[0][1]:g}"
+        else:
+            assert num(cell) == pytest.approx(us.get(base, value)), name
