@@ -152,6 +152,9 @@ def peer_parity(rows: Sequence[Mapping]):
         )
         ax.set_xscale("log")
         ax.set_yscale("log")
+        for axis in (ax.xaxis, ax.yaxis):
+            axis.set_major_formatter(_PLAIN)
+            axis.set_minor_formatter(FuncFormatter(lambda v, _p: ""))
         ax.set_xlabel(f"AIConfigurator {key.upper()} ({unit})")
         ax.set_ylabel(f"cpbook {key.upper()} ({unit})")
     handles, labels = axes[0].get_legend_handles_labels()
