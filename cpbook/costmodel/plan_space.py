@@ -138,7 +138,8 @@ class Estimate:
 
 
 #: significant figures objectives are compared at: a closer call is below the cost model's
-#: resolution (its MFU, HBM efficiency and α are round assumptions), so the tie-breaks decide
+#: resolution (its efficiencies are read off another model's tables, α is assumed), so the
+#: tie-breaks decide
 RESOLUTION_DIGITS = 2
 
 
