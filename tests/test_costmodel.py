@@ -714,3 +714,14 @@ def test_appendix_gpu_terms_table_matches_gpu_terms():
             assert cell == f"{value[0][1]:g} to {value[-1][1]:g}" or cell == f"{value[0][1]:g}"
         else:
             assert num(cell) == pytest.approx(us.get(base, value)), name
+
+
+def test_a_moe_model_must_state_its_experts():
+    bare = dataclasses.replace(cm.MODELS["Qwen3-235B-A22B"], num_experts=0)
+    for call in (
+        lambda: cm.tpot(bare, H200, cm.Layout(tp=8), 4096),
+        lambda: cm.ttft(bare, H200, cm.Layout(tp=8), 4096),
+    ):
+        with pytest.raises(ValueError, match=r"\[moe-shape\]"):
+            call()
+    assert cm.ttft(bare, H200, cm.Layout(tp=8), 4096, mfu=0.5).total_s > 0  # former model

@@ -18,6 +18,7 @@ from cpbook.costmodel.specs import (
     LinkSpec,
     ModelSpec,
     check_hbm_efficiency,
+    check_moe_shape,
     check_tokens,
     link_of,
 )
@@ -112,6 +113,7 @@ def decode_step(
     check_tokens("context_tokens", context_tokens, minimum=1)
     check_tokens("batch", batch, minimum=1)
     check_hbm_efficiency(hbm_efficiency)
+    check_moe_shape(model)
     cfg = layout.config(model)
     link = link or link_of(gpu)
     graph_link = replace(link, alpha_s=gt.DECODE_ALLREDUCE_ALPHA_S)

@@ -8,7 +8,14 @@ from cpbook.costmodel import gpu_terms as gt
 from cpbook.costmodel.decode import DEFAULT_HBM_EFFICIENCY, collective_time
 from cpbook.costmodel.decode_step import DecodeTime, decode_step
 from cpbook.costmodel.memory import Layout, kv_bytes_per_token_per_gpu, weight_bytes_per_gpu
-from cpbook.costmodel.specs import GPUSpec, LinkSpec, ModelSpec, check_tokens, link_of
+from cpbook.costmodel.specs import (
+    GPUSpec,
+    LinkSpec,
+    ModelSpec,
+    check_moe_shape,
+    check_tokens,
+    link_of,
+)
 from cpbook.pcp.prefill import pcp_comm_bytes, pcp_restore_bytes
 from cpbook.pcp.ring_plan import ring_comm_bytes
 from cpbook.pcp.zigzag import padded_len
@@ -147,6 +154,8 @@ def ttft(
         raise ValueError(f"[mfu] requires 0 < mfu <= 1; got {mfu=}")
     if cp_comm not in PCP_COMM:
         raise ValueError(f"[cp-comm] requires cp_comm in {PCP_COMM}; got {cp_comm=}")
+    if mfu is None:
+        check_moe_shape(model)
     cfg = layout.config(model)
     link = link or link_of(gpu)
     cp_link = cp_link or link

@@ -334,6 +334,19 @@ def check_tokens(name: str, tokens: object, minimum: int = 0, integer: bool = Tr
         raise ValueError(f"[{rule}] requires {what}; got {name}={tokens!r}")
 
 
+def check_moe_shape(model: ModelSpec) -> None:
+    """Rule ``moe-shape``: a MoE model (``expert_params > 0``) states its routed experts, the
+    experts per token and its MoE layers, which the GPU-side time model reads."""
+    if model.expert_params and not (
+        model.num_experts and model.num_experts_per_tok and model.moe_layers
+    ):
+        raise ValueError(
+            f"[moe-shape] requires num_experts, num_experts_per_tok and moe_layers for a MoE "
+            f"model; got {model.name}: num_experts={model.num_experts}, "
+            f"num_experts_per_tok={model.num_experts_per_tok}, moe_layers={model.moe_layers}"
+        )
+
+
 def check_hbm_efficiency(hbm_efficiency: float) -> None:
     """Rule ``hbm-efficiency``: the fraction of HBM bandwidth a kernel reaches is in (0, 1]."""
     if not 0 < hbm_efficiency <= 1:
