@@ -22,8 +22,15 @@ decode steps.  The two sides are matched as follows:
 - TPOT: the peer averages the ``osl`` steps; cpbook's :func:`~cpbook.costmodel.latency.tpot`
   is evaluated at the mean context ``isl + osl / 2``.
 
-A case runs only where cpbook's memory model holds the batch (``max_concurrency``).  Prints one
-line per case ``{"name": "vs_aic", "model", "gpu", "layout", "isl", "batch", "ttft_ms",
+A case runs only where cpbook's memory model holds the batch (``max_concurrency``).
+
+Aggregated mode (continuous batching with chunked prefill, ``--agg`` cases, H200, one layout
+per model): the peer's ``mode="agg"`` with ``batch_size`` = concurrency and its default
+``ctx_tokens`` (= ``isl``) against cpbook's ``tpot(..., concurrency, prompt_len, output_len,
+max_num_batched_tokens=isl)``; rows ``{"name": "vs_aic_agg", ..., "osl", "concurrency",
+"tpot_ms", "aic_tpot_ms", "tpot_ratio", "static_tpot_ms"}`` and one ``vs_aic_agg_summary``.
+
+Prints one line per case ``{"name": "vs_aic", "model", "gpu", "layout", "isl", "batch", "ttft_ms",
 "aic_ttft_ms", "tpot_ms", "aic_tpot_ms", "ttft_ratio", "tpot_ratio"}`` (ratios are cpbook /
 peer), then per model ``{"name": "vs_aic_summary", "model", "family", "cases", "aic_vllm_db",
 "ttft_median_abs_err", "ttft_worst_abs_err", "tpot_median_abs_err", "tpot_worst_abs_err"}``
@@ -55,6 +62,10 @@ PEER_SYSTEMS = {"H200": "h200_sxm", "H100": "h100_sxm"}
 ISLS = (4096, 32768, 131072)
 BATCHES = (1, 8, 32, 64)
 OSL = 256
+#: aggregated-mode cases: one TP layout per model, 4K prompts, two output lengths
+AGG_LAYOUTS = {"Llama-3.1-8B": 1, "Llama-3.1-70B": 8, "Qwen3-235B-A22B": 8, "DeepSeek-V3": 8}
+AGG_OSLS = (256, 1024)
+AGG_CONCURRENCY = (8, 32, 96)
 
 
 @dataclass(frozen=True)
@@ -103,9 +114,9 @@ def cpbook_ms(case: Case) -> tuple[float, float]:
     return ttft * 1e3, step.total_s * 1e3
 
 
-def peer_ms(case: Case) -> tuple[float, float, str]:
-    """The peer's static-mode TTFT and TPOT of ``case`` in milliseconds, and the version of
-    vLLM its kernel tables were measured with."""
+def peer_ms(case: Case, mode: str = "static", osl: int = OSL) -> tuple[float, float, str]:
+    """The peer's TTFT and TPOT of ``case`` in milliseconds (``mode`` "static" or "agg"), and
+    the version of vLLM its kernel tables were measured with."""
     from aiconfigurator.cli.api import cli_estimate
 
     lay = case.layout
@@ -118,15 +129,43 @@ def peer_ms(case: Case) -> tuple[float, float, str]:
     r = cli_estimate(
         PEER_MODELS[case.model],
         PEER_SYSTEMS[case.gpu],
-        mode="static",
+        mode=mode,
         backend_name="vllm",
         isl=case.isl,
-        osl=OSL,
+        osl=osl,
         batch_size=case.batch,
         kvcache_quant_mode="bfloat16",
         **par,
     )
     return float(r.ttft), float(r.tpot), str(r.backend_version)
+
+
+def agg_rows() -> list[dict]:
+    """cpbook's TPOT under continuous batching beside the peer's aggregated mode."""
+    rows = []
+    for model, tp in AGG_LAYOUTS.items():
+        spec, gpu, lay = cm.get_model(model), cm.get_gpu("H200"), cm.Layout(tp=tp)
+        isl = 4096
+        for osl, n in ((o, c) for o in AGG_OSLS for c in AGG_CONCURRENCY):
+            kw = dict(prompt_len=isl, output_len=osl, max_num_batched_tokens=isl)
+            step = cm.tpot(spec, gpu, lay, isl + osl // 2, concurrency=n, **kw)
+            _, aic, _ = peer_ms(Case(model, "H200", lay, isl, n), "agg", osl)
+            rows.append(
+                {
+                    "name": "vs_aic_agg",
+                    "model": model,
+                    "gpu": "H200",
+                    "layout": lay.label,
+                    "isl": isl,
+                    "osl": osl,
+                    "concurrency": n,
+                    "tpot_ms": round(step.total_s * 1e3, 4),
+                    "static_tpot_ms": round(step.step_s * 1e3, 4),
+                    "aic_tpot_ms": round(aic, 4),
+                    "tpot_ratio": round(step.total_s * 1e3 / aic, 3),
+                }
+            )
+    return rows
 
 
 def summary(model: str, rows: list[dict], db: str) -> dict:
@@ -152,6 +191,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--models", nargs="+", default=list(PEER_MODELS), choices=list(PEER_MODELS))
     p.add_argument("--gpus", nargs="+", default=list(PEER_SYSTEMS), choices=list(PEER_SYSTEMS))
     p.add_argument("--store", type=Path, help="also write the lines to this file")
+    p.add_argument("--no-agg", action="store_true", help="skip the aggregated-mode cases")
     a = p.parse_args(argv)
     try:
         from importlib.metadata import version
@@ -184,6 +224,18 @@ def main(argv: list[str] | None = None) -> None:
         lines.append(row)
         print(json.dumps(row), flush=True)
     summaries = [summary(m, rows, db) for m, rows in by_model.items()]
+    if not a.no_agg:
+        agg = agg_rows()
+        err = [abs(r["tpot_ratio"] - 1) for r in agg]
+        summaries += agg
+        summaries.append(
+            {
+                "name": "vs_aic_agg_summary",
+                "cases": len(agg),
+                "tpot_median_abs_err": round(statistics.median(err), 3),
+                "tpot_worst_abs_err": round(max(err), 3),
+            }
+        )
     for line in summaries:
         print(json.dumps(line))
     lines += summaries

@@ -498,7 +498,11 @@ def test_decode_collectives_are_the_tpa_formula():
         expected = tpa_comm_bytes(tpa_mode, 3, 16, 576, 512, n, 8, 7168, "ag_rs", 2, 4)
         assert [(op, b) for op, _, b in t.calls] == expected
         assert [g for op, g, _ in t.calls] == [8 if op == "all_reduce" else n for op, _ in expected]
-        assert math.isclose(t.comm_s, sum(cm.collective_time(o, b, g, NVL) for o, g, b in t.calls))
+        graph = dataclasses.replace(NVL, alpha_s=cm.gpu_terms.DECODE_ALLREDUCE_ALPHA_S)
+        links = {"all_reduce": graph}  # decode all-reduces run in CUDA graphs
+        assert math.isclose(
+            t.comm_s, sum(cm.collective_time(o, b, g, links.get(o, NVL)) for o, g, b in t.calls)
+        )
     std = cm.decode_layer_time(DSV3, H200, 4096, "dcp")
     tpa = cm.decode_layer_time(DSV3, H200, 4096, "dcp_tpa")
     # vLLM's LSEs are fp32: ag_rs gathers 8 x 16 of them per request, a2a packs 4 bytes each
@@ -528,9 +532,9 @@ def test_decode_kv_read_matches_the_capacity_model(key):
     model, hbm = cm.MODELS[key], H200.hbm_bw_bytes_per_s * 0.8
     for tp, dcp in valid_layouts(model, max_tp=16):
         mode = "no_cp" if dcp == 1 else "dcp"
-        t = cm.decode_layer_time(model, H200, 1000, mode, tp=tp, dcp=dcp, num_reqs=2)
+        t = cm.decode_layer_time(model, H200, 1000, mode, tp=tp, dcp=dcp, num_reqs=8)
         per_gpu = cm.kv_bytes_per_token_per_gpu(model, tp, dcp) / model.num_layers
-        assert t.kv_read_s * hbm == pytest.approx(per_gpu * 1000 * 2)
+        assert t.kv_read_s * hbm == pytest.approx(per_gpu * 1000 * 8)  # 8: at full efficiency
     if not model.use_mla:
         for tp in (8, 16):
             plain = [
@@ -544,10 +548,10 @@ def test_decode_kv_read_matches_the_capacity_model(key):
             reads = []
             for dcp in (d for d in (2, 4, 8, 16) if tp % d == 0):
                 try:
-                    t = cm.decode_layer_time(model, H200, 1, "dcp_tpa", tp=tp, dcp=dcp)
+                    t = cm.decode_layer_time(model, H200, 1, "dcp_tpa", tp=tp, dcp=dcp, num_reqs=8)
                 except ValueError:
                     continue
-                reads.append(t.kv_read_s * hbm * model.num_layers)
+                reads.append(t.kv_read_s * hbm * model.num_layers / 8)
             assert reads and min(reads) == pytest.approx(best)
             assert all(r >= best * (1 - 1e-12) for r in reads)
 
@@ -581,3 +585,143 @@ def test_break_even_sensitivities():
         assert cm.decode_break_even(DSV3, H200, mode, num_reqs=4) < x / 3
         assert cm.decode_break_even(DSV3, H200, mode, hbm_efficiency=1.0) > x
         assert cm.decode_break_even(DSV3, H200, mode, kv_dtype="fp8") > 1.5 * x
+
+
+# ------------------------------------------------------- GPU-side terms (gpu_terms, issue 23)
+
+GT = cm.gpu_terms
+
+
+def test_attention_mfu_ramps_with_length_and_is_flat_outside():
+    assert GT.attention_mfu(1024) == GT.attention_mfu(4096) == 0.49
+    assert GT.attention_mfu(32768) == GT.attention_mfu(131072) == 0.65
+    assert 0.49 < GT.attention_mfu(8192) < GT.attention_mfu(16384) < 0.65
+    assert math.isclose(GT.attention_mfu(8192), 0.49 + 0.16 / 3)  # one third of the log2 span
+
+
+def test_prefill_gemm_flops_skip_the_embedding_and_run_the_lm_head_once():
+    head = L8B.vocab_size * L8B.hidden_size
+    dense, experts = cm.prefill_gemm_flops(L8B, 4096)
+    assert experts == 0 and dense == 2 * ((L8B.num_params - 2 * head) * 4096 + head)
+    assert cm.prefill_flops(L8B, 4096)[0] / dense > 1.13  # 13 % of the textbook count
+    two = cm.prefill_gemm_flops(L8B, 8192, requests=2)[0]
+    assert two == 2 * dense  # one LM head per request
+    d3, e3 = cm.prefill_gemm_flops(DSV3, 1)
+    routed = DSV3.active_params - (DSV3.num_params - DSV3.expert_params)
+    assert e3 == 2 * routed and d3 == 2 * (DSV3.active_params - routed - DSV3.lm_head_params)
+
+
+def test_fp8_weights_use_the_fp8_peak():
+    h200 = cm.GPUS["H200"]
+    assert h200.peak_flops(1) == 1979e12 == 2 * h200.peak_flops(2) + 1e12
+    assert cm.GPUS["Ascend910C"].peak_flops(1) == cm.GPUS["Ascend910C"].bf16_flops
+    fp8 = cm.ttft(DSV3, h200, cm.Layout(tp=8), 32768)
+    slow = cm.ttft(DSV3, dataclasses.replace(h200, fp8_flops=0.0), cm.Layout(tp=8), 32768)
+    assert fp8.compute_s < slow.compute_s
+
+
+def test_decode_all_reduce_runs_at_the_cuda_graph_latency():
+    t = cm.tpot(L70B, H200, cm.Layout(tp=8), 4096)
+    nbytes = 2 * 8192 * 2 * 7 // 8  # ring all-reduce of one token's 8192 bf16 values
+    one = GT.DECODE_ALLREDUCE_ALPHA_S + nbytes / H200.link_bw_bytes_per_s
+    assert math.isclose(t.comm_s, 80 * 2 * one)
+    assert GT.DECODE_ALLREDUCE_ALPHA_S < NVL.alpha_s  # prefill's NCCL α stays 15 µs
+
+
+def test_decode_fixed_costs_per_layer():
+    t = cm.tpot(L8B, H200, cm.Layout(), 4096)
+    per_layer = 4 * GT.DECODE_GEMM_FIXED_S + 3 * GT.ELEMENTWISE_FLOOR_S
+    assert math.isclose(t.fixed_s, 32 * (per_layer + GT.DECODE_ATTENTION_FIXED_S))
+    mla = cm.tpot(DSV3, H200, cm.Layout(tp=8), 4096)
+    assert mla.fixed_s > DSV3.num_layers * GT.MLA_DECODE_FIXED_S  # + MoE floor and norms
+    assert cm.tpot(DSV3, H200, cm.Layout(tp=8), 4096, 64).fixed_s > mla.fixed_s
+
+
+def test_small_batch_moe_and_mla_decode_are_far_from_bandwidth_bound():
+    """DeepSeek-V3 TP8 batch 1 at 4K: the peer's 14.3 ms; bandwidth alone gives ~3 ms."""
+    t = cm.tpot(DSV3, H200, cm.Layout(tp=8), 4096 + 128)
+    assert 13e-3 < t.total_s < 16e-3 and t.memory_s < 3e-3
+    stream, extra = GT.moe_decode_s(10e6, 1, 3.84e12)
+    assert stream + extra == GT.MOE_DECODE_FLOOR_S[1]
+    stream, extra = GT.moe_decode_s(1e9, 1, 3.84e12)
+    assert math.isclose(stream + extra, GT.MOE_DECODE_FIXED_S[1] + 1e9 / 3.84e12)
+
+
+def test_ep_routing_imbalance_is_the_busiest_rank():
+    mean = 16 * (1 - (15 / 16) ** 8)
+    busiest = GT.busiest_rank_experts(128, 8, 8, 8)
+    assert mean < busiest < 16 and 1.55 < busiest / mean < 1.7
+    assert GT.busiest_rank_experts(128, 1, 8, 8) == GT.touched_experts(128, 8, 8)
+    assert GT.busiest_rank_experts(128, 8, 8, 10_000) == 16  # every local expert
+    qwen = cm.MODELS["Qwen3-235B-A22B"]
+    ep = cm.ttft(qwen, H200, cm.Layout(dp=8, ep=True), 4096)
+    tp = cm.ttft(qwen, H200, cm.Layout(tp=8), 4096)
+    assert ep.ep_comm_s > 0 == tp.ep_comm_s
+    step = cm.tpot(qwen, H200, cm.Layout(dp=8, ep=True), 4096, 8)
+    sent = 1 * 8 * 4096 * 2 * 7 / 8  # one token per rank to 8 experts, 7/8 of them remote
+    a2a = GT.ALL_TO_ALL_ALPHA_S + sent / (H200.link_bw_bytes_per_s * GT.ALL_TO_ALL_BW_EFFICIENCY)
+    assert math.isclose(step.comm_s, 2 * 94 * a2a)  # no TP all-reduce at TP1
+
+
+def test_tpot_under_continuous_batching_carries_prefill_chunks():
+    lay = cm.Layout(tp=8)
+    static = cm.tpot(L70B, H200, lay, 4096 + 512, 96)
+    agg = cm.tpot(L70B, H200, lay, 4096 + 512, concurrency=96, prompt_len=4096, output_len=1024)
+    per_token = cm.ttft(L70B, H200, lay, 4096).total_s / 4096
+    assert agg.step_s == static.total_s
+    assert math.isclose(agg.prefill_s, 95 * 4096 / 1024 * per_token)
+    assert 1.8 < agg.total_s / static.total_s < 2.2  # the peer: 29.5 vs 14.7 ms
+    capped = cm.tpot(
+        L70B, H200, lay, 4096, 96, prompt_len=4096, output_len=16, max_num_batched_tokens=2048
+    )
+    assert math.isclose(capped.prefill_s, 2048 * per_token)
+    alone = cm.tpot(L70B, H200, lay, 4096, prompt_len=4096, output_len=16)
+    assert alone.prefill_s == 0  # its own prefill ends before its first token
+    for call, rule in (
+        (lambda: cm.tpot(L70B, H200, lay, 4096, 2, concurrency=3), "batch-or-concurrency"),
+        (lambda: cm.tpot(L70B, H200, lay, 4096, prompt_len=4096), "prompt-and-output"),
+        (lambda: cm.tpot(L70B, H200, lay, 4096, prompt_len=1, output_len=0), "positive-tokens"),
+    ):
+        with pytest.raises(ValueError, match=rf"\[{rule}\]"):
+            call()
+
+
+def test_kv_read_efficiency_is_occupancy_bound_at_one_request():
+    eff = cm.kv_read_efficiency
+    assert eff(0.8, 1, 1) == GT.DECODE_ATTENTION_UNIT_EFFICIENCY == 0.35
+    assert eff(0.8, 2, 1) == eff(0.8, 1, 2) == 0.7 and eff(0.8, 8, 1) == eff(0.8, 1, 8) == 0.8
+    # chapter 6's per-layer model streams at hbm_efficiency; the whole-model TPOT at one
+    # request's occupancy, so its DCP8 crossing is chapter 6's break-even at 0.35 of HBM
+    lay, base = cm.Layout(tp=8, dcp=8), cm.Layout(tp=8)
+    at = cm.decode_break_even(DSV3, H200, "dcp", hbm_efficiency=0.35)
+    assert abs(cm.tpot_break_even(DSV3, H200, lay, base) / at - 1) < 0.01
+    assert at < cm.decode_break_even(DSV3, H200, "dcp") / 2
+
+
+def test_appendix_gpu_terms_table_matches_gpu_terms():
+    rows = {key(r["Constant"]): r["Value"] for r in appendix_table("tab-gpu-terms")}
+    us = {k: v * 1e6 for k, v in vars(GT).items() if k.endswith("_S") and isinstance(v, float)}
+    for name, cell in rows.items():
+        base, _, idx = name.partition("[")
+        value = getattr(GT, base)
+        if idx:
+            value = value[int(idx.rstrip("]"))]
+        if isinstance(value, dict):
+            value = " / ".join(f"{v * 1e6:g}" if base.endswith("_S") else f"{v:g}"
+                               for v in (value[2], value[1]))  # fmt: skip
+            assert cell == value, name
+        elif isinstance(value, tuple):
+            assert cell == f"{value[0][1]:g} to {value[-1][1]:g}" or cell == f"{value[0][1]:g}"
+        else:
+            assert num(cell) == pytest.approx(us.get(base, value)), name
+
+
+def test_a_moe_model_must_state_its_experts():
+    bare = dataclasses.replace(cm.MODELS["Qwen3-235B-A22B"], num_experts=0)
+    for call in (
+        lambda: cm.tpot(bare, H200, cm.Layout(tp=8), 4096),
+        lambda: cm.ttft(bare, H200, cm.Layout(tp=8), 4096),
+    ):
+        with pytest.raises(ValueError, match=r"\[moe-shape\]"):
+            call()
+    assert cm.ttft(bare, H200, cm.Layout(tp=8), 4096, mfu=0.5).total_s > 0  # former model

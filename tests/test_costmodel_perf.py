@@ -62,8 +62,17 @@ def test_max_concurrency_counts_replicas():
 def test_ttft_splits_flops_and_dcp_adds_nothing():
     base = cm.ttft(L8B, H200, L(), 131072)
     assert base.tp_comm_s == base.cp_comm_s == 0
-    mm, attn = cm.prefill_flops(L8B, 131072)
-    assert math.isclose(base.compute_s, (mm + attn) / (H200.bf16_flops * cm.DEFAULT_MFU))
+    dense, experts = cm.prefill_gemm_flops(L8B, 131072)
+    _, attn = cm.prefill_flops(L8B, 131072)
+    peak, gt = H200.bf16_flops, cm.gpu_terms
+    assert experts == 0
+    assert math.isclose(
+        base.compute_s, dense / (peak * 0.74) + attn / (peak * gt.attention_mfu(131072))
+    )
+    one = cm.ttft(L8B, H200, L(), 131072, mfu=cm.DEFAULT_MFU)  # the former model
+    mm, _ = cm.prefill_flops(L8B, 131072)
+    assert math.isclose(one.compute_s, (mm + attn) / (peak * cm.DEFAULT_MFU))
+    assert one.elementwise_s == 0 < base.elementwise_s
     assert cm.ttft(DSV3, H200, L(tp=8), 8192) == cm.ttft(DSV3, H200, L(tp=8, dcp=8), 8192)
     for n in (2, 4, 8):  # claim pcp-ttft-x-ranks
         ratio = base.total_s / cm.ttft(L8B, H200, L(pcp=n), 131072).total_s
@@ -76,7 +85,9 @@ def test_tpot_matches_chapter6_break_even():
             cm.tpot(DSV3, H200, L(tp=8, dcp=8), c).total_s > cm.tpot(DSV3, H200, L(tp=8), c).total_s
         )
 
-    be = cm.decode_break_even(DSV3, H200, "dcp", tp=8, dcp=8)
+    # one request reads its one latent head at the occupancy-bound KV efficiency
+    eff = cm.gpu_terms.DECODE_ATTENTION_UNIT_EFFICIENCY
+    be = cm.decode_break_even(DSV3, H200, "dcp", tp=8, dcp=8, hbm_efficiency=eff)
     assert slower(int(be * 0.99)) and not slower(int(be * 1.01))
 
 

@@ -134,7 +134,9 @@ def test_estimates_are_the_cost_models_numbers():
         assert e.weight_bytes == cm.layout_weight_bytes(DSV3, e.layout)
         assert e.kv_budget_bytes == cm.layout_kv_budget(DSV3, H200, e.layout)
         assert e.prefill == cm.ttft(DSV3, H200, e.layout, w.prompt_tokens)
-        assert e.decode == cm.tpot(DSV3, H200, e.layout, w.request_tokens, e.batch, **kw)
+        agg = dict(kw, prompt_len=w.prompt_tokens, output_len=w.output_tokens)
+        assert e.decode == cm.tpot(DSV3, H200, e.layout, w.request_tokens, e.batch, **agg)
+        assert e.decode.prefill_s > 0  # continuous batching: steps carry prefill chunks
         rate = cm.decode_throughput(DSV3, H200, e.layout, w.request_tokens, e.batch, **kw)
         assert e.decode_tokens_per_s_per_gpu == rate
         assert e.tokens_per_s_per_gpu < rate  # the prefill term costs something
@@ -184,7 +186,8 @@ def test_128k_16_users_needs_capacity_not_one_request():
 
 
 def test_1m_one_user_pcp_is_impossible_on_8_gpus():
-    """Old answer: "add PCP" with the layout unchanged and TTFT 860 s.  Right: DCP is needed
+    """Old answer: "add PCP" with the layout unchanged and TTFT 860 s (567 s now).  Right: DCP
+    is needed
     (TP8 alone holds no 1M request), no layout with PCP holds one on 8 GPUs, so the winner is
     TP8 + DCP8 at TP8's TTFT; a TTFT target needs more GPUs."""
     p = explorer(M, 1)
@@ -195,7 +198,7 @@ def test_1m_one_user_pcp_is_impossible_on_8_gpus():
     pcp_rows = [e for e in p.dropped if e.layout.pcp > 1]
     assert pcp_rows and all(e.capacity == 0 for e in pcp_rows)
     assert any("without it TP8 holds 0" in r for r in p.reasons)
-    t = explorer(M, 1, ttft_target_s=600)
+    t = explorer(M, 1, ttft_target_s=500)
     assert t.winner is None and t.would_fit.num_gpus > 8
 
 
@@ -238,11 +241,11 @@ def test_4k_512_users_says_what_it_shows():
     assert p.reasons[0].startswith(p.winner.label + " ")
 
 
-def test_llama_8b_128k_ttft_3s_ranks_tp8_first():
+def test_llama_8b_128k_ttft_2s_ranks_tp8_first():
     """The peer's answer: TP8 first (the article's decision path picks TP1 + PCP8, which vLLM
     v0.33 does not run for GQA: PCP is MLA-only; tests/test_decision_path.py)."""
-    p = plan(L8B, H200, 8, ServingWorkload(128 * K, 1 * K, 1, ttft_target_s=3))
-    assert p.winner.layout == Layout(tp=8) and p.winner.ttft_s <= 3
+    p = plan(L8B, H200, 8, ServingWorkload(128 * K, 1 * K, 1, ttft_target_s=2))
+    assert p.winner.layout == Layout(tp=8) and p.winner.ttft_s <= 2
     with pytest.raises(ConfigError, match=r"\[pcp-mla-only\]"):
         cm.check_deployment(L8B, Layout(tp=1, pcp=8))
 
@@ -342,7 +345,7 @@ def test_headlines():
     assert cm.headline(explorer(M, 16)).startswith("nothing fits [holds-concurrency]: ")
     p = plan(L8B, H200, 8, ServingWorkload(4 * K, 256, 16))
     assert cm.headline(p).startswith(f"no CP: TP{p.winner.layout.tp} holds ")
-    sparse = plan(V32, H200, 8, ServingWorkload(M, 1 * K, 1))
+    sparse = plan(V32, H200, 16, ServingWorkload(M, 1 * K, 1), objective="ttft")
     assert sparse.winner.layout.pcp > 1 and "PCP" in cm.headline(sparse)
 
 
@@ -418,15 +421,15 @@ def test_cli_prints_the_command_table_and_reasons(capsys):
 
 def test_cli_json(capsys):
     argv = ["plan", "--model", "Llama-3.1-70B", "--gpus", "8", "--context", "32K"]
-    argv += ["--concurrency", "64", "--tpot", "50ms", "--json"]
+    argv += ["--concurrency", "64", "--tpot", "150ms", "--json"]
     assert main(argv) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     summary = rows[-1]
     assert summary["name"] == "plan" and all(r["name"] == "layout" for r in rows[:-1])
     ranked = [r for r in rows[:-1] if r["rank"] is not None]
     assert len(ranked) == summary["serving"] and len(rows) - 1 - len(ranked) == summary["dropped"]
-    assert ranked[0]["label"] == summary["winner"] and summary["tpot_target_s"] == 0.05
-    assert all(r["tpot_s"] <= 0.05 for r in ranked)
+    assert ranked[0]["label"] == summary["winner"] and summary["tpot_target_s"] == 0.15
+    assert all(r["tpot_s"] <= 0.15 for r in ranked)
     layout, kv = cm.parse_serve_command(summary["command"])
     assert (layout.tp, layout.dcp, layout.pcp, layout.dp) == tuple(
         ranked[0][k] for k in ("tp", "dcp", "pcp", "dp")

@@ -3,7 +3,9 @@ deployment planner, with the article's decision path kept as a check on it.
 
 Modules: :mod:`.specs` (GPUs, links, models, every number sourced in ``book/references.bib``),
 :mod:`.memory` (weights and KV per GPU, longest request, concurrency), :mod:`.decode` (α–β
-collectives and one decode step's attention per layer, chapter 6), :mod:`.latency` (TTFT, TPOT
+collectives and one decode step's attention per layer, chapter 6), :mod:`.gpu_terms` (the GPU
+side's efficiencies and fixed costs, read off AIConfigurator's kernel tables),
+:mod:`.decode_step` (one decode step of a layout), :mod:`.latency` (TTFT, TPOT
 and throughput of whole layouts), :mod:`.calibration` (α, β and throughput of this machine from
 ``bench/`` runs), :mod:`.decision_path` (the article's three questions, checked against the
 planner), :mod:`.hf_config` (model shapes from a ``config.json``), :mod:`.vllm_rules` (what
@@ -13,6 +15,7 @@ reasons) and :mod:`.plan`.  Every public name is re-exported here, so
 ``from cpbook import costmodel as cm; cm.X`` keeps working.
 """
 
+from cpbook.costmodel import gpu_terms
 from cpbook.costmodel.decision_path import PathAnswer, PathCheck, decision_path, path_vs_plan
 from cpbook.costmodel.decode import (
     COLLECTIVES,
@@ -23,8 +26,10 @@ from cpbook.costmodel.decode import (
     collective_time,
     decode_break_even,
     decode_layer_time,
+    kv_read_efficiency,
     tpa_weight_costs,
 )
+from cpbook.costmodel.decode_step import decode_step
 from cpbook.costmodel.hf_config import SUPPORTED_MODEL_TYPES, model_from_hf_config
 from cpbook.costmodel.latency import (
     DEFAULT_MFU,
@@ -33,6 +38,7 @@ from cpbook.costmodel.latency import (
     decode_bytes_per_step,
     decode_throughput,
     prefill_flops,
+    prefill_gemm_flops,
     prefill_throughput,
     tpot,
     tpot_break_even,
@@ -128,7 +134,10 @@ __all__ = [
     "DEFAULT_MFU",
     "DecodeTime",
     "PrefillTime",
+    "decode_step",
     "decode_throughput",
+    "gpu_terms",
+    "prefill_gemm_flops",
     "prefill_throughput",
     "tpot",
     "tpot_break_even",
@@ -155,6 +164,7 @@ __all__ = [
     "decode_break_even",
     "decode_bytes_per_step",
     "decode_layer_time",
+    "kv_read_efficiency",
     "get_gpu",
     "get_model",
     "kv_budget_bytes_per_gpu",

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from cpbook.core.config import ParallelConfig
 from cpbook.core.heads import attention_kv_heads, tpa_config
+from cpbook.costmodel import gpu_terms as gt
 from cpbook.costmodel.memory import kv_bytes_per_token
 from cpbook.costmodel.specs import (
     LINKS,
@@ -149,6 +150,13 @@ def tpa_weight_costs(
     return tpa_costs(cfg, q_in, num_reqs, model.head_dim, model.weight_bytes_per_param, w_uk_t)
 
 
+def kv_read_efficiency(hbm_efficiency: float, num_reqs: int, kv_heads: int) -> float:
+    """Fraction of HBM bandwidth decode attention streams the KV at: ``hbm_efficiency`` once
+    the GPU has enough (request x KV head) work units, less below
+    (:data:`~cpbook.costmodel.gpu_terms.DECODE_ATTENTION_UNIT_EFFICIENCY` per unit)."""
+    return min(hbm_efficiency, gt.DECODE_ATTENTION_UNIT_EFFICIENCY * num_reqs * max(kv_heads, 1))
+
+
 def decode_layer_time(
     model: ModelSpec,
     gpu: GPUSpec,
@@ -174,8 +182,12 @@ def decode_layer_time(
       for GQA, ``dcp_q_replicate`` for MLA), plus reading ``dcp - 1`` more ``q_proj`` shards
       (and for MLA ``dcp - 1`` more shards of the absorbed ``W_UK_T``).
 
-    The collectives and their bytes are :func:`cpbook.dcp.tpa.tpa_comm_bytes` (activations of
-    ``act_bytes``), the extra weights :func:`tpa_weight_costs`; the KV heads a GPU holds
+    The KV streams at ``hbm_efficiency`` of HBM whatever the batch (the whole-model
+    :func:`~cpbook.costmodel.latency.tpot` adds :func:`kv_read_efficiency`'s occupancy bound;
+    chapter 8 compares the two); the collectives and their bytes are
+    :func:`cpbook.dcp.tpa.tpa_comm_bytes` (activations of ``act_bytes``; all-reduces at the
+    CUDA-graph latency :data:`~cpbook.costmodel.gpu_terms.DECODE_ALLREDUCE_ALPHA_S`, the rest at
+    ``link``'s α), the extra weights :func:`tpa_weight_costs`; the KV heads a GPU holds
     come from :func:`cpbook.core.heads.attention_kv_heads`.  Every term is linear in
     ``context_tokens``, so :func:`decode_break_even` solves for the crossing exactly.
     """
@@ -191,9 +203,12 @@ def decode_layer_time(
         model, cfg, mode == "dcp_tpa", num_reqs, dcp_comm_backend, act_bytes
     )
     extra = tpa_weight_costs(model, cfg, num_reqs, act_bytes)
+    graph = replace(link, alpha_s=gt.DECODE_ALLREDUCE_ALPHA_S)
     return DecodeLayerTime(
         kv_read_s=kv_bytes / hbm,
-        comm_s=sum(collective_time(op, b, n, link) for op, n, b in sized),
+        comm_s=sum(
+            collective_time(op, b, n, graph if op == "all_reduce" else link) for op, n, b in sized
+        ),
         q_proj_extra_s=extra["extra_weight_bytes"] / hbm,
         calls=sized,
         w_uk_t_extra_s=extra["extra_w_uk_t_bytes"] / hbm,

@@ -230,7 +230,8 @@ def model_from_hf_config(
         q_heads, kv_heads, head_dim, attn = _gqa_attention(f, hidden)
         shape = dict(latent=0, rope=0, q_lora=0, topk=0)
     moe = _moe_layers(f, layers) if f.model_type in GQA_MOE + MLA_TYPES else []
-    dense_mlp = 3 * hidden * f.size("intermediate_size") if len(moe) < layers else 0
+    inter = f.size("intermediate_size") if len(moe) < layers else 0
+    dense_mlp = 3 * hidden * inter
     experts = per_tok = width = shared = 0
     if moe:
         experts, per_tok, width, shared = _experts(f, hidden)
@@ -270,6 +271,12 @@ def model_from_hf_config(
         active_params=float(active) if moe else 0.0,
         expert_params=float(routed),
         index_topk=shape["topk"],
+        vocab_size=vocab,
+        tie_word_embeddings=tied,
+        intermediate_size=inter,
+        num_experts=experts,
+        num_experts_per_tok=per_tok,
+        moe_layers=len(moe),
     )
     ParallelConfig.for_model(spec)  # the GQA group rule, named as everywhere else
     return spec

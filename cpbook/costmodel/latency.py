@@ -2,26 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from cpbook.costmodel.decode import (
-    DEFAULT_HBM_EFFICIENCY,
-    collective_time,
-    decode_attention_calls,
-    tpa_weight_costs,
-)
-from cpbook.costmodel.memory import (
-    Layout,
-    kv_bytes_per_token_per_gpu,
-    layout_kv_bytes_per_token,
-    layout_weight_bytes,
-    weight_bytes_per_gpu,
-)
+from cpbook.costmodel import gpu_terms as gt
+from cpbook.costmodel.decode import DEFAULT_HBM_EFFICIENCY, collective_time
+from cpbook.costmodel.decode_step import DecodeTime, decode_step
+from cpbook.costmodel.memory import Layout, kv_bytes_per_token_per_gpu, weight_bytes_per_gpu
 from cpbook.costmodel.specs import (
     GPUSpec,
     LinkSpec,
     ModelSpec,
-    check_hbm_efficiency,
+    check_moe_shape,
     check_tokens,
     link_of,
 )
@@ -59,29 +50,72 @@ def decode_bytes_per_step(
 
 # ------------------------------------------------------------------- prefill (TTFT) of layouts
 
-#: Fraction of the dense BF16 peak that prefill GEMMs and attention reach together.  A round
-#: assumption, not a fit: Meta reports 63 % "FLOPS utilization" for its 1M-token prefill
-#: (arXiv 2411.01783, FP8 GEMMs and its own FLOP count); dense BF16 prefill usually lands lower.
+#: One MFU for every prefill FLOP, the book's assumption before the GPU-side terms of
+#: :mod:`cpbook.costmodel.gpu_terms`; ``ttft(..., mfu=DEFAULT_MFU)`` still prices it so.  Meta
+#: reports 63 % "FLOPS utilization" for its 1M-token prefill (arXiv 2411.01783, FP8 GEMMs).
 DEFAULT_MFU = 0.5
 PCP_COMM = ("allgather", "ring")
 
 
+def prefill_gemm_flops(model: ModelSpec, tokens: int, requests: int = 1) -> tuple[float, float]:
+    """GEMM FLOPs of prefilling ``tokens`` prompt tokens of ``requests`` requests:
+    ``(dense, experts)``.  The embedding is a lookup (no FLOPs) and the LM head runs for each
+    request's last token only; ``experts``: the routed experts the tokens use (0 for a dense
+    model).  Compare :func:`prefill_flops`, the textbook ``2 · num_params · tokens``."""
+    check_tokens("tokens", tokens)
+    routed = model.params_per_token - (model.num_params - model.expert_params)
+    routed = max(routed, 0.0) if model.expert_params else 0.0
+    embed = model.lm_head_params * (1 if model.tie_word_embeddings else 2)
+    body = model.params_per_token - routed - embed
+    return 2.0 * (body * tokens + model.lm_head_params * requests), 2.0 * routed * tokens
+
+
 @dataclass(frozen=True)
 class PrefillTime:
-    """Modelled seconds of one request's prefill on one replica (no other load).
+    """Modelled seconds of one request's prefill on one replica.
 
-    ``compute_s``: GEMMs and attention at ``mfu`` of the peak, split over ``tp * pcp`` GPUs;
+    ``compute_s``: GEMMs and attention at their MFUs, split over ``tp * pcp`` GPUs;
     ``tp_comm_s``: two all-reduces per layer; ``cp_comm_s``: the context-parallel K/V exchange
-    per layer (all-gathers, or ring steps not hidden behind attention) and the restore.
+    per layer (all-gathers, or ring steps not hidden behind attention) and the restore;
+    ``elementwise_s``: norms and activations (HBM-bound); ``ep_comm_s``: EP's dispatch and
+    combine all-to-alls.
     """
 
     compute_s: float
     tp_comm_s: float
     cp_comm_s: float
+    elementwise_s: float = 0.0
+    ep_comm_s: float = 0.0
 
     @property
     def total_s(self) -> float:
-        return self.compute_s + self.tp_comm_s + self.cp_comm_s
+        comm = self.tp_comm_s + self.cp_comm_s + self.ep_comm_s
+        return self.compute_s + comm + self.elementwise_s
+
+
+def _prefill_compute_s(
+    model: ModelSpec, gpu: GPUSpec, layout: Layout, tokens: int, mfu: float | None
+) -> tuple[float, float]:
+    """``(compute, attention)`` seconds of one prompt's prefill on one GPU of ``layout``'s
+    replica; with ``mfu`` every FLOP at that one MFU (the former model)."""
+    gpus = layout.tp * layout.pcp
+    wb = 1 if model.weight_bytes_per_param <= 1 else 2
+    dense, experts = prefill_gemm_flops(model, tokens)
+    _, attn = prefill_flops(model, tokens)
+    if model.use_mla:  # PV is v_head_dim (= qk_nope_head_dim) wide, not the 192 of QK
+        attn *= (2 * model.head_dim - model.qk_rope_head_dim) / (2 * model.head_dim)
+    peak = gpu.peak_flops(model.weight_bytes_per_param)
+    if mfu is not None:  # the former model: prefill_flops' count, all at mfu of the BF16 peak
+        mm, attn = prefill_flops(model, tokens)
+        mm *= model.params_per_token / model.num_params
+        return (mm + attn) / gpus / (gpu.bf16_flops * mfu), attn / gpus / (gpu.bf16_flops * mfu)
+    attn_s = attn / gpus / (gpu.bf16_flops * gt.attention_mfu(tokens))
+    # EP: every DP rank prefills at once (the loaded case), so each GPU does one prompt's
+    # expert FLOPs, slowed by the busiest rank
+    ep = gt.EP_PREFILL_IMBALANCE if layout.ep and layout.num_gpus > 1 else 1.0
+    expert_s = experts * ep / gpus / (peak * gt.MOE_GEMM_MFU[wb])
+    gemm_s = dense / gpus / (peak * gt.ramp(gt.GEMM_MFU[wb], tokens))
+    return gemm_s + expert_s + attn_s, attn_s
 
 
 def ttft(
@@ -90,7 +124,7 @@ def ttft(
     layout: Layout,
     prompt_tokens: int,
     *,
-    mfu: float = DEFAULT_MFU,
+    mfu: float | None = None,
     link: LinkSpec | None = None,
     cp_link: LinkSpec | None = None,
     cp_comm: str = "allgather",
@@ -99,29 +133,34 @@ def ttft(
 ) -> PrefillTime:
     """Time to first token of one ``prompt_tokens`` prompt on one replica of ``layout``.
 
-    DCP adds nothing to a fresh prefill (every rank computes its heads over the whole prompt
-    and keeps its share of the cache), DP none either (one replica serves the request).  PCP
-    splits the tokens zigzag over ``pcp`` ranks: ``cp_comm="allgather"`` is vLLM's K/V
+    GEMMs (:func:`prefill_gemm_flops`: no embedding FLOPs, the LM head for the last token) at
+    :data:`~cpbook.costmodel.gpu_terms.GEMM_MFU` of the weights' peak (FP8 weights: the FP8
+    peak), routed experts at ``MOE_GEMM_MFU`` (EP: times ``EP_PREFILL_IMBALANCE``), attention
+    at :func:`~cpbook.costmodel.gpu_terms.attention_mfu` of the BF16 peak.  ``mfu`` instead
+    gives the former model: :func:`prefill_flops`' count (MoE: active share), every FLOP at
+    ``mfu`` of the BF16 peak, no elementwise or EP terms.  Norms and activations stream their
+    bytes; TP all-reduces and EP all-to-alls use the link's α–β.  DCP adds nothing to a fresh
+    prefill (every rank computes its heads over the whole prompt and keeps its share of the
+    cache), DP none either.
+    PCP splits the tokens zigzag over ``pcp`` ranks: ``cp_comm="allgather"`` is vLLM's K/V
     all-gather before attention (:func:`cpbook.pcp.prefill.pcp_comm_bytes`, not overlapped),
     ``"ring"`` Meta's pass-KV ring (:func:`cpbook.pcp.ring_plan.ring_comm_bytes`), each step
     hidden behind that step's attention.  ``link`` is TP's, ``cp_link`` the CP group's
-    (defaults: the GPU's scale-up link).  MoE models count active parameters only; attention
-    FLOPs are :func:`prefill_flops`'s (for MLA, ``head_dim`` 192 for QK and PV alike: about
-    20 % above the 128-wide PV product).
+    (defaults: the GPU's scale-up link).
     """
 
     check_tokens("prompt_tokens", prompt_tokens, minimum=1)
-    if not 0 < mfu <= 1:
+    if mfu is not None and not 0 < mfu <= 1:
         raise ValueError(f"[mfu] requires 0 < mfu <= 1; got {mfu=}")
     if cp_comm not in PCP_COMM:
         raise ValueError(f"[cp-comm] requires cp_comm in {PCP_COMM}; got {cp_comm=}")
+    if mfu is None:
+        check_moe_shape(model)
     cfg = layout.config(model)
     link = link or link_of(gpu)
     cp_link = cp_link or link
-    gpus, n, layers = cfg.tp * cfg.pcp, cfg.pcp, model.num_layers
-    mm, attn = prefill_flops(model, prompt_tokens)
-    mm *= model.params_per_token / model.num_params
-    peak = gpu.bf16_flops * mfu
+    n, layers = cfg.pcp, model.num_layers
+    compute, attn_s = _prefill_compute_s(model, gpu, layout, prompt_tokens, mfu)
     rows = padded_len(prompt_tokens, n) // n
     allreduce = 2 * rows * model.hidden_size * act_bytes * (cfg.tp - 1) // cfg.tp
     tp_s = 2 * layers * collective_time("all_reduce", allreduce, cfg.tp, link)
@@ -139,47 +178,30 @@ def ttft(
         steps = ring_comm_bytes(
             "pass_kv", [prompt_tokens], [0], 1, kvh, (d + dv) // 2, n, 0, kv_bytes
         )
-        attn_step = attn / gpus / peak / layers / n
+        attn_step = attn_s / layers / n
         cp_s = layers * sum(
             max(0.0, cp_link.alpha_s + b / cp_link.bw_bytes_per_s - attn_step) for _, b in steps
         )
     if n > 1:
         restore = pcp_restore_bytes(rows, model.hidden_size * act_bytes, n)
         cp_s += sum(collective_time(op, b, n, cp_link) for op, b in restore)
-    return PrefillTime((mm + attn) / gpus / peak, tp_s, cp_s)
+    if mfu is not None:
+        return PrefillTime(compute, tp_s, cp_s)
+    bw = gpu.hbm_bw_bytes_per_s
+    dense_layers = layers - model.moe_layers if model.expert_params else layers
+    elem = 2 * layers * gt.elementwise_s(rows * model.hidden_size, gt.NORM_BYTES_PER_ELEMENT, bw)
+    if model.intermediate_size:
+        width = rows * model.intermediate_size / cfg.tp
+        elem += dense_layers * gt.elementwise_s(width, gt.ACT_BYTES_PER_ELEMENT, bw)
+    ep_s = 0.0
+    if layout.ep and model.expert_params:
+        ep = layout.num_gpus
+        sent = rows * model.num_experts_per_tok * model.hidden_size * act_bytes * (ep - 1) / ep
+        ep_s = 2 * model.moe_layers * gt.all_to_all_s(sent, ep, link.bw_bytes_per_s)
+    return PrefillTime(compute, tp_s, cp_s, elem, ep_s)
 
 
 # -------------------------------------------------------------------- decode (TPOT) of layouts
-
-
-@dataclass(frozen=True)
-class DecodeTime:
-    """Modelled seconds of one decode step on one GPU of a layout.
-
-    Memory (weights, KV, TPA's extra ``q_proj`` and MLA ``W_UK_T`` shards, at ``hbm_efficiency``
-    of the HBM bandwidth) and compute (at ``mfu``) overlap, so the step costs the larger of the
-    two; the collectives (α–β, per layer) add to it.  ``batch_per_gpu``: requests this GPU's replica
-    (or, PCP without DCP, this PCP rank) decodes in the step.
-    """
-
-    memory_s: float
-    compute_s: float
-    comm_s: float
-    batch_per_gpu: int
-
-    @property
-    def total_s(self) -> float:
-        return max(self.memory_s, self.compute_s) + self.comm_s
-
-
-def _expert_fraction(model: ModelSpec, tokens: int) -> float:
-    """Share of a MoE model's routed experts that ``tokens`` tokens touch, if each token picks
-    its experts independently (1 for dense models)."""
-    if not model.expert_params:
-        return 1.0
-    per_token = model.params_per_token - (model.num_params - model.expert_params)
-    a = min(1.0, max(per_token, 0.0) / model.expert_params)
-    return 1.0 - (1.0 - a) ** tokens
 
 
 def tpot(
@@ -191,55 +213,55 @@ def tpot(
     *,
     kv_dtype: str = "bf16",
     hbm_efficiency: float = DEFAULT_HBM_EFFICIENCY,
-    mfu: float = DEFAULT_MFU,
+    mfu: float | None = None,
     link: LinkSpec | None = None,
     dcp_comm_backend: str = "ag_rs",
     act_bytes: int = 2,
+    concurrency: int | None = None,
+    prompt_len: int | None = None,
+    output_len: int | None = None,
+    max_num_batched_tokens: int = gt.DEFAULT_MAX_NUM_BATCHED_TOKENS,
 ) -> DecodeTime:
     """One decode step of ``batch`` requests of ``context_tokens`` cached tokens each, spread
     evenly over the ``dp`` replicas (PCP without DCP: over the PCP ranks too, as vLLM's
-    ``pcp_shard_decode_requests`` does).
+    ``pcp_shard_decode_requests`` does); see :func:`cpbook.costmodel.decode_step.decode_step`
+    for its terms.  ``concurrency`` is another name for ``batch`` (the peer's and the
+    planner's).
 
-    Per GPU: its weight shard (MoE: only the experts the batch touches), its share of the KV
-    (:func:`~cpbook.costmodel.memory.layout_kv_bytes_per_token`), and per layer the
-    collectives of :func:`cpbook.dcp.tpa.tpa_comm_bytes` (DCP's query all-gather unless TPA, the
-    combine, the ``o_proj`` all-reduce) plus the MLP's all-reduce.  Expert-parallel all-to-alls
-    are not modelled.
+    Continuous batching: with ``prompt_len`` and ``output_len``, each step also carries the
+    prefill chunks of the requests that replace finished ones: in steady state each of the
+    other ``r − 1`` requests of the replica (``r = ceil(batch / dp)``) is replaced every
+    ``output_len`` steps, so ``(r − 1) · prompt_len / output_len`` tokens per step, at most
+    ``max_num_batched_tokens`` (vLLM's chunk budget), each at one prompt's TTFT per token
+    (``prefill_s``): the aggregated TPOT.  AIConfigurator's aggregated mode counts ``r`` (a
+    request's own prefill too); a request's own prefill ends before its first token.
     """
-
-    check_tokens("context_tokens", context_tokens, minimum=1)
-    check_tokens("batch", batch, minimum=1)
-    check_hbm_efficiency(hbm_efficiency)
-    cfg = layout.config(model)
-    link = link or link_of(gpu)
-    shards = layout.dp * (cfg.pcp if cfg.dcp == 1 else 1)
-    b = -(-batch // shards)
-    weights = layout_weight_bytes(model, layout)
-    if model.expert_params:
-        local = (
-            model.expert_params
-            * model.weight_bytes_per_param
-            / (layout.num_gpus if layout.ep else cfg.tp)
+    if concurrency is not None:
+        if batch not in (1, concurrency):
+            raise ValueError(
+                f"[batch-or-concurrency] requires batch == concurrency when both are given; "
+                f"got {batch=}, {concurrency=}"
+            )
+        batch = concurrency
+    if (prompt_len is None) != (output_len is None):
+        raise ValueError(
+            f"[prompt-and-output] requires prompt_len and output_len together; "
+            f"got {prompt_len=}, {output_len=}"
         )
-        touched = b * layout.dp if layout.ep else b
-        weights -= local * (1.0 - _expert_fraction(model, touched))
-    kv = layout_kv_bytes_per_token(model, layout, kv_dtype) * context_tokens * b
-    extra = tpa_weight_costs(model, cfg, b, act_bytes)
-    tpa_bytes = extra["extra_weight_bytes"] + extra["extra_w_uk_t_bytes"]
-    memory = (weights + kv + tpa_bytes * model.num_layers) / (
-        gpu.hbm_bw_bytes_per_s * hbm_efficiency
-    )
-    q_dim = model.kv_lora_rank + model.qk_rope_head_dim if model.use_mla else model.head_dim
-    attn_flops = 4 * cfg.q_heads_per_rank * q_dim * context_tokens * b / cfg.dcp
-    compute = (2 * model.params_per_token * b / cfg.tp + attn_flops * model.num_layers) / (
-        gpu.bf16_flops * mfu
-    )
-    calls = decode_attention_calls(model, cfg, layout.tpa, b, dcp_comm_backend, act_bytes)
-    mlp = 2 * b * model.hidden_size * act_bytes * (cfg.tp - 1) // cfg.tp
-    per_layer = sum(collective_time(op, nb, n, link) for op, n, nb in calls) + collective_time(
-        "all_reduce", mlp, cfg.tp, link
-    )
-    return DecodeTime(memory, compute, per_layer * model.num_layers, b)
+    step = decode_step(
+        model, gpu, layout, context_tokens, batch, kv_dtype=kv_dtype,
+        hbm_efficiency=hbm_efficiency, mfu=mfu, link=link, dcp_comm_backend=dcp_comm_backend,
+        act_bytes=act_bytes,
+    )  # fmt: skip
+    if prompt_len is None:
+        return step
+    check_tokens("prompt_len", prompt_len, minimum=1)
+    check_tokens("output_len", output_len, minimum=1)
+    check_tokens("max_num_batched_tokens", max_num_batched_tokens, minimum=1)
+    others = -(-batch // layout.dp) - 1  # a request's own prefill precedes its first token
+    chunk = min(others * prompt_len / output_len, max_num_batched_tokens)
+    per_token = ttft(model, gpu, layout, prompt_len, link=link, act_bytes=act_bytes).total_s
+    return replace(step, prefill_s=chunk * per_token / prompt_len)
 
 
 def tpot_break_even(

@@ -94,8 +94,9 @@ class Estimate:
     budget left (``kv_budget_bytes``, 0 when the weights do not fit) and one request's KV share
     (``kv_bytes_per_request``, at ``request_tokens``).  ``capacity``: requests held at once on
     all replicas; ``batch = min(concurrency, capacity)``, the batch the times are for.
-    ``prefill`` / ``decode``: TTFT of one prompt and the decode step of the last output token
-    (``None`` when not even one request fits, or when not timed); output tokens per second per
+    ``prefill`` / ``decode``: TTFT of one prompt and the TPOT of the last output token under
+    continuous batching (its ``prefill_s``: the prefill chunks each step carries; ``None`` when
+    not even one request fits, or when not timed); output tokens per second per
     GPU in steady state and in decode alone (see :func:`estimate`).  ``drop``: the first of
     :data:`DROP_RULES` it fails, or ``None`` if it serves the workload."""
 
@@ -137,7 +138,8 @@ class Estimate:
 
 
 #: significant figures objectives are compared at: a closer call is below the cost model's
-#: resolution (its MFU, HBM efficiency and α are round assumptions), so the tie-breaks decide
+#: resolution (its efficiencies are read off another model's tables, α is assumed), so the
+#: tie-breaks decide
 RESOLUTION_DIGITS = 2
 
 
@@ -293,7 +295,10 @@ def estimate(
     late = w.ttft_target_s is not None and first.total_s > w.ttft_target_s
     step = None
     if time_dropped or not late:
-        step = tpot(model, gpu, layout, w.request_tokens, batch, kv_dtype=kv_dtype)
+        step = tpot(
+            model, gpu, layout, w.request_tokens, batch, kv_dtype=kv_dtype,
+            prompt_len=w.prompt_tokens, output_len=w.output_tokens,
+        )  # fmt: skip
     drop = None
     if capacity < w.concurrency:
         drop = "holds-concurrency"
@@ -310,7 +315,7 @@ def estimate(
     return replace(
         e,
         tokens_per_s_per_gpu=1 / (prefill + decode),
-        decode_tokens_per_s_per_gpu=batch / step.total_s / layout.num_gpus,
+        decode_tokens_per_s_per_gpu=batch / step.step_s / layout.num_gpus,
     )
 
 
@@ -318,10 +323,12 @@ def gpu_seconds_per_token(e: Estimate, output_tokens: int) -> tuple[float, float
     """GPU-seconds one output token costs in steady state, ``(prefill, decode)``: the busiest
     replica serves ``r = ceil(batch / dp)`` requests, each prefilled once (one TTFT) and decoded
     ``output_tokens`` steps in the shared batch, so a cycle of ``r * TTFT + output_tokens *
-    TPOT`` yields ``batch * output_tokens`` tokens on ``num_gpus`` GPUs."""
+    step`` yields ``batch * output_tokens`` tokens on ``num_gpus`` GPUs (``step``: the decode
+    step alone; the aggregated TPOT, :attr:`Estimate.tpot_s`, spreads the same prefill work
+    over the steps)."""
     r = math.ceil(e.batch / e.layout.dp)
     per = e.num_gpus / (e.batch * output_tokens)
-    return r * e.ttft_s * per, output_tokens * e.tpot_s * per
+    return r * e.ttft_s * per, output_tokens * e.decode.step_s * per
 
 
 def search(

@@ -37,15 +37,27 @@ class GPUSpec:
     bf16_flops: float
     link_bw_bytes_per_s: float  #: scale-up link (NVLink / UB), per direction
     source: str
+    #: FP8 dense tensor FLOP/s (twice BF16 on Hopper and Blackwell); 0 where the datasheet gives
+    #: none, and FP8 GEMMs then run at the BF16 rate
+    fp8_flops: float = 0.0
+
+    def peak_flops(self, weight_bytes_per_param: float) -> float:
+        """Dense peak of GEMMs on weights of ``weight_bytes_per_param`` bytes: the FP8 peak for
+        1-byte (FP8) weights where the GPU has one, else the BF16 peak."""
+        if weight_bytes_per_param <= 1 and self.fp8_flops:
+            return self.fp8_flops
+        return self.bf16_flops
 
 
 GPUS: dict[str, GPUSpec] = {
-    "H100": GPUSpec("H100 SXM", 80 * GB, 3.35e12, 989e12, 450e9, "nvidia_h100"),
-    "H200": GPUSpec("H200 SXM", 141 * GB, 4.8e12, 989e12, 450e9, "nvidia_h200"),
+    # FP8 dense 1,979 TFLOP/s on H100 and H200 SXM (the datasheets' 3,958 is with sparsity).
+    "H100": GPUSpec("H100 SXM", 80 * GB, 3.35e12, 989e12, 450e9, "nvidia_h100", 1979e12),
+    "H200": GPUSpec("H200 SXM", 141 * GB, 4.8e12, 989e12, 450e9, "nvidia_h200", 1979e12),
     # DGX B200: 1,440 GB, 64 TB/s HBM and 14.4 TB/s NVLink for 8 GPUs, i.e.
     # 180 GB, 8 TB/s, 1.8 TB/s bidirectional = 900 GB/s per direction per GPU.
-    # BF16 dense 2.25 PFLOP/s = half the 4.5 PFLOP/s sparse figure.
-    "B200": GPUSpec("B200 (DGX B200)", 180 * GB, 8e12, 2.25e15, 900e9, "nvidia_dgx_b200"),
+    # BF16 dense 2.25 PFLOP/s = half the 4.5 PFLOP/s sparse figure; FP8 dense 4.5 PFLOP/s =
+    # half the 72 PFLOP/s (sparse) of 8 GPUs.
+    "B200": GPUSpec("B200 (DGX B200)", 180 * GB, 8e12, 2.25e15, 900e9, "nvidia_dgx_b200", 4.5e15),
     # CloudMatrix384 (arXiv 2506.12708): 384 chips, ~300 PFLOP/s BF16,
     # 1,229 TB/s HBM, 269 TB/s interconnect in total, i.e. ~780 TFLOP/s,
     # 3.2 TB/s and ~0.7 TB/s per chip. Other sources disagree on the link
@@ -77,6 +89,26 @@ class ModelSpec:
     #: sparse MLA (DeepSeek-V3.2's DSA): KV tokens each query attends; 0 for dense attention.
     #: vLLM tells sparse MLA by the ``index_topk`` field of ``config.json``.
     index_topk: int = 0
+    #: vocabulary (embedding rows and LM-head columns); 0 if unknown (then no LM-head term)
+    vocab_size: int = 0
+    tie_word_embeddings: bool = False  #: LM head shares the embedding matrix
+    #: width of the dense MLP (``intermediate_size``): what the activation kernel reads
+    intermediate_size: int = 0
+    num_experts: int = 0  #: MoE: routed experts per MoE layer
+    num_experts_per_tok: int = 0  #: MoE: routed experts each token picks (top-k)
+    moe_layers: int = 0  #: MoE: layers with routed experts
+
+    @property
+    def lm_head_params(self) -> float:
+        """Parameters of the LM head (``vocab_size x hidden_size``), tied or not."""
+        return float(self.vocab_size * self.hidden_size)
+
+    @property
+    def expert_size_params(self) -> float:
+        """Parameters of one routed expert (gate, up, down), 0 for a dense model."""
+        if not (self.expert_params and self.num_experts and self.moe_layers):
+            return 0.0
+        return self.expert_params / (self.num_experts * self.moe_layers)
 
     @property
     def attention_shape(self) -> dict[str, Any]:
@@ -101,20 +133,43 @@ class ModelSpec:
 
 
 def _gqa(
-    name: str, layers: int, q: int, kv: int, params: float, source: str, hidden: int = 0
+    name: str,
+    layers: int,
+    q: int,
+    kv: int,
+    params: float,
+    source: str,
+    hidden: int = 0,
+    vocab: int = 0,
+    inter: int = 0,
 ) -> ModelSpec:
-    """A GQA model with 128-dim heads and bf16 weights."""
-    return ModelSpec(name, layers, q, kv, 128, False, 0, 0, params, 2, source, hidden)
+    """A GQA model with 128-dim heads, bf16 weights and an untied LM head."""
+    return ModelSpec(
+        name, layers, q, kv, 128, False, 0, 0, params, 2, source, hidden,
+        vocab_size=vocab, intermediate_size=inter,
+    )  # fmt: skip
 
 
 def _mla(
-    name: str, layers: int, q: int, params: float, source: str, active: float, experts: float
+    name: str,
+    layers: int,
+    q: int,
+    params: float,
+    source: str,
+    active: float,
+    moe: tuple[int, int],
+    vocab: int,
 ) -> ModelSpec:
-    """A DeepSeek-V3-shaped MLA model with FP8 weights (hidden 7168, ``q_lora_rank`` 1536)."""
+    """A DeepSeek-V3-shaped MLA model with FP8 weights (hidden 7168, ``q_lora_rank`` 1536,
+    dense MLP 18432 wide, experts 2048 wide, 8 per token); ``moe``: ``(MoE layers, routed
+    experts)``."""
     # qk_nope 128 + rope 64 = 192; latent 512 + rope 64 = 576 stored per token.
+    moe_layers, experts = moe
     return ModelSpec(
-        name, layers, q, 1, 192, True, 512, 64, params, 1, source, 7168, 1536, active, experts
-    )
+        name, layers, q, 1, 192, True, 512, 64, params, 1, source, 7168, 1536, active,
+        _routed(moe_layers, experts, 7168, 2048), vocab_size=vocab, intermediate_size=18432,
+        num_experts=experts, num_experts_per_tok=8, moe_layers=moe_layers,
+    )  # fmt: skip
 
 
 def _routed(moe_layers: int, experts: int, hidden: int, moe_intermediate: int) -> float:
@@ -126,41 +181,65 @@ MODELS: dict[str, ModelSpec] = {
     # Both MLA models ship FP8 weights (1 byte per parameter).
     # Active parameters per token: 37B (DeepSeek-V3), 32B (Kimi-K2), 22B (Qwen3-235B-A22B),
     # from the papers; routed experts from each config.json (layers after
-    # ``first_k_dense_replace`` x ``n_routed_experts`` x 3 x hidden x ``moe_intermediate_size``).
+    # ``first_k_dense_replace`` x ``n_routed_experts`` x 3 x hidden x ``moe_intermediate_size``);
+    # ``vocab_size``, ``intermediate_size`` and the expert counts from the same config.json.
     "DeepSeek-V3": _mla(
-        "DeepSeek-V3",
-        61,
-        128,
-        671e9,
-        "hf_deepseek_v3,deepseekai2024v3",
-        37e9,
-        _routed(58, 256, 7168, 2048),
+        "DeepSeek-V3", 61, 128, 671e9, "hf_deepseek_v3,deepseekai2024v3", 37e9, (58, 256), 129280
     ),
     "Kimi-K2": _mla(
-        "Kimi-K2",
-        61,
-        64,
-        1.04e12,
-        "hf_kimi_k2,kimiteam2025k2",
-        32e9,
-        _routed(60, 384, 7168, 2048),
+        "Kimi-K2", 61, 64, 1.04e12, "hf_kimi_k2,kimiteam2025k2", 32e9, (60, 384), 163840
     ),
     "Llama-3.1-8B": _gqa(
-        "Llama-3.1-8B", 32, 32, 8, 8.03e9, "hf_llama31_8b,grattafiori2024llama3", 4096
-    ),
+        "Llama-3.1-8B",
+        32,
+        32,
+        8,
+        8.03e9,
+        "hf_llama31_8b,grattafiori2024llama3",
+        4096,
+        128256,
+        14336,
+    ),  # fmt: skip
     "Llama-3.1-70B": _gqa(
-        "Llama-3.1-70B", 80, 64, 8, 70.6e9, "hf_llama31_70b,grattafiori2024llama3", 8192
-    ),
+        "Llama-3.1-70B",
+        80,
+        64,
+        8,
+        70.6e9,
+        "hf_llama31_70b,grattafiori2024llama3",
+        8192,
+        128256,
+        28672,
+    ),  # fmt: skip
     "Llama-3.1-405B": _gqa(
-        "Llama-3.1-405B", 126, 128, 8, 405.9e9, "hf_llama31_405b,grattafiori2024llama3", 16384
-    ),
+        "Llama-3.1-405B",
+        126,
+        128,
+        8,
+        405.9e9,
+        "hf_llama31_405b,grattafiori2024llama3",
+        16384,
+        128256,
+        53248,
+    ),  # fmt: skip
     "Qwen2.5-7B-1M": _gqa(
-        "Qwen2.5-7B-Instruct-1M", 28, 28, 4, 7.61e9, "hf_qwen25_7b_1m,yang2025qwen25_1m", 3584
-    ),
+        "Qwen2.5-7B-Instruct-1M",
+        28,
+        28,
+        4,
+        7.61e9,
+        "hf_qwen25_7b_1m,yang2025qwen25_1m",
+        3584,
+        152064,
+        18944,
+    ),  # fmt: skip
     "Qwen3-235B-A22B": replace(
-        _gqa("Qwen3-235B-A22B", 94, 64, 4, 235e9, "hf_qwen3_235b,yang2025qwen3", 4096),
+        _gqa("Qwen3-235B-A22B", 94, 64, 4, 235e9, "hf_qwen3_235b,yang2025qwen3", 4096, 151936),
         active_params=22e9,
         expert_params=_routed(94, 128, 4096, 1536),
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_layers=94,
     ),
 }
 
@@ -253,6 +332,19 @@ def check_tokens(name: str, tokens: object, minimum: int = 0, integer: bool = Tr
         rule = "positive-tokens" if minimum else "non-negative-tokens"
         what = ("a positive " if minimum else "a non-negative ") + ("int" if integer else "number")
         raise ValueError(f"[{rule}] requires {what}; got {name}={tokens!r}")
+
+
+def check_moe_shape(model: ModelSpec) -> None:
+    """Rule ``moe-shape``: a MoE model (``expert_params > 0``) states its routed experts, the
+    experts per token and its MoE layers, which the GPU-side time model reads."""
+    if model.expert_params and not (
+        model.num_experts and model.num_experts_per_tok and model.moe_layers
+    ):
+        raise ValueError(
+            f"[moe-shape] requires num_experts, num_experts_per_tok and moe_layers for a MoE "
+            f"model; got {model.name}: num_experts={model.num_experts}, "
+            f"num_experts_per_tok={model.num_experts_per_tok}, moe_layers={model.moe_layers}"
+        )
 
 
 def check_hbm_efficiency(hbm_efficiency: float) -> None:

@@ -1,5 +1,6 @@
 """Figures of chapter 8: where one 1M-token request fits, TTFT and TPOT of whole layouts against
-context, and the CPU cost model's predictions against this machine's stored runs.
+context, the CPU cost model's predictions against this machine's stored runs, and the GPU side
+against AIConfigurator's stored predictions.
 
 Every function draws numbers :mod:`cpbook.costmodel` computes (or stored ``bench/`` results the
 chapter passes in) and returns the ``Figure``.
@@ -14,7 +15,7 @@ from matplotlib.ticker import FuncFormatter
 from cpbook import costmodel as cm
 from cpbook.viz.style import PALETTE, figure, plain_label, tokens_label
 
-__all__ = ["capacity_boundary", "layouts_vs_context", "parity"]
+__all__ = ["capacity_boundary", "layouts_vs_context", "parity", "peer_parity"]
 
 _PLAIN = FuncFormatter(plain_label)
 _TOKENS = FuncFormatter(tokens_label)
@@ -118,4 +119,44 @@ def parity(rows: Sequence[Mapping], train: Sequence[Mapping] = ()):
     ax.set_xlabel("measured (ms)")
     ax.set_ylabel("predicted (ms)")
     ax.legend(fontsize=8, loc="upper left")
+    return fig
+
+
+def peer_parity(rows: Sequence[Mapping]):
+    """cpbook against AIConfigurator (``bench/vs_aiconfigurator.py``'s ``vs_aic`` rows), TTFT
+    (left, s) and TPOT (right, ms), log-log, one colour per model, filled for H200 and hollow
+    for H100; the band is +-15 %, the target on the median."""
+    fig, axes = figure(ncols=2, figsize=(7.2, 3.6))
+    models = sorted({r["model"] for r in rows})
+    for ax, (key, scale, unit) in zip(axes, (("ttft", 1e-3, "s"), ("tpot", 1.0, "ms"))):
+        for i, m in enumerate(models):
+            for gpu, filled in (("H200", True), ("H100", False)):
+                pts = [
+                    (r[f"aic_{key}_ms"] * scale, r[f"{key}_ms"] * scale)
+                    for r in rows
+                    if r["model"] == m and r["gpu"] == gpu
+                ]
+                if not pts:
+                    continue
+                xs, ys = zip(*pts)
+                c = PALETTE[i % len(PALETTE)]
+                ax.scatter(
+                    xs, ys, s=18, color=c if filled else "none", edgecolors=c,
+                    marker="os^v"[i % 4], label=f"{m} ({gpu})",
+                )  # fmt: skip
+        vals = [r[f"{k}_ms"] * scale for r in rows for k in (key, f"aic_{key}")]
+        lo, hi = min(vals) / 1.3, max(vals) * 1.3
+        ax.plot([lo, hi], [lo, hi], color="black", lw=1)
+        ax.fill_between(
+            [lo, hi], [lo * 0.85, hi * 0.85], [lo * 1.15, hi * 1.15], color="#DDDDDD", zorder=0
+        )
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        for axis in (ax.xaxis, ax.yaxis):
+            axis.set_major_formatter(_PLAIN)
+            axis.set_minor_formatter(FuncFormatter(lambda v, _p: ""))
+        ax.set_xlabel(f"AIConfigurator {key.upper()} ({unit})")
+        ax.set_ylabel(f"cpbook {key.upper()} ({unit})")
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncol=4, fontsize=8)
     return fig
