@@ -96,3 +96,22 @@ def test_engine_step_figure_draws_each_ranks_slots_keys_and_trace():
         for rid, tok in r["sampled"].items():
             assert f"req {rid} → {tok}" in texts
     plt.close(fig)
+
+
+def test_timeline_cells_are_lettered_and_large():
+    from cpbook.engine.engine import Engine, make_prompts
+    from cpbook.viz.engine import KIND_LETTERS, timeline_figure
+
+    eng = Engine("tiny-gqa", num_kv_blocks=64, max_num_batched_tokens=16)
+    ids = [eng.add_request(p, 3) for p in make_prompts(3, seed=0)]
+    while eng.has_unfinished:
+        eng.step()
+    fig = timeline_figure(eng.history, ids)
+    ax = fig.axes[0]
+    worked = [c for rec in eng.history for c in rec.chunks]
+    letters = [t.get_text() for t in ax.texts]
+    assert sorted(letters) == sorted(KIND_LETTERS[c[1]] for c in worked)
+    w_in = fig.get_size_inches()[0] * ax.get_position().width / len(eng.history)
+    h_in = fig.get_size_inches()[1] * ax.get_position().height / (len(ids) + 0.2)
+    assert min(w_in, h_in) >= 0.25, (w_in, h_in)  # readable at the column's width
+    plt.close(fig)
