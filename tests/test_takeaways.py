@@ -26,11 +26,14 @@ TAKEAWAY = re.compile(
     r"```\{admonition\} Takeaway\n:class: tip\n(?P<body>(?:(?!```).+\n){1,4})```\s*\Z"
 )
 _FENCE = re.compile(r"^(```|~~~)")
+# MyST target labels, ``(name)=``, that end a section's text: they belong to the next heading
+_LABELS = re.compile(r"(?:\n\s*\([\w-]+\)=\s*)+\Z")
 
 
 def sections(nb: dict) -> list[tuple[str, str]]:
     """``(title, markdown)`` per ``##`` section, in order: the markdown text of the section
-    (its cells' text joined, code cells left out), split at ``##`` lines outside code fences.
+    (its cells' text joined, code cells left out), split at ``##`` lines outside code fences;
+    the ``(label)=`` lines just above the next heading are the next section's.
     Text before the first ``##`` (the chapter's title and introduction) is not a section."""
     out: list[tuple[str, list[str]]] = []
     for cell in nb["cells"]:
@@ -46,7 +49,9 @@ def sections(nb: dict) -> list[tuple[str, str]]:
                 out[-1][1].append(line)
         if out:
             out[-1][1].append("")  # a cell boundary
-    return [(title, "\n".join(lines).strip() + "\n") for title, lines in out]
+    return [
+        (title, _LABELS.sub("", "\n".join(lines).strip()).strip() + "\n") for title, lines in out
+    ]
 
 
 def test_the_notebooks_are_found():
@@ -58,11 +63,12 @@ def test_sections_split_at_headings_outside_fences():
         "cells": [
             {"cell_type": "markdown", "source": ["# T\n", "intro\n", "## A\n", "a\n"]},
             {"cell_type": "code", "source": ["## not a heading\n"]},
-            {"cell_type": "markdown", "source": ["```\n## in a fence\n```\n", "## B\n", "b"]},
+            {"cell_type": "markdown", "source": ["```\n## in a fence\n```\n", "(b-label)=\n"]},
+            {"cell_type": "markdown", "source": ["## B\n", "b"]},
         ]
     }
     assert [t for t, _ in sections(nb)] == ["A", "B"]
-    assert "in a fence" in sections(nb)[0][1]
+    assert "in a fence" in sections(nb)[0][1] and "b-label" not in sections(nb)[0][1]
 
 
 def test_the_form_is_exact():
