@@ -107,6 +107,7 @@ def test_timeline_cells_are_lettered_and_large():
     while eng.has_unfinished:
         eng.step()
     fig = timeline_figure(eng.history, ids)
+    fig.canvas.draw()  # constrained layout places the axes when drawn
     ax = fig.axes[0]
     worked = [c for rec in eng.history for c in rec.chunks]
     letters = [t.get_text() for t in ax.texts]
