@@ -228,6 +228,23 @@ def test_chapter_explorers_default_states():
 
     kv = kv_explorer(model="Llama-3.1-70B", dcp=2)
     assert "rejected by vLLM" in visible_panel(kv.to_html())
+    assert "TP=8, DCP=2 on 8×H200" in visible_panel(kv.to_html())  # the default node
+
+
+def test_kv_explorer_lets_the_reader_pick_gpu_and_tp():
+    from cpbook.costmodel import GPUS, MODELS, kv_bytes_per_token_per_gpu
+    from cpbook.widgets.memory import kv_explorer
+
+    kv = kv_explorer(model="Llama-3.1-70B", tokens=131_072, dcp=1, tp=4, gpu="B200")
+    assert set(kv.controls["gpu"].values) == set(GPUS) and kv.controls["tp"].values == [4, 8]
+    shown = visible_panel(kv.to_html())
+    assert "TP=4, DCP=1 on 4×B200" in shown
+    per_gpu = kv_bytes_per_token_per_gpu(MODELS["Llama-3.1-70B"], 4, 1) * 131_072
+    assert f"{per_gpu / 1e9:.2f} GB" in shown
+    # every (tp, gpu) pair has its own states, and the page stays small
+    assert len(kv.states) == 3 * 8 * 4 * 2 * len(GPUS) and kv.nbytes < 400_000
+    small = kv_explorer(model="DeepSeek-V3", tokens=2**20, dcp=4, tp=4, gpu="H100")
+    assert "the weights alone do not fit" in visible_panel(small.to_html())
 
 
 @pytest.mark.usefixtures("one_torch_thread")

@@ -298,6 +298,21 @@ PHONE_JS = r"""(() => {
     if (!/auto|scroll/.test(cs.overflowX) || cs.backgroundImage === 'none')
       bad.push('wide table without a scroll cue: ' + (t.textContent || '').trim().slice(0, 30));
   });
+  // every state of every explorer, not only the one on show: its readout wraps inside the
+  // explorer's box (a table may scroll inside itself) instead of running past the page's edge
+  document.querySelectorAll('.cpx').forEach(box => {
+    const panels = Array.from(box.querySelectorAll('.cpx-panel'));
+    const was = panels.map(p => p.hidden);
+    const wide = [];
+    panels.forEach((p, i) => {
+      panels.forEach((q, j) => { q.hidden = j !== i; });
+      if (box.scrollWidth > box.clientWidth + 1) wide.push(i);
+    });
+    panels.forEach((p, i) => { p.hidden = was[i]; });
+    if (box.scrollWidth > box.clientWidth + 1) wide.push('controls');
+    if (wide.length) bad.push(`explorer ${box.id}: ${wide.length} of ${panels.length} ` +
+                              `readouts wider than the page, e.g. ${wide.slice(0, 3)}`);
+  });
   return bad;
 })()"""
 # WCAG 2 contrast of the small text readers squint at: code and text in explorer readouts, and
@@ -336,7 +351,14 @@ CONTRAST_JS = r"""(() => {
 # which is not code).
 CODE_SHARE_JS = r"""(() => {
   const art = document.querySelector('article.bd-article') || document.querySelector('main');
-  const h = e => e.offsetParent === null ? 0 : e.getBoundingClientRect().height;
+  // inside a closed <details> (a collapsed hide-input / hide-output cell) an element keeps its
+  // layout box in Chromium although the page shows only the summary line: count it as 0
+  const shut = e => {
+    for (let d = e.closest('details'); d; d = d.parentElement && d.parentElement.closest('details'))
+      if (!d.open && !e.closest('summary')) return true;
+    return false;
+  };
+  const h = e => e.offsetParent === null || shut(e) ? 0 : e.getBoundingClientRect().height;
   const inputs = Array.from(art.querySelectorAll('div.cell_input')).reduce((a, e) => a + h(e), 0);
   const printed = Array.from(art.querySelectorAll('div.cell_output pre'))
     .reduce((a, e) => a + h(e), 0);

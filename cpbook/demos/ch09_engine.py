@@ -2,7 +2,7 @@
 :func:`~cpbook.engine.engine.serve_rank` keyword sets (:func:`grid_runs`), one launch that serves
 them all (:func:`serve_grid_rank`), the capacity count of long requests
 (:func:`max_concurrent_long_requests`), and which layouts vLLM v0.33 itself runs
-(:func:`vllm_runs_layout`)."""
+(:func:`vllm_runs_layout`), and one engine step seen from every rank (:func:`engine_step_rank`)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,19 @@ from typing import Any, Sequence
 
 from cpbook.core.config import ParallelConfig
 from cpbook.core.context import RankContext
-from cpbook.engine.engine import serve_rank, valid_grid
+from cpbook.engine.engine import Engine, make_prompts, serve_rank, valid_grid
 from cpbook.engine.models import ENGINE_MODELS
 from cpbook.engine.scheduler import Request, Scheduler
+from cpbook.kv.layout import token_owner
 from cpbook.kv.manager import KVCacheManager
 
-__all__ = ["grid_runs", "max_concurrent_long_requests", "serve_grid_rank", "vllm_runs_layout"]
+__all__ = [
+    "engine_step_rank",
+    "grid_runs",
+    "max_concurrent_long_requests",
+    "serve_grid_rank",
+    "vllm_runs_layout",
+]
 
 
 def grid_runs(
@@ -85,3 +92,71 @@ def serve_grid_rank(ctx: RankContext, *, runs: Sequence[dict[str, Any]]) -> list
         res["logits"] = None
         out.append(res)
     return out
+
+
+def engine_step_rank(
+    ctx: RankContext,
+    *,
+    model: str = "tiny-gqa",
+    tensor_parallel_size: int = 4,
+    decode_context_parallel_size: int = 2,
+    num_requests: int = 4,
+    max_new_tokens: int = 4,
+    max_num_batched_tokens: int = 16,
+    num_kv_blocks: int = 64,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Run an engine on this rank of a TP x DCP grid up to its first step that batches a decode
+    with a prompt chunk, and return what that step was on this rank.
+
+    ``record``: the step's :class:`~cpbook.engine.engine.StepRecord` (the scheduler's batch, the
+    same on every rank); ``coords``: this rank's ``(tp_rank, dcp_rank)``; ``heads``: its query
+    heads ``(start, stop)``; per scheduled chunk ``slots`` (its new tokens' slots in this rank's
+    paged cache, ``-1`` where another DCP rank stores the token) and ``local_keys`` (the keys of
+    the request this rank holds after the step, of ``keys``); ``comm``: the step's traced
+    ``(op, group, bytes_sent)``; ``sampled``: the greedy token of each request that sampled.
+    """
+    eng = Engine(
+        model,
+        num_kv_blocks,
+        tensor_parallel_size=tensor_parallel_size,
+        decode_context_parallel_size=decode_context_parallel_size,
+        ctx=ctx,
+        max_num_batched_tokens=max_num_batched_tokens,
+        seed=seed,
+    )
+    for p in make_prompts(num_requests, seed, eng.model.config.vocab_size):
+        eng.add_request(p, max_new_tokens)
+    reqs = eng.scheduler.requests
+    while True:
+        first, before = len(ctx.trace), {rid: len(r.output) for rid, r in reqs.items()}
+        rec = eng.step()
+        kinds = {c[1] for c in rec.chunks}
+        if "decode" in kinds and kinds != {"decode"}:
+            break
+        if not eng.has_unfinished:
+            raise ValueError(
+                "[engine-step-mixed] requires a step batching a decode with a prompt chunk; "
+                f"none in {len(eng.history)} steps at max_num_batched_tokens="
+                f"{max_num_batched_tokens}"
+            )
+    cache, c = eng.runner.caches[0], eng.groups.coords
+    chunks = []
+    for rid, kind, start, n in rec.chunks:
+        table = eng.kv.block_table(rid)
+        slots = cache.slot_mapping(list(range(start, start + n)), table).tolist()
+        keys = start + n
+        local = int(
+            (token_owner(list(range(keys)), cache.dcp, cache.interleave) == c.dcp_rank).sum()
+        )
+        chunks.append(dict(request_id=rid, kind=kind, slots=slots, keys=keys, local_keys=local))
+    sampled = {rid: r.output[-1] for rid, r in reqs.items() if len(r.output) > before[rid]}
+    heads = eng.runner.heads
+    return {
+        "record": rec,
+        "coords": (c.tp_rank, c.dcp_rank),
+        "heads": (heads.start, heads.stop),
+        "chunks": chunks,
+        "comm": [(r.op, r.group, r.bytes_sent) for r in ctx.trace[first:]],
+        "sampled": sampled,
+    }

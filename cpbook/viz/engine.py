@@ -9,10 +9,11 @@ from typing import Mapping, Sequence
 
 from matplotlib.patches import Patch, Rectangle
 
-from cpbook.viz.style import PALETTE, figure
+from cpbook.viz.style import PALETTE, figure, ink
 
 __all__ = [
     "KIND_COLORS",
+    "KIND_LETTERS",
     "KIND_NAMES",
     "WAIT_COLOR",
     "PREEMPT_COLOR",
@@ -52,14 +53,20 @@ def step_batch_figure(record, budget: int):
     return fig
 
 
+#: the letter written in a timeline cell, so a cell reads without its colour
+KIND_LETTERS = {"prefill": "P", "chunked_prefill": "C", "decode": "D"}
+
+
 def timeline_figure(
     history: Sequence, request_ids: Sequence[str], arrivals: Mapping[str, int] | None = None
 ):
-    """Requests (rows) by steps (columns): the kind of work each request got in each step,
-    waiting (light grey), preempted (red outline); a request enters the chart at its arrival
-    step (``arrivals``, default 1) and leaves it when it finishes."""
-    fig, ax = figure(figsize=(_WIDTH, 1.0 + 0.32 * len(request_ids)), layout="constrained")
-    row = {rid: len(request_ids) - 1 - i for i, rid in enumerate(request_ids)}
+    """Requests (rows) by steps (columns): the kind of work each request got in each step
+    (coloured and lettered, :data:`KIND_LETTERS`), waiting (light grey), preempted (red
+    outline); a request enters the chart at its arrival step (``arrivals``, default 1) and
+    leaves it when it finishes.  Cells are at least 0.3 in square at the text column's width."""
+    n_req = len(request_ids)
+    fig, ax = figure(figsize=(_WIDTH, 1.3 + 0.42 * n_req), layout="constrained")
+    row = {rid: n_req - 1 - i for i, rid in enumerate(request_ids)}
     done: set[str] = set()
     for rec in history:
         x = rec.step - 1
@@ -67,30 +74,49 @@ def timeline_figure(
         for rid in request_ids:
             if rid in done or rec.step < (arrivals or {}).get(rid, 1):
                 continue
-            color = KIND_COLORS[ran[rid][1]] if rid in ran else WAIT_COLOR
-            ax.add_patch(Rectangle((x, row[rid] - 0.4), 0.92, 0.8, color=color, lw=0))
+            kind = ran[rid][1] if rid in ran else None
+            color = KIND_COLORS[kind] if kind else WAIT_COLOR
+            ax.add_patch(Rectangle((x, row[rid] - 0.42), 0.92, 0.84, color=color, lw=0))
+            if kind:
+                ax.text(
+                    x + 0.46,
+                    row[rid],
+                    KIND_LETTERS[kind],
+                    ha="center",
+                    va="center",
+                    fontsize=9,
+                    color=ink(color),
+                )
             if rid in rec.preempted:
                 ax.add_patch(
                     Rectangle(
-                        (x, row[rid] - 0.4), 0.92, 0.8, fill=False, lw=1.6, edgecolor=PREEMPT_COLOR
+                        (x, row[rid] - 0.42),
+                        0.92,
+                        0.84,
+                        fill=False,
+                        lw=2.2,
+                        edgecolor=PREEMPT_COLOR,
                     )
                 )
         done |= set(rec.finished)
     ax.set_xlim(0, len(history))
-    every = max(1, len(history) // 20)
+    every = max(1, len(history) // 25)
     ax.set_xticks(
         [i + 0.46 for i in range(0, len(history), every)],
         [str(i + 1) for i in range(0, len(history), every)],
-        fontsize=8,
+        fontsize=10,
     )
     ax.grid(False)
-    ax.set_ylim(-0.6, len(request_ids) - 0.4)
-    ax.set_yticks(range(len(request_ids)), [f"req {r}" for r in reversed(request_ids)], fontsize=9)
-    ax.set_xlabel("engine step")
-    handles = [Patch(color=KIND_COLORS[k], label=KIND_NAMES[k]) for k in KIND_COLORS] + [
+    ax.set_ylim(-0.6, n_req - 0.4)
+    ax.set_yticks(range(n_req), [f"req {r}" for r in reversed(request_ids)], fontsize=10.5)
+    ax.set_xlabel("engine step", fontsize=10.5)
+    handles = [
+        Patch(color=KIND_COLORS[k], label=f"{KIND_LETTERS[k]} {KIND_NAMES[k]}") for k in KIND_COLORS
+    ] + [
         Patch(color=WAIT_COLOR, label="waiting"),
-        Patch(fill=False, edgecolor=PREEMPT_COLOR, lw=1.6, label="preempted"),
+        Patch(fill=False, edgecolor=PREEMPT_COLOR, lw=2.2, label="preempted"),
     ]
-    fig.legend(handles=handles, fontsize=8, ncol=5, loc="outside lower center", frameon=False)
-    ax.spines[["top", "right"]].set_visible(False)
+    fig.legend(handles=handles, fontsize=9.5, ncol=3, loc="outside lower center", frameon=False)
+    ax.spines[["top", "right", "left"]].set_visible(False)
+    ax.tick_params(axis="y", length=0)
     return fig

@@ -1,5 +1,5 @@
-"""Chapter 1 explorer: model, context length and DCP -> per-GPU KV of one request, and whether
-it fits the per-GPU KV budget (TP = 8 on one node of H200s by default)."""
+"""Chapter 1 explorer: model, context length, DCP, TP and GPU -> per-GPU KV of one request, and
+whether it fits the per-GPU KV budget (one node of TP GPUs; TP 8 on H200s by default)."""
 
 from __future__ import annotations
 
@@ -33,8 +33,13 @@ def kv_capacity_html(
         per_gpu = kv_bytes_per_token_per_gpu(m, tp, dcp, kv_dtype) * tokens
         budget = kv_budget_bytes_per_gpu(m, g, tp)
         longest = max_context_tokens(m, g, tp, dcp, kv_dtype)
-    except ValueError as e:  # a configuration vLLM rejects
-        return f"<p>{head}: rejected by vLLM's rules.</p>" + pre(str(e))
+    except ValueError as e:  # a configuration vLLM rejects, or weights that do not fit
+        why = (
+            "the weights alone do not fit"
+            if str(e).startswith("[model-fits]")
+            else "rejected by vLLM's rules"
+        )
+        return f"<p>{head}: {why}.</p>" + pre(str(e))
     share = per_gpu / budget
     fits = share <= 1
     bar = (
@@ -55,22 +60,26 @@ def kv_capacity_html(
 def kv_explorer(
     models: tuple[str, ...] = ("DeepSeek-V3", "Qwen3-235B-A22B", "Llama-3.1-70B"),
     dcps: tuple[int, ...] = (1, 2, 4, 8),
-    tp: int = 8,
-    gpu: str = "H200",
+    tps: tuple[int, ...] = (4, 8),
+    gpus: tuple[str, ...] = tuple(GPUS),
     **value,
 ) -> Explorer:
-    """Model × context (8K-1M) × DCP at fixed TP and GPU: every state precomputed (HTML only)."""
+    """Model × context (8K-1M) × DCP × TP × GPU: every state precomputed (HTML only).  Defaults
+    to TP 8 on H200 unless ``value`` picks others."""
+    value = {"tp": 8 if 8 in tps else tps[0], "gpu": "H200" if "H200" in gpus else gpus[0]} | value
     return Explorer(
-        lambda model, tokens, dcp: kv_capacity_html(model, tokens, dcp, tp, gpu),
+        kv_capacity_html,
         {
             "model": list(models),
             "tokens": Control(CONTEXTS, names=[tokens_label(t) for t in CONTEXTS], label="context"),
             "dcp": Control(list(dcps), label="DCP"),
+            "tp": Control(list(tps), label="TP", kind="select"),
+            "gpu": Control(list(gpus), label="GPU"),
         },
         value=value,
         caption=(
-            f"One request's KV cache per GPU (bf16) on {tp}×{gpu} with TP = {tp}: the bar is its "
-            "share of the KV budget per GPU (cpbook.costmodel.kv_budget_bytes_per_gpu: a share "
-            "of HBM less the weights and an activation reserve); orange: it does not fit."
+            "One request's KV cache per GPU (bf16) on one node of TP GPUs: the bar is its share "
+            "of the KV budget per GPU (cpbook.costmodel.kv_budget_bytes_per_gpu: a share of HBM "
+            "less the weights and an activation reserve); orange: it does not fit."
         ),
     )
