@@ -5,7 +5,8 @@ GPUs (:mod:`cpbook.costmodel.plan_space`), drops those that cannot hold ``concur
 requests of the workload's length or miss a target, ranks the rest by the objective and says
 why in one line per runner-up; where nothing fits it says what would
 (:mod:`cpbook.costmodel.plan_advice`).  Every number is the cost model's (modelled, with its
-parameters: prefill MFU, HBM efficiency, link α–β), so the planner improves when it does.
+parameters: the GPU-side terms of :mod:`~cpbook.costmodel.gpu_terms`, HBM efficiency, link
+α–β), so the planner improves when it does.
 """
 
 from __future__ import annotations
