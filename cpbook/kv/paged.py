@@ -100,6 +100,18 @@ class PagedKVCache:
             positions, block_table, self.block_size, self.dcp, self.dcp_rank, self.interleave
         )
 
+    def _slots_in_cache(self, mine: torch.Tensor) -> torch.Tensor:
+        """``mine`` (slots other than ``-1``), checked to lie in this store."""
+        if mine.numel() and (int(mine.min()) < 0 or int(mine.max()) >= self.num_slots):
+            raise ConfigError(
+                "slot-in-cache",
+                "every slot in [0, num_blocks*block_size) or -1",
+                min_slot=int(mine.min()),
+                max_slot=int(mine.max()),
+                num_slots=self.num_slots,
+            )
+        return mine
+
     def write(self, k: torch.Tensor, v: torch.Tensor | None, slot_mapping: torch.Tensor) -> int:
         """Store ``k[t]`` (and ``v[t]``) in slot ``slot_mapping[t]``; skip ``-1``.
 
@@ -124,15 +136,7 @@ class PagedKVCache:
                 v_head_dim=0 if self.value_cache is None else self.value_cache.shape[-1],
             )
         keep = slots != PAD_SLOT_ID
-        mine = slots[keep]
-        if mine.numel() and (int(mine.min()) < 0 or int(mine.max()) >= self.num_slots):
-            raise ConfigError(
-                "slot-in-cache",
-                "every slot in [0, num_blocks*block_size) or -1",
-                min_slot=int(mine.min()),
-                max_slot=int(mine.max()),
-                num_slots=self.num_slots,
-            )
+        mine = self._slots_in_cache(slots[keep])
         dev = self.key_cache.device
         rows = None if bool(keep.all()) else keep.nonzero().flatten().to(k.device)
         at = mine.to(dev)
@@ -149,15 +153,7 @@ class PagedKVCache:
         read that reaches them raises until they are written again.  Returns the slots
         dropped."""
         slots = _as_long(slot_mapping, "slot_mapping").cpu().reshape(-1)
-        mine = slots[slots != PAD_SLOT_ID]
-        if mine.numel() and (int(mine.min()) < 0 or int(mine.max()) >= self.num_slots):
-            raise ConfigError(
-                "slot-in-cache",
-                "every slot in [0, num_blocks*block_size) or -1",
-                min_slot=int(mine.min()),
-                max_slot=int(mine.max()),
-                num_slots=self.num_slots,
-            )
+        mine = self._slots_in_cache(slots[slots != PAD_SLOT_ID])
         dropped = int(self.written[mine].sum())
         self.written[mine] = False
         return dropped
