@@ -184,6 +184,20 @@ def _reference(mla: TinyMLA, qn, qp, lat, context_lens, heads: slice) -> list[to
     return outs
 
 
+def _latent_shards(ctx: RankContext, cfg: ParallelConfig, groups, lat, block_size: int):
+    """This DCP rank's interleaved share of each request's latent rows (one "KV head", no V):
+    :func:`~cpbook.kv.paged.shard_kv_cache`'s ``(local, cache)``."""
+    return shard_kv_cache(
+        [x[:, None] for x in lat],
+        [None] * len(lat),
+        block_size,
+        cfg.dcp,
+        groups.coords.dcp_rank,
+        cfg.interleave,
+        ctx.device,
+    )
+
+
 def _mla_setup(
     ctx: RankContext,
     tp: int,
@@ -263,15 +277,7 @@ def mla_decode_rank(
     )
     ctx_lens = [n - 1 for n in seq_lens]
     qn, qp, lat = mla_problem(mla, [1] * len(seq_lens), ctx_lens, seed + 1)
-    local, cache = shard_kv_cache(
-        [x[:, None] for x in lat],
-        [None] * len(lat),
-        block_size,
-        cfg.dcp,
-        groups.coords.dcp_rank,
-        cfg.interleave,
-        ctx.device,
-    )
+    local, cache = _latent_shards(ctx, cfg, groups, lat, block_size)
     shapes = {}
     with ctx.traced() as step:
         out = mla_decode_attention(

@@ -29,7 +29,13 @@ from cpbook.dcp.verify import (
     verify_comm_bytes,
     verify_key_counts,
 )
-from cpbook.demos.ch03_decode import _mla_setup, _reference, gqa_decode_problem, mla_problem
+from cpbook.demos.ch03_decode import (
+    _latent_shards,
+    _mla_setup,
+    _reference,
+    gqa_decode_problem,
+    mla_problem,
+)
 from cpbook.demos.ch09_engine import grid_runs
 from cpbook.kv.paged import shard_kv_cache
 
@@ -77,15 +83,7 @@ def spec_verify_rank(
             seed,
         )
         qn, qp, lat = mla_problem(mla, rows, context_lens, seed + 1)
-        local, _ = shard_kv_cache(
-            [x[:, None] for x in lat],
-            [None] * len(lat),
-            block_size,
-            cfg.dcp,
-            groups.coords.dcp_rank,
-            cfg.interleave,
-            ctx.device,
-        )
+        local, _ = _latent_shards(ctx, cfg, groups, lat, block_size)
         with ctx.traced() as step:
             out = mla_verify_attention(
                 torch.cat(qn)[:, heads].to(ctx.device),
