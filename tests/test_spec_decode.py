@@ -27,6 +27,7 @@ from cpbook.engine.spec_decode import (
 from cpbook.kv.layout import local_seq_len
 from cpbook.kv.manager import KVCacheManager
 from cpbook.kv.paged import PagedKVCache
+from tests.test_engine import references
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 NGRAM = dict(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1)
@@ -144,15 +145,6 @@ def test_rollback_leaves_exactly_the_accepted_tokens(dcp, interleave, steps):
 
 
 # -- the engine: speculative output equals non-speculative output -------------------------
-def _refs(work: dict) -> dict[str, list[list[int]]]:
-    out = {}
-    for name in ("tiny-gqa", "tiny-mla"):
-        m = TinyModel.from_name(name)
-        prompts = make_prompts(work["num_requests"], 0, m.config.vocab_size)
-        out[name] = [reference_generate(m, p, work["max_new_tokens"]) for p in prompts]
-    return out
-
-
 @pytest.mark.parametrize("spec", [NGRAM, DRAFT], ids=["ngram", "draft"])
 def test_one_rank_speculative_logits_match_the_reference(spec):
     """Preemption and prefix caching happen; every emitted token's logits row equals the
@@ -202,7 +194,7 @@ def test_inline_grid_subset_token_exact():
         ("tiny-gqa", 4, 2, 1),
         ("tiny-mla", 2, 4, 2),
     }
-    refs = _refs(WORK)
+    refs = references(WORK)
     n = 0
     for spec in (NGRAM, DRAFT):
         runs = [
@@ -234,7 +226,7 @@ def test_torchrun_world_2_subset_token_exact():
         )
         in {("tiny-gqa", 1, 2, 2), ("tiny-mla", 2, 2, 1)}
     ]
-    assert _check_grid(runs, [2], "torchrun", _refs(small)) == 2
+    assert _check_grid(runs, [2], "torchrun", references(small)) == 2
 
 
 def test_engine_builds_a_separately_seeded_draft():
