@@ -43,6 +43,7 @@ __all__ = [
     "Pending",
     "DEFAULT_TIMEOUT_S",
     "process_group_timeout_s",
+    "comm_bytes",
 ]
 
 DEFAULT_TIMEOUT_S = 60.0
@@ -53,6 +54,12 @@ def process_group_timeout_s(timeout: float) -> float:
     it plus a minute, so that a stuck collective always ends in cpbook's :class:`CommTimeout`
     (which names the group and the rank) before NCCL's watchdog kills the process."""
     return 2 * timeout + 60
+
+
+def comm_bytes(comm, op: str | None = None) -> int:
+    """Total bytes of a rank's ``comm`` list of ``(op, bytes_sent)`` pairs (what every demo
+    returns), or of one ``op`` only."""
+    return sum(b for o, b in comm if op is None or o == op)
 
 
 class CommTimeout(RuntimeError):

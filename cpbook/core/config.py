@@ -75,26 +75,23 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Protocol
 
+from cpbook.core.errors import RuleError
+
 __all__ = [
     "AttentionShaped",
     "COMM_BACKENDS",
     "check_comm_backend",
     "check_gqa_group",
     "ConfigError",
+    "RuleError",
     "ParallelConfig",
     "check_positive",
     "check_interleave",
 ]
 
 
-class ConfigError(ValueError):
+class ConfigError(RuleError):
     """A configuration rule is violated.  ``rule`` names it; the message gives the values."""
-
-    def __init__(self, rule: str, condition: str, **values: object) -> None:
-        self.rule = rule
-        self.values = values
-        shown = ", ".join(f"{k}={v!r}" for k, v in values.items())
-        super().__init__(f"[{rule}] requires {condition}; got {shown}")
 
 
 def check_positive(**sizes: object) -> None:

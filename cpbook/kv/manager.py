@@ -23,19 +23,15 @@ from typing import Sequence
 import torch
 
 from cpbook.core.config import ConfigError, ParallelConfig, check_positive
+from cpbook.core.errors import RuleError
 from cpbook.kv.layout import block_fill, check_layout, num_virtual_blocks
 
 __all__ = ["AllocationError", "KVCacheManager", "PrefixHit"]
 
 
-class AllocationError(RuntimeError):
+class AllocationError(RuleError, RuntimeError):
     """The cache has too few free block ids for a request: a state of the cache, not a bad
     configuration (a scheduler queues or preempts on it).  ``rule`` names the check."""
-
-    def __init__(self, rule: str, condition: str, **values: object) -> None:
-        self.rule, self.values = rule, values
-        shown = ", ".join(f"{k}={v!r}" for k, v in values.items())
-        super().__init__(f"[{rule}] requires {condition}; got {shown}")
 
 
 @dataclass(frozen=True)
