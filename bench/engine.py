@@ -42,6 +42,7 @@ import transformers
 
 from cpbook.core.launch import run
 from cpbook.demos.ch09_engine import max_concurrent_long_requests
+from cpbook.engine.config import CacheConfig, RunnerConfig, SchedulerConfig
 from cpbook.engine.engine import Engine, engine_config, single_rank_context
 from cpbook.engine.models import TinyModel, reference_forward
 from cpbook.timing import machine_record, serve_timing
@@ -80,9 +81,8 @@ def decode_overhead(
     for _ in range(repeats + 1):
         eng = Engine(
             m,
-            num_kv_blocks=batch * (prompt_len + steps + 8) // 4 + 8,
-            max_num_batched_tokens=batch * prompt_len,
-            max_num_seqs=batch,
+            cache_config=CacheConfig(num_gpu_blocks=batch * (prompt_len + steps + 8) // 4 + 8),
+            scheduler_config=SchedulerConfig(batch, max_num_batched_tokens=batch * prompt_len),
             ctx=single_rank_context(device),
         )
         ids = [eng.add_request(p, steps + 1) for p in prompts]
@@ -140,13 +140,12 @@ def engine_vs_hf(
         prompts = torch.randint(kw["vocab_size"], (batch, prompt_len), generator=gen)
         eng_t, hf_t = [], []
         for _ in range(repeats + 1):
+            blocks = batch * (prompt_len + new_tokens) // 16 + batch + 4
             eng = Engine(
                 folder,
-                num_kv_blocks=batch * (prompt_len + new_tokens) // 16 + batch + 4,
-                block_size=16,
-                max_num_batched_tokens=batch * prompt_len,
-                max_num_seqs=batch,
-                dtype="float32",
+                cache_config=CacheConfig(block_size=16, num_gpu_blocks=blocks),
+                scheduler_config=SchedulerConfig(batch, max_num_batched_tokens=batch * prompt_len),
+                runner_config=RunnerConfig(dtype="float32"),
             )
             start = time.perf_counter()
             outs = eng.generate(prompts.tolist(), new_tokens)
@@ -202,11 +201,12 @@ def main(argv: list[str] | None = None) -> None:
             "inline",
             {
                 "model": model,
-                "tensor_parallel_size": tp,
-                "decode_context_parallel_size": dcp,
-                "prefill_context_parallel_size": pcp,
-                "num_requests": a.requests,
-                "max_new_tokens": 8,
+                "parallel_config": {
+                    "tensor_parallel_size": tp,
+                    "decode_context_parallel_size": dcp,
+                    "prefill_context_parallel_size": pcp,
+                },
+                "workload": {"num_requests": a.requests, "max_new_tokens": 8},
             },
             report=False,
             device=a.device,

@@ -62,11 +62,9 @@ def acceptance(k: int, max_new_tokens: int = 96) -> dict:
     tokens equal the non-speculative engine's."""
     kw = dict(
         model="tiny-mla",
-        tensor_parallel_size=2,
-        decode_context_parallel_size=2,
-        prompts=repetitive_prompts(),
-        max_new_tokens=max_new_tokens,
-        num_kv_blocks=200,
+        parallel_config=dict(tensor_parallel_size=2, decode_context_parallel_size=2),
+        cache_config=dict(num_gpu_blocks=200),
+        workload=dict(prompts=repetitive_prompts(), max_new_tokens=max_new_tokens),
     )
     spec = dict(method="ngram", num_speculative_tokens=k, prompt_lookup_min=1, prompt_lookup_max=8)
     plain = run(serve_rank, 2, "inline", kw, report=False)[0]

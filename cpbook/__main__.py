@@ -378,19 +378,19 @@ def _serve(a: argparse.Namespace) -> int:
             )
         prompts = [tok.encode(t).ids for t in a.prompt]
     kwargs = dict(
-        prompts=prompts,
-        dtype=a.dtype or ("float32" if folder else "float64"),
         model=a.model,
-        tensor_parallel_size=a.tp,
-        decode_context_parallel_size=a.dcp,
-        prefill_context_parallel_size=a.pcp,
-        dcp_comm_backend=a.dcp_comm_backend,
-        num_requests=a.requests,
-        max_new_tokens=a.max_new_tokens,
-        num_kv_blocks=a.num_kv_blocks,
-        strategy=a.strategy,
-        seed=a.seed,
+        parallel_config=dict(
+            tensor_parallel_size=a.tp,
+            decode_context_parallel_size=a.dcp,
+            prefill_context_parallel_size=a.pcp,
+            dcp_comm_backend=a.dcp_comm_backend,
+        ),
+        cache_config=dict(num_gpu_blocks=a.num_kv_blocks),
         speculative_config=spec,
+        runner_config=dict(
+            dtype=a.dtype or ("float32" if folder else "float64"), seed=a.seed, strategy=a.strategy
+        ),
+        workload=dict(num_requests=a.requests, max_new_tokens=a.max_new_tokens, prompts=prompts),
     )
     world = a.tp * a.pcp
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # we are a torchrun worker

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import pytest
 from cpbook.__main__ import main
 from cpbook.demos import DEMOS, demo_params, get_demo, parse_params
 from cpbook.demos.ch09_engine import vllm_runs_layout
+from cpbook.engine.config import RunnerConfig
 
 
 def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -24,6 +26,8 @@ def test_every_demo_is_a_keyword_only_rank_function():
         fn = get_demo(name)
         assert fn.__name__.endswith("_rank"), name
         params = demo_params(fn)
+        if "runner_config" in params:  # the engine: seed and dtype are its RunnerConfig's
+            params = {f.name: (f.type, f.default) for f in dataclasses.fields(RunnerConfig)}
         assert {"seed", "dtype"} <= set(params), name
         assert params["seed"][1] == 0 and params["dtype"][1] == "float64", name
 

@@ -15,7 +15,7 @@ import torch
 
 from cpbook.core.launch import run
 from cpbook.demos import get_demo
-from cpbook.demos.ch09_engine import grid_runs, serve_grid_rank
+from cpbook.demos.ch09_engine import grid_runs, run_world, serve_grid_rank
 from cpbook.engine.engine import serve_rank
 from tests.device_sim import DEVICE, DeviceLog, simulated_devices, tagged
 
@@ -50,7 +50,7 @@ DEMO_CASES = [
     ("tpa", 4, {"attention": "mla"}),
     ("migrate", 4, {}),
     ("migrate", 4, {"src_context_parallel_size": 4, "decode_context_parallel_size": 2}),
-    ("engine", 1, {"num_requests": 3, "max_new_tokens": 3}),
+    ("engine", 1, {"workload": {"num_requests": 3, "max_new_tokens": 3}}),
 ]
 
 
@@ -77,7 +77,9 @@ def test_demo_runs_on_the_device(name, world, params):
 
 def test_an_engine_step_reads_the_device_once():
     """World 1: the model, caches and logits live on the device; one host read per step."""
-    res, log = on_device(serve_rank, 1, model="tiny-mla", num_requests=4, max_new_tokens=4)
+    res, log = on_device(
+        serve_rank, 1, model="tiny-mla", workload={"num_requests": 4, "max_new_tokens": 4}
+    )
     assert not rejected(log), rejected(log)
     assert all(tagged(x) for x in res[0]["logits"])
     reads = log.counts("sync")[("sync", "cpbook.engine.runner:ModelRunner.execute")]
@@ -88,8 +90,8 @@ def test_an_engine_step_reads_the_device_once():
 def test_engine_grids_run_on_the_device(world):
     runs = [
         r
-        for r in grid_runs(num_requests=3, max_new_tokens=3, max_world=4)
-        if r["tensor_parallel_size"] * r["prefill_context_parallel_size"] == world
+        for r in grid_runs(workload={"num_requests": 3, "max_new_tokens": 3}, max_world=4)
+        if run_world(r) == world
     ][:: 2 if world == 4 else 1]
     res, log = on_device(serve_grid_rank, world, runs=runs)
     assert len(res[0]) == len(runs)

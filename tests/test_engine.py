@@ -14,8 +14,10 @@ from cpbook.core.launch import run
 from cpbook.demos.ch09_engine import (
     grid_runs,
     max_concurrent_long_requests,
+    run_world,
     serve_grid_rank,
 )
+from cpbook.engine.config import CacheConfig, RunnerConfig, SchedulerConfig
 from cpbook.engine.engine import (
     Engine,
     engine_config,
@@ -27,6 +29,18 @@ from cpbook.engine.models import TinyModel, reference_generate
 
 WORK = dict(num_requests=6, max_new_tokens=6)
 SMALL = dict(num_requests=4, max_new_tokens=4)
+
+
+def sizes(run_kwargs: dict) -> tuple[int, int, int]:
+    """``(tp, dcp, pcp)`` of a :func:`grid_runs` entry."""
+    p = run_kwargs["parallel_config"]
+    return (
+        p["tensor_parallel_size"],
+        p["decode_context_parallel_size"],
+        p["prefill_context_parallel_size"],
+    )
+
+
 MAX_STEPS = 200  # cap for hand-driven engine loops (test_step_api_... finishes in 11 steps)
 
 
@@ -54,11 +68,7 @@ def check_grid(runs: list[dict], worlds: list[int], backend: str, refs: dict) ->
         res = run(
             serve_grid_rank, world, backend, {"runs": runs}, dist_backend="gloo", report=False
         )
-        mine = [
-            r
-            for r in runs
-            if r["tensor_parallel_size"] * r["prefill_context_parallel_size"] == world
-        ]
+        mine = [r for r in runs if run_world(r) == world]
         assert len(res[0]) == len(mine)
         for j, r in enumerate(res[0]):
             for rank in res:
@@ -95,7 +105,7 @@ def test_one_rank_logits_match_the_reference_to_1e10():
     """Paged KV, continuous batching, chunked prefill, prefix caching and preemption all happen,
     and every sampled logits row equals the contiguous-cache reference's (float64)."""
     for name in ("tiny-gqa", "tiny-mla"):
-        res = run(serve_rank, 1, "inline", {"model": name, **WORK}, report=False)[0]
+        res = run(serve_rank, 1, "inline", {"model": name, "workload": WORK}, report=False)[0]
         m = TinyModel.from_name(name)
         assert res["preemptions"] >= 1 and res["prefix_hit_tokens"] > 0
         kinds = {k for rec in res["history"] for _, k, _, _ in rec.chunks}
@@ -116,17 +126,7 @@ def test_inline_grid_subset(refs):
         ("tiny-gqa", 4, 2, 1),
         ("tiny-mla", 2, 4, 2),
     }
-    runs = [
-        r
-        for r in grid_runs(**WORK)
-        if (
-            r["model"],
-            r["tensor_parallel_size"],
-            r["decode_context_parallel_size"],
-            r["prefill_context_parallel_size"],
-        )
-        in pick
-    ]
+    runs = [r for r in grid_runs(workload=WORK) if (r["model"], *sizes(r)) in pick]
     assert check_grid(runs, [2, 4], "inline", refs) == 4
 
 
@@ -134,14 +134,8 @@ def test_inline_grid_subset(refs):
 def test_torchrun_world_2_subset():
     runs = [
         r
-        for r in grid_runs(**SMALL)
-        if (
-            r["model"],
-            r["tensor_parallel_size"],
-            r["decode_context_parallel_size"],
-            r["prefill_context_parallel_size"],
-        )
-        in {("tiny-gqa", 1, 2, 2), ("tiny-mla", 2, 2, 1)}
+        for r in grid_runs(workload=SMALL)
+        if (r["model"], *sizes(r)) in {("tiny-gqa", 1, 2, 2), ("tiny-mla", 2, 2, 1)}
     ]
     assert check_grid(runs, [2], "torchrun", references(SMALL)) == 2
 
@@ -150,7 +144,7 @@ def test_torchrun_world_2_subset():
 @pytest.mark.slow
 def test_torchrun_full_grid():
     """Every valid TP x DCP x PCP configuration of both models, one launch per world size."""
-    assert check_grid(grid_runs(**SMALL), [2, 4, 8], "torchrun", references(SMALL)) == 21
+    assert check_grid(grid_runs(workload=SMALL), [2, 4, 8], "torchrun", references(SMALL)) == 21
 
 
 def test_dcp4_admits_4x_the_long_requests():
@@ -161,7 +155,11 @@ def test_dcp4_admits_4x_the_long_requests():
 
 
 def test_step_api_and_a_request_longer_than_the_cache():
-    eng = Engine("tiny-gqa", num_kv_blocks=12, max_num_batched_tokens=16)
+    eng = Engine(
+        "tiny-gqa",
+        cache_config=CacheConfig(num_gpu_blocks=12),
+        scheduler_config=SchedulerConfig(max_num_batched_tokens=16),
+    )
     prompts = make_prompts(3, 1)
     ids = [eng.add_request(p, 4) for p in prompts]
     too_long = eng.add_request(list(range(60)), 4)
@@ -183,9 +181,12 @@ def test_invalid_config_and_wrong_world_fail_before_any_collective():
     """Rank 0 of a 2-rank world alone: a collective would time out; the errors come first."""
     ctx = RankContext(0, 2, "inline", torch.device("cpu"), timeout=5.0, sim=SimWorld(2, 5.0))
     with pytest.raises(ConfigError, match=r"^\[gqa-dcp-needs-replicated-kv\]"):
-        serve_rank(ctx, tensor_parallel_size=2, decode_context_parallel_size=2)
+        serve_rank(
+            ctx,
+            parallel_config={"tensor_parallel_size": 2, "decode_context_parallel_size": 2},
+        )
     with pytest.raises(ConfigError, match=r"^\[grid-matches-world\]"):
-        serve_rank(ctx, tensor_parallel_size=4)
+        serve_rank(ctx, parallel_config={"tensor_parallel_size": 4})
     assert len(ctx.trace) == 0
     with pytest.raises(ConfigError, match=r"^\[known-model\]"):
         engine_config("tiny-moe")
@@ -194,7 +195,11 @@ def test_invalid_config_and_wrong_world_fail_before_any_collective():
 def test_engine_is_deterministic_across_strategies():
     outs = []
     for strategy in ("allgather_q", "allgather_kv"):
-        eng = Engine("tiny-mla", num_kv_blocks=32, strategy=strategy)
+        eng = Engine(
+            "tiny-mla",
+            cache_config=CacheConfig(num_gpu_blocks=32),
+            runner_config=RunnerConfig(strategy=strategy),
+        )
         outs.append([o.tokens for o in eng.generate(make_prompts(4, 2), 3)])
         assert dict(eng.runner.strategies).keys() == {strategy}
     assert outs[0] == outs[1]

@@ -25,7 +25,24 @@ from tests.hf_models import FAMILIES, build, float64_transformers
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-WORK = dict(num_requests=3, max_new_tokens=4, dtype="float64", num_kv_blocks=40)
+WORK = dict(num_requests=3, max_new_tokens=4)
+
+
+def serve_kwargs(folder: str, tp: int, dcp: int, pcp: int) -> dict:
+    """:func:`serve_rank`'s keywords for ``folder`` on a TP x DCP x PCP grid (float64)."""
+    return dict(
+        model=folder,
+        parallel_config=dict(
+            tensor_parallel_size=tp,
+            decode_context_parallel_size=dcp,
+            prefill_context_parallel_size=pcp,
+        ),
+        cache_config=dict(num_gpu_blocks=40),
+        runner_config=dict(dtype="float64"),
+        workload=WORK,
+    )
+
+
 # GQA (4 query heads over 2 KV heads) accepts 6 of these, MLA all 8: KV-head replication at TP 4,
 # DCP with and without PCP, uneven zigzag shards
 LAYOUTS = [(1, 1, 2), (2, 1, 2), (2, 2, 1), (4, 1, 1), (4, 2, 1), (2, 2, 2), (4, 2, 2), (4, 4, 1)]
@@ -75,8 +92,7 @@ def test_tokens_and_logits_equal_transformers_on_every_layout(saved, family):
     assert len(layouts) >= 7, layouts
     worst = 0.0
     for tp, dcp, pcp in layouts:
-        kw = dict(WORK, model=folder, tensor_parallel_size=tp)
-        kw.update(decode_context_parallel_size=dcp, prefill_context_parallel_size=pcp)
+        kw = serve_kwargs(folder, tp, dcp, pcp)
         res = run(serve_rank, tp * pcp, "inline", kw, report=False)
         assert res[0]["prompts"] == prompts
         for rank in res:
@@ -138,9 +154,7 @@ def test_torchrun_hf_layouts(saved):
     runs = []
     for fam, (tp, dcp, pcp) in [("llama", (2, 1, 2)), ("deepseek_v3", (4, 2, 1)),
                                 ("qwen3", (4, 1, 1))]:  # fmt: skip
-        kw = dict(WORK, model=saved[fam][0], tensor_parallel_size=tp)
-        kw.update(decode_context_parallel_size=dcp, prefill_context_parallel_size=pcp)
-        runs.append(kw)
+        runs.append(serve_kwargs(saved[fam][0], tp, dcp, pcp))
     res = run(serve_grid_rank, 4, "torchrun", {"runs": runs}, dist_backend="gloo", report=False)
     for j, fam in enumerate(["llama", "deepseek_v3", "qwen3"]):
         want = [t for t, _ in saved[fam][2]]

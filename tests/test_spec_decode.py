@@ -27,12 +27,13 @@ from cpbook.engine.spec_decode import (
 from cpbook.kv.layout import local_seq_len
 from cpbook.kv.manager import KVCacheManager
 from cpbook.kv.paged import PagedKVCache
-from tests.test_engine import references
+from tests.test_engine import references, sizes
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 NGRAM = dict(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1)
 DRAFT = dict(method="draft", num_speculative_tokens=2)
-WORK = dict(num_requests=6, max_new_tokens=6, num_kv_blocks=16)  # preempts on one rank
+WORK = dict(num_requests=6, max_new_tokens=6)
+CACHE = dict(num_gpu_blocks=16)  # preempts on one rank
 
 
 # -- the pieces ---------------------------------------------------------------------------
@@ -154,7 +155,7 @@ def test_one_rank_speculative_logits_match_the_reference(spec):
             serve_rank,
             1,
             "inline",
-            {"model": name, **WORK, "speculative_config": spec},
+            {"model": name, "workload": WORK, "cache_config": CACHE, "speculative_config": spec},
             report=False,
         )[0]
         m = TinyModel.from_name(name)
@@ -199,14 +200,8 @@ def test_inline_grid_subset_token_exact():
     for spec in (NGRAM, DRAFT):
         runs = [
             r
-            for r in spec_grid_runs(spec, **WORK)
-            if (
-                r["model"],
-                r["tensor_parallel_size"],
-                r["decode_context_parallel_size"],
-                r["prefill_context_parallel_size"],
-            )
-            in pick
+            for r in spec_grid_runs(spec, workload=WORK, cache_config=CACHE)
+            if (r["model"], *sizes(r)) in pick
         ]
         n += _check_grid(runs, [2, 4], "inline", refs)
     assert n == 8
@@ -217,14 +212,8 @@ def test_torchrun_world_2_subset_token_exact():
     small = dict(num_requests=4, max_new_tokens=6)
     runs = [
         r
-        for r in spec_grid_runs(NGRAM, **small)
-        if (
-            r["model"],
-            r["tensor_parallel_size"],
-            r["decode_context_parallel_size"],
-            r["prefill_context_parallel_size"],
-        )
-        in {("tiny-gqa", 1, 2, 2), ("tiny-mla", 2, 2, 1)}
+        for r in spec_grid_runs(NGRAM, workload=small)
+        if (r["model"], *sizes(r)) in {("tiny-gqa", 1, 2, 2), ("tiny-mla", 2, 2, 1)}
     ]
     assert _check_grid(runs, [2], "torchrun", references(small)) == 2
 

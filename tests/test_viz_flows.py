@@ -102,7 +102,7 @@ def test_timeline_cells_are_lettered_and_large():
     from cpbook.engine.engine import Engine, make_prompts
     from cpbook.viz.engine import KIND_LETTERS, timeline_figure
 
-    eng = Engine("tiny-gqa", num_kv_blocks=64, max_num_batched_tokens=16)
+    eng = Engine("tiny-gqa", scheduler_config={"max_num_batched_tokens": 16})
     ids = [eng.add_request(p, 3) for p in make_prompts(3, seed=0)]
     while eng.has_unfinished:
         eng.step()

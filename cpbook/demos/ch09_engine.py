@@ -10,6 +10,14 @@ from typing import Any, Sequence
 
 from cpbook.core.config import ParallelConfig
 from cpbook.core.context import RankContext
+from cpbook.core.errors import RuleError
+from cpbook.engine.config import (
+    CacheConfig,
+    RunnerConfig,
+    SchedulerConfig,
+    ServeWorkload,
+    config_of,
+)
 from cpbook.engine.engine import Engine, make_prompts, serve_rank, valid_grid
 from cpbook.engine.models import ENGINE_MODELS
 from cpbook.engine.scheduler import Request, Scheduler
@@ -19,6 +27,7 @@ from cpbook.kv.manager import KVCacheManager
 __all__ = [
     "engine_step_rank",
     "grid_runs",
+    "run_world",
     "max_concurrent_long_requests",
     "serve_grid_rank",
     "vllm_runs_layout",
@@ -30,22 +39,32 @@ def grid_runs(
 ) -> list[dict[str, Any]]:
     """:func:`serve_rank` keyword sets for every valid grid of every model (:func:`valid_grid`),
     alternating the DCP combine and the prefill strategy so both of each run: even entries
-    ``ag_rs`` + the selector (``auto``), odd ones ``a2a`` + AllGather-Q forced."""
+    ``ag_rs`` + the selector (``auto``), odd ones ``a2a`` + AllGather-Q forced.  ``kwargs`` are
+    further :func:`serve_rank` keywords (``workload``, ``cache_config``, ...) shared by all;
+    a ``runner_config`` dict there is completed with each run's ``strategy``."""
     runs = []
     for model in models:
         for i, (tp, dcp, pcp) in enumerate(valid_grid(model, max_world=max_world)):
+            parallel = dict(
+                tensor_parallel_size=tp,
+                decode_context_parallel_size=dcp,
+                prefill_context_parallel_size=pcp,
+                dcp_comm_backend=("ag_rs", "a2a")[i % 2],
+            )
+            runner = {**kwargs.get("runner_config", {}), "strategy": ("auto", "allgather_q")[i % 2]}
             runs.append(
-                dict(
-                    model=model,
-                    tensor_parallel_size=tp,
-                    decode_context_parallel_size=dcp,
-                    prefill_context_parallel_size=pcp,
-                    dcp_comm_backend=("ag_rs", "a2a")[i % 2],
-                    strategy=("auto", "allgather_q")[i % 2],
-                    **kwargs,
-                )
+                {**kwargs, "model": model, "parallel_config": parallel, "runner_config": runner}
             )
     return runs
+
+
+def run_world(run: dict[str, Any]) -> int:
+    """The world size a :func:`serve_rank` keyword set needs: ``tp * pcp`` of its
+    ``parallel_config`` (a dict of sizes or a :class:`ParallelConfig`)."""
+    cfg = run.get("parallel_config") or {}
+    if isinstance(cfg, ParallelConfig):
+        return cfg.world_size
+    return cfg.get("tensor_parallel_size", 1) * cfg.get("prefill_context_parallel_size", 1)
 
 
 def vllm_runs_layout(
@@ -82,10 +101,7 @@ def serve_grid_rank(ctx: RankContext, *, runs: Sequence[dict[str, Any]]) -> list
     one launch checks many configurations.  Logits and history are dropped from the results."""
     out = []
     for kw in runs:
-        if (
-            kw.get("tensor_parallel_size", 1) * kw.get("prefill_context_parallel_size", 1)
-            != ctx.world_size
-        ):
+        if run_world(kw) != ctx.world_size:
             continue
         res = serve_rank(ctx, **kw)
         res.pop("history")
@@ -94,20 +110,25 @@ def serve_grid_rank(ctx: RankContext, *, runs: Sequence[dict[str, Any]]) -> list
     return out
 
 
+STEP_PARALLEL = {"tensor_parallel_size": 4, "decode_context_parallel_size": 2}
+STEP_SCHEDULER = {"max_num_batched_tokens": 16}
+STEP_WORKLOAD = {"num_requests": 4, "max_new_tokens": 4}
+
+
 def engine_step_rank(
     ctx: RankContext,
     *,
     model: str = "tiny-gqa",
-    tensor_parallel_size: int = 4,
-    decode_context_parallel_size: int = 2,
-    num_requests: int = 4,
-    max_new_tokens: int = 4,
-    max_num_batched_tokens: int = 16,
-    num_kv_blocks: int = 64,
-    seed: int = 0,
+    parallel_config: ParallelConfig | dict[str, Any] | None = None,
+    scheduler_config: SchedulerConfig | dict[str, Any] | None = None,
+    cache_config: CacheConfig | dict[str, Any] | None = None,
+    runner_config: RunnerConfig | dict[str, Any] | None = None,
+    workload: ServeWorkload | dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Run an engine on this rank of a TP x DCP grid up to its first step that batches a decode
-    with a prompt chunk, and return what that step was on this rank.
+    with a prompt chunk, and return what that step was on this rank.  The defaults: TP 4 x DCP
+    2 (:data:`STEP_PARALLEL`), a budget of 16 tokens per step (:data:`STEP_SCHEDULER`), 4
+    requests of 4 new tokens (:data:`STEP_WORKLOAD`).
 
     ``record``: the step's :class:`~cpbook.engine.engine.StepRecord` (the scheduler's batch, the
     same on every rank); ``coords``: this rank's ``(tp_rank, dcp_rank)``; ``heads``: its query
@@ -118,15 +139,16 @@ def engine_step_rank(
     """
     eng = Engine(
         model,
-        num_kv_blocks,
-        tensor_parallel_size=tensor_parallel_size,
-        decode_context_parallel_size=decode_context_parallel_size,
+        STEP_PARALLEL if parallel_config is None else parallel_config,
+        scheduler_config=STEP_SCHEDULER if scheduler_config is None else scheduler_config,
+        cache_config=cache_config,
+        runner_config=runner_config,
         ctx=ctx,
-        max_num_batched_tokens=max_num_batched_tokens,
-        seed=seed,
     )
-    for p in make_prompts(num_requests, seed, eng.model.config.vocab_size):
-        eng.add_request(p, max_new_tokens)
+    work = config_of(ServeWorkload, STEP_WORKLOAD if workload is None else workload)
+    seed = eng.runner_config.seed
+    for p in make_prompts(work.num_requests, seed, eng.model.config.vocab_size):
+        eng.add_request(p, work.max_new_tokens)
     reqs = eng.scheduler.requests
     while True:
         first, before = len(ctx.trace), {rid: len(r.output) for rid, r in reqs.items()}
@@ -135,10 +157,11 @@ def engine_step_rank(
         if "decode" in kinds and kinds != {"decode"}:
             break
         if not eng.has_unfinished:
-            raise ValueError(
-                "[engine-step-mixed] requires a step batching a decode with a prompt chunk; "
-                f"none in {len(eng.history)} steps at max_num_batched_tokens="
-                f"{max_num_batched_tokens}"
+            raise RuleError(
+                "engine-step-mixed",
+                "a step batching a decode with a prompt chunk",
+                steps=len(eng.history),
+                max_num_batched_tokens=eng.scheduler_config.max_num_batched_tokens,
             )
     cache, c = eng.runner.caches[0], eng.groups.coords
     chunks = []

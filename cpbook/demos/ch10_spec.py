@@ -239,5 +239,5 @@ def draft_placement_rank(
 
 def spec_grid_runs(speculative_config: dict, **kwargs: Any) -> list[dict[str, Any]]:
     """:func:`~cpbook.demos.ch09_engine.grid_runs` (every valid grid of both models, both
-    combines) with ``speculative_config`` added to each run."""
+    combines; ``kwargs`` as there) with ``speculative_config`` added to each run."""
     return grid_runs(speculative_config=speculative_config, **kwargs)

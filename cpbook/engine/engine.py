@@ -25,7 +25,15 @@ import torch
 from cpbook.core.backends import SimWorld
 from cpbook.core.config import ConfigError, ParallelConfig
 from cpbook.core.context import RankContext
+from cpbook.core.errors import RuleError
 from cpbook.core.groups import make_groups
+from cpbook.engine.config import (
+    CacheConfig,
+    RunnerConfig,
+    SchedulerConfig,
+    ServeWorkload,
+    config_of,
+)
 from cpbook.engine.hf import from_pretrained, hf_config
 from cpbook.engine.models import ENGINE_MODELS, ModelConfig, TinyModel, get_engine_model
 from cpbook.engine.runner import ModelRunner
@@ -41,6 +49,7 @@ __all__ = [
     "RequestOutput",
     "make_prompts",
     "model_config",
+    "load_model",
     "valid_grid",
     "serve_rank",
 ]
@@ -72,14 +81,57 @@ def engine_config(
     )
 
 
+def _is_hf_folder(model: str) -> bool:
+    """The one model-name rule: an engine model name wins, else an existing folder is a
+    Hugging Face model, else the name is looked up (and rejected) as an engine model."""
+    return model not in ENGINE_MODELS and Path(model).is_dir()
+
+
 def model_config(model: str) -> ModelConfig:
     """The :class:`ModelConfig` of an engine model name or of a Hugging Face folder's
     ``config.json`` (validated by :func:`cpbook.engine.hf.hf_config`, no weights read)."""
-    if model in ENGINE_MODELS or not Path(model).is_dir():
+    if not _is_hf_folder(model):
         return get_engine_model(model)
     if not (Path(model) / "config.json").is_file():
         raise ConfigError("hf-folder", "a folder with config.json", path=model)
     return hf_config(json.loads((Path(model) / "config.json").read_text()), Path(model).name)[0]
+
+
+def load_model(model: str | TinyModel, dtype: str = "float64", seed: int = 0) -> TinyModel:
+    """``model`` itself if it is a :class:`TinyModel`; else an engine model's weights from
+    ``seed`` or a Hugging Face folder's weights (:func:`cpbook.engine.hf.from_pretrained`), in
+    ``dtype`` — the name resolved as :func:`model_config` resolves it."""
+    if not isinstance(model, str):
+        return model
+    if _is_hf_folder(model):
+        return from_pretrained(model, getattr(torch, dtype))
+    return TinyModel.from_name(model, seed, getattr(torch, dtype))
+
+
+def _parallel_config(
+    model: ModelConfig, parallel_config: ParallelConfig | dict[str, Any] | None, cache: CacheConfig
+) -> ParallelConfig:
+    """The engine's :class:`ParallelConfig`: a dict of layout sizes completed with ``model``'s
+    attention shape and the cache's block size, or a given config checked against both."""
+    if not isinstance(parallel_config, ParallelConfig):
+        layout = {"block_size": cache.block_size, **(parallel_config or {})}
+        parallel_config = ParallelConfig.for_model(model, **layout)
+    shape = {k: getattr(parallel_config, k) for k in model.attention_shape}
+    if shape != model.attention_shape:
+        raise ConfigError(
+            "config-matches-model",
+            "parallel_config's attention shape == the model's",
+            config=shape,
+            model=model.attention_shape,
+        )
+    if parallel_config.block_size != cache.block_size:
+        raise ConfigError(
+            "block-size-agrees",
+            "parallel_config.block_size == cache_config.block_size",
+            parallel_block_size=parallel_config.block_size,
+            cache_block_size=cache.block_size,
+        )
+    return parallel_config
 
 
 def valid_grid(
@@ -140,91 +192,62 @@ class RequestOutput:
 class Engine:
     """Greedy generation with continuous batching, chunked prefill, prefix caching, preemption.
 
-    ``Engine(model, num_kv_blocks=64, *, tensor_parallel_size=1, ..., ctx=None, ...)``, like
-    vLLM's ``LLM(model, tensor_parallel_size=...)``: ``model`` is a name of
-    :data:`cpbook.engine.models.ENGINE_MODELS` (weights from ``seed``), a Hugging Face model folder
-    (:func:`cpbook.engine.hf.from_pretrained`, in ``dtype``) or a :class:`TinyModel`;
-    the layout's sizes take vLLM's names and the engine builds its
-    :class:`~cpbook.core.config.ParallelConfig` from the model
-    (:meth:`~cpbook.core.config.ParallelConfig.for_model`), so the two cannot disagree;
-    ``num_kv_blocks`` physical blocks per rank (= block ids of the DCP group); ``ctx`` this
-    rank's context (default: a single inline rank on the CPU; the weights, caches and every
-    step's tensors live on ``ctx.device``); ``alpha`` / ``beta`` the link's seconds per
-    call and per byte for ``strategy="auto"`` (default: the CPU fit,
-    :data:`~cpbook.pcp.chunked_plan.CPU_ALPHA_S`); ``speculative_config`` a
-    :class:`~cpbook.engine.spec_decode.SpeculativeConfig` or a dict of its (vLLM's) keys
-    (``method``: ``"ngram"`` or ``"draft"``, ``num_speculative_tokens``; ``model`` an engine
-    model name for a separately seeded draft, ``seed + 1``, or a Hugging Face folder) or
-    ``draft_model`` a
-    :class:`TinyModel`.  Every rank of ``ctx``'s world must build the engine with the same
-    arguments and drive it the same way.
+    ``Engine(model, parallel_config, scheduler_config=..., cache_config=...,
+    speculative_config=..., runner_config=..., ctx=...)``, like vLLM's engine built from a
+    ``VllmConfig``: ``model`` is a name of :data:`cpbook.engine.models.ENGINE_MODELS` (weights
+    from ``runner_config.seed``), a Hugging Face model folder
+    (:func:`cpbook.engine.hf.from_pretrained`, in ``runner_config.dtype``) or a
+    :class:`TinyModel` (:func:`load_model`).  ``parallel_config`` is a
+    :class:`~cpbook.core.config.ParallelConfig` of this model or a dict of its vLLM-named sizes
+    (``tensor_parallel_size``, ``decode_context_parallel_size``, ...; ``None``: one rank), which
+    the engine completes with the model's attention shape and ``cache_config.block_size``
+    (:meth:`~cpbook.core.config.ParallelConfig.for_model`), so the two cannot disagree.  The
+    other configs (:mod:`cpbook.engine.config`, and
+    :class:`~cpbook.engine.spec_decode.SpeculativeConfig`) are instances or dicts of their
+    fields; ``speculative_config``'s ``model`` is an engine model name (seeded ``seed + 1``) or a
+    Hugging Face folder.  ``ctx`` is this rank's context (default: a single inline rank on the
+    CPU; the weights, caches and every step's tensors live on ``ctx.device``).  Every rank of
+    ``ctx``'s world must build the engine with the same arguments and drive it the same way.
     """
 
     def __init__(
         self,
         model: str | TinyModel,
-        num_kv_blocks: int = 64,
+        parallel_config: ParallelConfig | dict[str, Any] | None = None,
         *,
-        tensor_parallel_size: int = 1,
-        decode_context_parallel_size: int = 1,
-        prefill_context_parallel_size: int = 1,
-        block_size: int = 4,
-        cp_kv_cache_interleave_size: int = 1,
-        dcp_comm_backend: str = "ag_rs",
+        scheduler_config: SchedulerConfig | dict[str, Any] | None = None,
+        cache_config: CacheConfig | dict[str, Any] | None = None,
+        speculative_config: SpeculativeConfig | dict[str, Any] | None = None,
+        runner_config: RunnerConfig | dict[str, Any] | None = None,
         ctx: RankContext | None = None,
-        max_num_batched_tokens: int = 32,
-        max_num_seqs: int = 8,
-        enable_prefix_caching: bool = True,
-        strategy: str = "auto",
-        workspace_size: int = 64,
-        alpha: float | None = None,
-        beta: float | None = None,
-        seed: int = 0,
-        dtype: str = "float64",
-        speculative_config: SpeculativeConfig | dict | None = None,
-        draft_model: TinyModel | None = None,
     ) -> None:
         spec = SpeculativeConfig.of(speculative_config)
-        if isinstance(model, str) and (model in ENGINE_MODELS or not Path(model).is_dir()):
-            model = TinyModel.from_name(model, seed, getattr(torch, dtype))
-        elif isinstance(model, str):  # a Hugging Face model folder
-            model = from_pretrained(model, getattr(torch, dtype))
-        cfg = engine_config(
-            model.config,
-            tensor_parallel_size,
-            decode_context_parallel_size,
-            prefill_context_parallel_size,
-            block_size=block_size,
-            cp_kv_cache_interleave_size=cp_kv_cache_interleave_size,
-            dcp_comm_backend=dcp_comm_backend,
-        )
+        sched = config_of(SchedulerConfig, scheduler_config)
+        cache = config_of(CacheConfig, cache_config)
+        run = config_of(RunnerConfig, runner_config)
+        model = load_model(model, run.dtype, run.seed)
+        cfg = _parallel_config(model.config, parallel_config, cache)
         self.ctx = ctx or single_rank_context()
         self.model, self.config = model.to(self.ctx.device), cfg  # weights on the rank's device
+        self.scheduler_config, self.cache_config, self.runner_config = sched, cache, run
         self.groups = make_groups(self.ctx, cfg)  # raises grid-matches-world before collectives
-        self.kv = KVCacheManager.from_config(cfg, num_kv_blocks, enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, max_num_batched_tokens, max_num_seqs)
+        self.kv = KVCacheManager.from_config(cfg, cache.num_gpu_blocks, cache.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, sched.max_num_batched_tokens, sched.max_num_seqs)
         self.runner = ModelRunner(
             self.model,
             cfg,
             self.groups,
-            num_kv_blocks,
-            strategy=strategy,
-            workspace_size=workspace_size,
-            alpha=alpha,
-            beta=beta,
+            cache.num_gpu_blocks,
+            strategy=run.strategy,
+            workspace_size=run.workspace_size,
+            alpha=run.alpha,
+            beta=run.beta,
         )
         self.speculative_config = spec
-        if spec is not None and spec.method == "draft" and draft_model is None and spec.model:
-            draft_model = (
-                from_pretrained(spec.model, getattr(torch, dtype))
-                if Path(spec.model).is_dir()
-                else TinyModel.from_name(spec.model, seed + 1, getattr(torch, dtype))
-            )
-        self.proposer = (
-            None
-            if spec is None
-            else make_proposer(spec, self.model, draft_model and draft_model.to(self.ctx.device))
-        )
+        draft = None
+        if spec is not None and spec.method == "draft" and spec.model:
+            draft = load_model(spec.model, run.dtype, run.seed + 1).to(self.ctx.device)
+        self.proposer = None if spec is None else make_proposer(spec, self.model, draft)
         self.logits: dict[str, list[torch.Tensor]] = {}
         self.history: list[StepRecord] = []
         self._next_id = 0
@@ -312,7 +335,9 @@ class Engine:
                 break
             self.step()
         else:
-            raise RuntimeError(f"[engine-progress] requires finishing within {max_steps} steps")
+            raise RuleError(
+                "engine-progress", "finishing within max_steps steps", max_steps=max_steps
+            )
         return [self.output(i) for i in ids]
 
     @property
@@ -357,25 +382,17 @@ def serve_rank(
     ctx: RankContext,
     *,
     model: str = "tiny-gqa",
-    tensor_parallel_size: int = 1,
-    decode_context_parallel_size: int = 1,
-    prefill_context_parallel_size: int = 1,
-    dcp_comm_backend: str = "ag_rs",
-    num_requests: int = 6,
-    max_new_tokens: int = 8,
-    num_kv_blocks: int = 20,
-    block_size: int = 4,
-    cp_kv_cache_interleave_size: int = 1,
-    max_num_batched_tokens: int = 32,
-    max_num_seqs: int = 8,
-    strategy: str = "auto",
-    seed: int = 0,
-    dtype: str = "float64",
-    prompts: Sequence[Sequence[int]] | None = None,
-    speculative_config: dict | None = None,
+    parallel_config: ParallelConfig | dict[str, Any] | None = None,
+    scheduler_config: SchedulerConfig | dict[str, Any] | None = None,
+    cache_config: CacheConfig | dict[str, Any] | None = None,
+    speculative_config: SpeculativeConfig | dict[str, Any] | None = None,
+    runner_config: RunnerConfig | dict[str, Any] | None = None,
+    workload: ServeWorkload | dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Serve ``prompts`` (default: :func:`make_prompts` of ``num_requests``, ``seed``) greedily
-    on this rank of the grid.
+    """Serve ``workload`` (a :class:`~cpbook.engine.config.ServeWorkload` or a dict of its
+    fields; its default prompts are :func:`make_prompts` of ``num_requests``, seeded by the
+    runner's ``seed``) greedily on this rank of the grid, on an :class:`Engine` of the given
+    configs (``num_gpu_blocks`` defaults to 20 blocks per rank here).
 
     The configuration is validated (and the grid checked against the world size) before any
     collective.  Returns per-request ``tokens`` and the ``logits`` rows they came from, the
@@ -385,31 +402,29 @@ def serve_rank(
     checked by the caller against :func:`cpbook.engine.models.reference_generate` (a whole engine
     run has no closed-form byte count, so there is no ``expected`` list).
     """
+    work = config_of(ServeWorkload, workload)
     with ctx.traced() as comm:
         eng = Engine(
             model,
-            num_kv_blocks,
-            tensor_parallel_size=tensor_parallel_size,
-            decode_context_parallel_size=decode_context_parallel_size,
-            prefill_context_parallel_size=prefill_context_parallel_size,
-            block_size=block_size,
-            cp_kv_cache_interleave_size=cp_kv_cache_interleave_size,
-            dcp_comm_backend=dcp_comm_backend,
-            ctx=ctx,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=max_num_seqs,
-            strategy=strategy,
-            seed=seed,
-            dtype=dtype,
+            parallel_config,
+            scheduler_config=scheduler_config,
+            cache_config=cache_config
+            if isinstance(cache_config, CacheConfig)
+            else CacheConfig(**{"num_gpu_blocks": 20, **(cache_config or {})}),
             speculative_config=speculative_config,
+            runner_config=runner_config,
+            ctx=ctx,
         )
+        prompts = work.prompts
         if prompts is None:
-            prompts = make_prompts(num_requests, seed, eng.model.config.vocab_size)
+            prompts = make_prompts(
+                work.num_requests, eng.runner_config.seed, eng.model.config.vocab_size
+            )
         prompts = [list(map(int, p)) for p in prompts]
-        outs = eng.generate(prompts, max_new_tokens)
+        outs = eng.generate(prompts, work.max_new_tokens)
     cfg = eng.config
     c = eng.groups.coords
-    spec = eng.spec_metrics if speculative_config is not None else None
+    spec = eng.spec_metrics if eng.speculative_config is not None else None
     tail = (
         ""
         if spec is None
@@ -435,7 +450,7 @@ def serve_rank(
             torch.stack(eng.logits[o.request_id]) if eng.logits[o.request_id] else None
             for o in outs
         ],
-        "dcp_comm_backend": dcp_comm_backend,
+        "dcp_comm_backend": cfg.dcp_comm_backend,
         "steps": len(eng.history),
         "prefix_hit_tokens": eng.prefix_hit_tokens,
         "preemptions": eng.scheduler.num_preemptions,

@@ -40,7 +40,7 @@ from cpbook.core.backends import _dist_call, new_group_keeps_order
 from cpbook.core.context import RankContext
 from cpbook.core.launch import run
 from cpbook.demos import get_demo
-from cpbook.demos.ch09_engine import grid_runs, serve_grid_rank
+from cpbook.demos.ch09_engine import grid_runs, run_world, serve_grid_rank
 from cpbook.engine.engine import make_prompts
 from cpbook.engine.models import TinyModel, reference_generate
 
@@ -179,11 +179,7 @@ def demo_rows(device: torch.device) -> list[dict[str, Any]]:
             ok = err <= TOL[getattr(torch, params.get("dtype", "float64"))]
         rows.append(_demo_row(name, world, params, err, used, ok))
     for world in (2, 4):
-        runs = [
-            r
-            for r in grid_runs(max_world=4, **ENGINE_WORK)
-            if r["tensor_parallel_size"] * r["prefill_context_parallel_size"] == world
-        ]
+        runs = [r for r in grid_runs(max_world=4, workload=ENGINE_WORK) if run_world(r) == world]
         res, used = _measured(
             device,
             lambda: run(

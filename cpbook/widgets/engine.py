@@ -31,7 +31,11 @@ def run_with_arrivals(
     """Serve ``prompts`` on one rank: ``prompts[:first]`` arrive at step 1, the rest at step
     ``late_step``; step until all finish.  Returns the engine, the request ids in prompt order
     and each request's arrival step."""
-    eng = Engine(model, num_kv_blocks=num_kv_blocks, max_num_batched_tokens=max_num_batched_tokens)
+    eng = Engine(
+        model,
+        cache_config={"num_gpu_blocks": num_kv_blocks},
+        scheduler_config={"max_num_batched_tokens": max_num_batched_tokens},
+    )
     ids = [eng.add_request(p, max_new_tokens) for p in prompts[:first]]
     arrivals = dict.fromkeys(ids, 1)
     while eng.has_unfinished or len(ids) < len(prompts):
