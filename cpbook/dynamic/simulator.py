@@ -36,22 +36,28 @@ from typing import Callable, Sequence
 import numpy as np
 
 from cpbook import costmodel as cm
-from cpbook.dynamic.migration import migration_plan
+from cpbook.core.errors import RuleError
+from cpbook.dynamic.events import Simulation
 from cpbook.dynamic.router import Router, cp_line
-from cpbook.dynamic.workload import SimWorkload, make_workload
+from cpbook.dynamic.workload import SimWorkload, WorkloadMix, make_workload
 
 __all__ = [
     "Cluster",
     "POLICIES",
+    "STATIC_DP",
+    "STATIC_CP",
+    "DYNAMIC_CP",
+    "DYNAMIC_CP_TPA",
     "policy_router",
     "simulate",
     "sweep",
 ]
 
+#: the policies, the one place they are spelled: static DP, static CP = ``Cluster.static_cp``,
+#: dynamic CP and dynamic CP whose CP groups use TPA (``tpa=True`` of
+#: :meth:`~cpbook.dynamic.router.Router.modelled`)
 POLICIES = ("static_dp", "static_cp", "dynamic_cp", "dynamic_cp_tpa")
-
-
-_NEVER = np.iinfo(np.int64).max // 2  # steps until a migration that never comes
+STATIC_DP, STATIC_CP, DYNAMIC_CP, DYNAMIC_CP_TPA = POLICIES
 
 
 @dataclass(frozen=True)
@@ -109,36 +115,22 @@ def policy_router(cluster: Cluster, policy: str) -> Router:
     """The :class:`~cpbook.dynamic.router.Router` of ``policy`` on ``cluster``."""
     m, g = cluster.spec
     cap = cluster.capacity_tokens()
-    if policy == "static_dp":
+    if policy == STATIC_DP:
         return Router([], [1])
-    if policy == "static_cp":
+    if policy == STATIC_CP:
         return Router([0], [1, cluster.static_cp], model=m, pool_size=cluster.decode_gpus)
-    if policy in ("dynamic_cp", "dynamic_cp_tpa"):
+    if policy in (DYNAMIC_CP, DYNAMIC_CP_TPA):
         return Router.modelled(
             m,
             g,
             cluster.cp_sizes,
-            tpa=policy == "dynamic_cp_tpa",
+            tpa=policy == DYNAMIC_CP_TPA,
             num_reqs=cluster.router_num_reqs,
             link=cm.LINKS[cluster.link],
             pool_size=cluster.decode_gpus,
             capacity_tokens=cap,
         )
-    raise ValueError(f"[policy] requires policy in {POLICIES}; got {policy!r}")
-
-
-def _prefill(cluster: Cluster, w: SimWorkload, sizes: np.ndarray) -> np.ndarray:
-    """Prefill end time of every request: FCFS on aligned groups of its size."""
-    free_at = np.zeros(cluster.prefill_gpus)
-    dur = cluster.prefill_s(w.prompt, sizes)
-    end = np.empty(len(w.arrival))
-    for i in range(len(w.arrival)):
-        n = int(sizes[i])
-        groups = free_at.reshape(-1, n).max(axis=1)
-        j = int(np.argmin(groups))
-        end[i] = max(w.arrival[i], groups[j]) + dur[i]
-        free_at[j * n : (j + 1) * n] = end[i]
-    return end
+    raise RuleError("policy", f"policy in {POLICIES}", policy=policy)
 
 
 def simulate(
@@ -159,199 +151,7 @@ def simulate(
     admission.
     """
     router = policy_router(cluster, policy) if router is None else router
-    tpa = router.tpa
-    g_n, cap = cluster.decode_gpus, cluster.capacity_tokens()
-    m, _ = cluster.spec
-    layers, link = m.num_layers, cm.LINKS[cluster.link]
-    sizes = router.route_many(w.total)
-    start = (
-        sizes
-        if expected_output is None
-        else np.minimum(sizes, router.route_many(w.prompt + expected_output))
-    )
-    thr = np.asarray([0.0] + router.thresholds)[[router.cp_sizes.index(n) for n in sizes]]
-    mig_ctx = np.maximum(np.minimum(thr, start * cap), w.prompt + 1).astype(np.int64)
-    migrates = (start < sizes) & (mig_ctx < w.total - 1)
-    n_req = len(w.arrival)
-    rejected = w.total > sizes * cap
-    prefill_end = _prefill(cluster, w, start)
-    ttft = prefill_end - w.arrival
-    t_w = cluster.weights_step_s()
-    terms = {n: cluster.attention_terms(n, tpa) for n in set(sizes.tolist()) | {1}}
-    gamma = terms[1][2]
-
-    order = np.argsort(prefill_end, kind="stable")
-    order = order[~rejected[order]]
-    free = np.full(g_n, float(cap))
-    tok = np.zeros(g_n)  # KV tokens held per GPU (fractional under CP)
-    grow = np.zeros(g_n)  # tokens added per step per GPU
-    group_reqs: dict[tuple[int, int], int] = {}  # (n, group) -> requests decoding on it
-    finish = np.full(n_req, np.nan)
-    cur_n, cur_j, dest_j = start.copy(), np.full(n_req, -1), np.full(n_req, -1)
-    act_id, act_rem, act_mig = (np.empty(0, np.int64) for _ in range(3))
-    waiting: list[int] = []
-    now, nxt, steps, decode_tokens, peak = 0.0, 0, 0, 0, 0.0
-    moved_bytes, n_moved = 0, 0
-    clock, produced = [0.0], [0]  # decode tokens produced by each event time
-
-    def place(i: int, n: int, j: int, tokens: float, sign: int) -> None:
-        sl = slice(j * n, (j + 1) * n)
-        tok[sl] += sign * tokens / n
-        grow[sl] += sign / n
-        if n > 1:
-            group_reqs[(n, j)] = group_reqs.get((n, j), 0) + sign
-
-    def hold(n: int, tokens: int) -> tuple[int, float] | None:
-        need = float(-(-tokens // n))
-        gfree = free.reshape(-1, n).min(axis=1)
-        j = int(np.argmax(gfree))
-        if gfree[j] < need:
-            return None
-        free[j * n : (j + 1) * n] -= need
-        return j, need
-
-    def admit(i: int) -> bool:
-        first = int(mig_ctx[i]) if migrates[i] else int(w.total[i])
-        dest = hold(int(sizes[i]), int(w.total[i])) if migrates[i] else None
-        if migrates[i] and dest is None:
-            return False
-        got = hold(int(start[i]), first)
-        if got is None:
-            if dest is not None:
-                n = int(sizes[i])
-                free[dest[0] * n : (dest[0] + 1) * n] += dest[1]
-            return False
-        cur_j[i] = got[0]
-        dest_j[i] = -1 if dest is None else dest[0]
-        place(i, int(start[i]), got[0], float(w.prompt[i]), 1)
-        return True
-
-    def release(i: int, n: int, j: int, reserved: int, tokens: int) -> None:
-        free[j * n : (j + 1) * n] += float(-(-reserved // n))
-        place(i, n, j, float(tokens), -1)
-
-    def migrate(i: int) -> float:
-        nonlocal moved_bytes, n_moved
-        ctx, n0, j0, n1, j1 = (
-            int(mig_ctx[i]),
-            int(start[i]),
-            int(cur_j[i]),
-            int(sizes[i]),
-            int(dest_j[i]),
-        )
-        release(i, n0, j0, ctx, ctx)
-        place(i, n1, j1, float(ctx), 1)
-        cur_n[i], cur_j[i] = n1, j1
-        plan = migration_plan(ctx, n0, n1)  # interleave 1 on both sides
-        new_rank = {j1 * n1 + r: r for r in range(n1)}
-        kept = sum(
-            int(plan[r, new_rank[j0 * n0 + r]]) for r in range(n0) if j0 * n0 + r in new_rank
-        )
-        moved = (ctx - kept) * cm.kv_bytes_per_token(m)
-        moved_bytes, n_moved = moved_bytes + moved, n_moved + 1
-        return link.alpha_s + moved / link.bw_bytes_per_s
-
-    def finish_request(i: int) -> None:
-        n1, tokens = int(sizes[i]), int(w.total[i] - 1)
-        if dest_j[i] >= 0 and cur_n[i] != n1:  # never reached its migration point
-            free[dest_j[i] * n1 : (dest_j[i] + 1) * n1] += float(-(-int(w.total[i]) // n1))
-            release(i, int(cur_n[i]), int(cur_j[i]), int(mig_ctx[i]), tokens)
-        else:
-            release(i, int(cur_n[i]), int(cur_j[i]), int(w.total[i]), tokens)
-
-    while nxt < len(order) or waiting or len(act_id):
-        t_next = prefill_end[order[nxt]] if nxt < len(order) else math.inf
-        if not len(act_id):
-            now = max(now, t_next)
-        else:
-            fixed = np.zeros(g_n)
-            for (n, j), cnt in group_reqs.items():
-                if cnt:
-                    a, b, _ = terms[n]
-                    fixed[j * n : (j + 1) * n] += a + b * cnt
-            k_max = int(min(act_rem.min(), act_mig.min()))
-            ks = np.arange(k_max)
-            per_gpu = gamma * (tok[:, None] + grow[:, None] * ks[None, :]) + fixed[:, None]
-            dt = t_w + layers * per_gpu.max(axis=0)
-            ends = now + np.cumsum(dt)
-            k = min(k_max, int(np.searchsorted(ends, t_next)) + 1)
-            now = float(ends[k - 1])
-            steps += k
-            decode_tokens += k * len(act_id)
-            tok += grow * k
-            clock.append(now)
-            produced.append(decode_tokens)
-            act_rem, act_mig = act_rem - k, act_mig - k
-            for i in act_id[act_mig == 0].tolist():
-                now += migrate(i)
-            act_mig = np.where(act_mig == 0, _NEVER, act_mig)
-            done = act_rem == 0
-            for i in act_id[done].tolist():
-                finish[i] = now
-                finish_request(i)
-            act_id, act_rem, act_mig = act_id[~done], act_rem[~done], act_mig[~done]
-        while nxt < len(order) and prefill_end[order[nxt]] <= now:
-            waiting.append(int(order[nxt]))
-            nxt += 1
-        still, new = [], []
-        for i in waiting:
-            (new if admit(i) else still).append(i)
-        waiting = still
-        if new:
-            act_id = np.concatenate([act_id, np.array(new, np.int64)])
-            act_rem = np.concatenate([act_rem, w.output[new] - 1])
-            act_mig = np.concatenate(
-                [act_mig, np.where(migrates[new], mig_ctx[new] - w.prompt[new], _NEVER)]
-            )
-        peak = max(peak, 1.0 - float(free.min()) / cap)
-        if not len(act_id) and waiting and nxt == len(order):
-            raise RuntimeError("[decode-progress] requires an admissible request; none fits")
-    window = float(np.interp(w.arrival[-1], clock, produced)) / w.arrival[-1]
-    out = _summary(
-        w,
-        policy,
-        router,
-        sizes,
-        rejected,
-        ttft,
-        prefill_end,
-        finish,
-        steps,
-        decode_tokens,
-        peak,
-        window,
-    )
-    return {**out, "migrations": n_moved, "migrated_bytes": int(moved_bytes)}
-
-
-def _summary(
-    w, policy, router, sizes, rejected, ttft, prefill_end, finish, steps, tokens, peak, window
-):
-    """The metrics; ``throughput_tok_s``: decode tokens per second while requests arrive."""
-    ok = ~rejected
-    tpot = np.where(w.output > 1, (finish - prefill_end) / np.maximum(w.output - 1, 1), 0.0)
-    pct = lambda x, q: float(np.percentile(x[ok], q) * 1e3) if ok.any() else float("nan")  # noqa: E731
-    return {
-        "policy": policy,
-        "router": repr(router),
-        "requests": int(len(w.arrival)),
-        "completed": int(np.isfinite(finish).sum()),
-        "rejected": int(rejected.sum()),
-        "cp_requests": int((sizes[ok] > 1).sum()),
-        "output_tokens": int(w.output[np.isfinite(finish)].sum()),
-        "decode_tokens": int(tokens),
-        "decode_steps": int(steps),
-        "throughput_tok_s": window,
-        "ttft_p50_ms": pct(ttft, 50),
-        "ttft_p99_ms": pct(ttft, 99),
-        "tpot_p50_ms": pct(tpot, 50),
-        "tpot_p99_ms": pct(tpot, 99),
-        "kv_peak_fraction": peak,
-        "sizes": sizes,
-        "ttft_s": ttft,
-        "tpot_s": tpot,
-        "finish_s": finish,
-    }
+    return Simulation(cluster, w, router, expected_output).run(policy)
 
 
 def sweep(
@@ -361,13 +161,13 @@ def sweep(
     policies: Sequence[str] = POLICIES,
     seed: int = 0,
     progress: Callable[[int, int], None] | None = None,
-    **workload,
+    mix: WorkloadMix | None = None,
 ) -> list[dict]:
-    """:func:`simulate` every policy at every arrival rate (one seeded workload per rate);
-    ``progress(done, total)`` is called after each run (a progress bar hooks in there)."""
+    """:func:`simulate` every policy at every arrival rate (one seeded workload of ``mix`` per
+    rate); ``progress(done, total)`` is called after each run (a progress bar hooks in there)."""
     out, total = [], len(rates) * len(policies)
     for rate in rates:
-        w = make_workload(num_requests, rate, seed=seed, **workload)
+        w = make_workload(num_requests, rate, mix=mix, seed=seed)
         for policy in policies:
             r = simulate(cluster, w, policy)
             out.append(

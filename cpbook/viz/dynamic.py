@@ -16,15 +16,16 @@ import numpy as np
 from matplotlib.colors import ListedColormap
 from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter, NullLocator
 
+from cpbook.dynamic.simulator import DYNAMIC_CP, DYNAMIC_CP_TPA, STATIC_CP, STATIC_DP
 from cpbook.viz.style import PALETTE, figure, legible, plain_label, rank_color, tokens_label
 
 __all__ = ["routing_figure", "migration_figure", "frontier_figure", "crossover_figure"]
 
 POLICY_STYLE = {  # policy -> (label, colour, marker)
-    "static_dp": ("static DP", PALETTE[7], "o"),
-    "static_cp": ("static CP = 8", PALETTE[5], "s"),
-    "dynamic_cp": ("dynamic CP", PALETTE[1], "D"),
-    "dynamic_cp_tpa": ("dynamic CP + TPA", PALETTE[0], "^"),
+    STATIC_DP: ("static DP", PALETTE[7], "o"),
+    STATIC_CP: ("static CP = 8", PALETTE[5], "s"),
+    DYNAMIC_CP: ("dynamic CP", PALETTE[1], "D"),
+    DYNAMIC_CP_TPA: ("dynamic CP + TPA", PALETTE[0], "^"),
 }
 SIZE_COLOR = {1: PALETTE[7], 2: PALETTE[2], 4: PALETTE[1], 8: PALETTE[0]}
 

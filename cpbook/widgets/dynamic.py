@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from cpbook.dynamic.router import Router
-from cpbook.dynamic.simulator import Cluster, simulate
+from cpbook.dynamic.simulator import DYNAMIC_CP_TPA, Cluster, simulate
 from cpbook.dynamic.workload import make_workload
 from cpbook.viz.style import tokens_label
 from cpbook.widgets.explorer import Control, Explorer, pre
@@ -35,7 +35,7 @@ def routing_explorer(
             if threshold is None
             else Router([threshold], [1, 8], tpa=True, capacity_tokens=cap)
         )
-        dyn = simulate(cluster, loads[rate], "dynamic_cp_tpa", router)
+        dyn = simulate(cluster, loads[rate], DYNAMIC_CP_TPA, router)
         where = "the modelled break-even" if threshold is None else tokens_label(threshold)
         lines = [
             f"DCP + TPA routed at {where}, {rate:g} req/s, {num_requests:,} requests",
