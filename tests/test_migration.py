@@ -31,10 +31,10 @@ def test_migration_exact_and_bytes_match(old, new, seq_len, i_old, i_new, block)
         src_context_parallel_size=old,
         decode_context_parallel_size=new,
         seq_len=seq_len,
-        src_kv_cache_interleave_size=i_old,
-        cp_kv_cache_interleave_size=i_new,
-        block_size=block,
         num_decode_steps=3,
+        kv=dict(
+            src_kv_cache_interleave_size=i_old, cp_kv_cache_interleave_size=i_new, block_size=block
+        ),
     )
     res = run(migration_rank, max(old, new), fn_kwargs=kw, report=False)
     assert max(r["max_abs_err"] for r in res) <= 1e-10
@@ -57,12 +57,12 @@ def test_bad_world_rejected_before_any_collective():
     with pytest.raises(RuntimeError, match="world-is-both-groups"):
         run(migration_rank, 2, fn_kwargs=dict(decode_context_parallel_size=4), report=False)
     with pytest.raises(RuntimeError, match="q-heads-divisible"):
-        run(migration_rank, 4, fn_kwargs=dict(num_q_heads=6), report=False)
+        run(migration_rank, 4, fn_kwargs=dict(kv=dict(num_q_heads=6)), report=False)
 
 
 @pytest.mark.torchrun
 def test_migration_under_torchrun():
-    kw = dict(decode_context_parallel_size=2, seq_len=29, cp_kv_cache_interleave_size=2)
+    kw = dict(decode_context_parallel_size=2, seq_len=29, kv=dict(cp_kv_cache_interleave_size=2))
     res = run(migration_rank, 2, "torchrun", kw, dist_backend="gloo", report=False)
     assert max(r["max_abs_err"] for r in res) <= 1e-10
     assert all(r["comm"] == r["expected"] for r in res)

@@ -4,20 +4,28 @@ against dense float64 attention and the traced sends against the migration plan.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from cpbook.core.attention import dense_attention
+from cpbook.core.comm import comm_bytes
 from cpbook.core.config import ConfigError, check_positive
 from cpbook.core.context import RankContext
 from cpbook.dcp.decode import dcp_decode_attention, decode_comm_bytes
-from cpbook.dynamic.migration import migrate_kv, migration_bytes, migration_comm_bytes
+from cpbook.dynamic.migration import (
+    migrate_kv,
+    migration_bytes,
+    migration_comm_bytes,
+    migration_plan,
+)
+from cpbook.engine.config import config_of
 from cpbook.kv.layout import check_layout, local_seq_len
 from cpbook.kv.manager import KVCacheManager
 from cpbook.kv.paged import PagedKVCache
 
-__all__ = ["migration_problem", "migration_rank"]
+__all__ = ["MigrationKV", "migration_problem", "migration_rank"]
 
 
 def migration_problem(
@@ -61,6 +69,22 @@ def _cache(
     )
 
 
+@dataclass(frozen=True)
+class MigrationKV:
+    """The KV caches of both groups in :func:`migration_rank`: the old group's
+    (``src_kv_cache_interleave_size``) and the new group's (``cp_kv_cache_interleave_size``)
+    interleave, ``num_blocks`` blocks of ``block_size`` slots on every rank, and the attention
+    shape (``num_q_heads`` over ``num_kv_heads`` KV heads of ``head_dim``)."""
+
+    src_kv_cache_interleave_size: int = 1
+    cp_kv_cache_interleave_size: int = 2
+    block_size: int = 4
+    num_blocks: int = 64
+    num_q_heads: int = 8
+    num_kv_heads: int = 2
+    head_dim: int = 8
+
+
 def migration_rank(
     ctx: RankContext,
     *,
@@ -68,18 +92,13 @@ def migration_rank(
     decode_context_parallel_size: int = 4,
     seq_len: int = 37,
     num_decode_steps: int = 3,
-    block_size: int = 4,
-    src_kv_cache_interleave_size: int = 1,
-    cp_kv_cache_interleave_size: int = 2,
-    num_q_heads: int = 8,
-    num_kv_heads: int = 2,
-    head_dim: int = 8,
-    num_blocks: int = 64,
+    kv: MigrationKV | dict[str, int] | None = None,
     seed: int = 0,
     dtype: str = "float64",
 ) -> dict[str, Any]:
     """Migrate a running request from CP = ``src_context_parallel_size`` to CP =
-    ``decode_context_parallel_size`` on this rank, then decode ``num_decode_steps`` more tokens.
+    ``decode_context_parallel_size`` on this rank, then decode ``num_decode_steps`` more tokens;
+    ``kv`` (a :class:`MigrationKV` or a dict of its fields) shapes both groups' caches.
 
     The world is ``max(N, M)`` ranks.  Every rank keeps an identical block manager for the old
     and the new group; the old group holds ``seq_len`` cached tokens.  After :func:`migrate_kv`
@@ -87,8 +106,11 @@ def migration_rank(
     step's DCP decode output (this rank's ``num_q_heads / M`` heads) is compared with dense
     float64 attention over all tokens so far: the un-migrated request's result.
     """
+    shape = config_of(MigrationKV, kv)
     n_old, n_new = src_context_parallel_size, decode_context_parallel_size
-    i_old, i_new = src_kv_cache_interleave_size, cp_kv_cache_interleave_size
+    i_old, i_new = shape.src_kv_cache_interleave_size, shape.cp_kv_cache_interleave_size
+    block_size, num_blocks = shape.block_size, shape.num_blocks
+    num_q_heads, num_kv_heads, head_dim = shape.num_q_heads, shape.num_kv_heads, shape.head_dim
     check_positive(seq_len=seq_len, num_decode_steps=num_decode_steps, num_blocks=num_blocks)
     check_layout(n_old, i_old, block_size)
     check_layout(n_new, i_new, block_size)
@@ -113,12 +135,12 @@ def migration_rank(
         seq_len, num_decode_steps, num_q_heads, num_kv_heads, head_dim, seed
     )
     q, k, v = q.to(dt), k.to(dt), v.to(dt)
-    kv = (num_kv_heads, head_dim)
+    kv_shape = (num_kv_heads, head_dim)
     old_mgr = KVCacheManager(num_blocks, block_size, n_old, i_old)
     old_mgr.allocate("req", seq_len)
     old = None
     if r < n_old:
-        cache = _cache(num_blocks, block_size, kv, n_old, r, i_old, dt, ctx.device)
+        cache = _cache(num_blocks, block_size, kv_shape, n_old, r, i_old, dt, ctx.device)
         table = old_mgr.block_table("req")
         cache.write(
             k[:seq_len].to(ctx.device),
@@ -130,7 +152,7 @@ def migration_rank(
     new_mgr.allocate("req", seq_len)
     new = None
     if r < n_new:
-        cache = _cache(num_blocks, block_size, kv, n_new, r, i_new, dt, ctx.device)
+        cache = _cache(num_blocks, block_size, kv_shape, n_new, r, i_new, dt, ctx.device)
         new = (cache, new_mgr.block_table("req"))
     before = 0 if old is None else local_seq_len(seq_len, n_old, r, i_old)
     world = ctx.world
@@ -183,13 +205,13 @@ def migration_rank(
         "positions_after": [] if new is None else new[0].read(new[1], seq_len)[2].cpu().tolist(),
         "blocks_before": blocks_before,
         "blocks_after": blocks_after,
-        "bytes_sent": sum(b for _, b in comm),
+        "bytes_sent": comm_bytes(comm),
         "bytes_moved_formula": migration_bytes(
             seq_len, n_old, n_new, i_old, i_new, num_kv_heads, head_dim, e
         ),
         "comm": comm,
         "expected": migration_comm_bytes(
-            r, seq_len, n_old, n_new, i_old, i_new, num_kv_heads, head_dim, e
+            r, migration_plan(seq_len, n_old, n_new, i_old, i_new), num_kv_heads * head_dim * e
         ),
         "decode_comm": decode_comm,
         "decode_expected": []

@@ -77,24 +77,15 @@ def _pairs(count: torch.Tensor) -> list[tuple[int, int, int]]:
     ]
 
 
-def migration_comm_bytes(
-    rank: int,
-    seq_len: int,
-    old_size: int,
-    new_size: int,
-    old_interleave: int,
-    new_interleave: int,
-    num_kv_heads: int,
-    head_dim: int,
-    elem_bytes: int = 8,
-) -> list[tuple[str, int]]:
-    """Rank ``rank``'s traced calls of :func:`migrate_kv`, ``[(op, bytes_sent)]`` in order:
-    two ``send`` (K, V) per transfer it sources, two ``recv`` (0 bytes sent) per one it gets."""
-    count = migration_plan(seq_len, old_size, new_size, old_interleave, new_interleave)
+def migration_comm_bytes(rank: int, count: torch.Tensor, token_bytes: int) -> list[tuple[str, int]]:
+    """Rank ``rank``'s traced calls of :func:`migrate_kv` under the plan ``count``
+    (:func:`migration_plan`), ``[(op, bytes_sent)]`` in order: two ``send`` (K, V) per transfer
+    it sources, ``token_bytes`` (one token's K, ``num_kv_heads * head_dim * elem_bytes``) per
+    token each, and two ``recv`` (0 bytes sent) per one it gets."""
     out: list[tuple[str, int]] = []
     for src, dst, n in _pairs(count):
         if rank == src:
-            out += [("send", n * num_kv_heads * head_dim * elem_bytes)] * 2
+            out += [("send", n * token_bytes)] * 2
         elif rank == dst:
             out += [("recv", 0)] * 2
     return out
