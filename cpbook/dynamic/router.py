@@ -31,7 +31,7 @@ from typing import Sequence
 import numpy as np
 
 from cpbook import costmodel as cm
-from cpbook.core.config import ConfigError
+from cpbook.core.config import ConfigError, RuleError
 from cpbook.data import stored_rows, stored_text
 
 __all__ = ["Route", "Router", "cp_line", "valid_cp_size"]
@@ -46,8 +46,9 @@ class Route:
 
 
 def valid_cp_size(model: cm.ModelSpec, n: int, replica_tp: int = 1, tpa: bool = False) -> None:
-    """Raise ``ValueError`` (vLLM's rule name) unless ``n`` replicas of ``replica_tp`` GPUs can
-    form a DCP group for ``model``: the layout TP = ``n·replica_tp``, DCP = ``n``."""
+    """Raise :class:`~cpbook.core.config.ConfigError` (vLLM's rule name) unless ``n`` replicas
+    of ``replica_tp`` GPUs can form a DCP group for ``model``: the layout TP = ``n·replica_tp``,
+    DCP = ``n``."""
     if n > 1:
         cm.Layout(tp=n * replica_tp, dcp=n, tpa=tpa).config(model)
 
@@ -81,7 +82,7 @@ class Router:
     increasing sizes starting at 1.  With ``model``, every size must be a valid DCP group for it
     (:func:`valid_cp_size`); with ``pool_size``, every size must divide the pool.  With
     ``capacity_tokens`` (KV tokens one replica holds), a request is moved up to the smallest
-    size whose ``n·capacity_tokens`` holds it.  Violations raise ``ValueError`` naming the rule.
+    size whose ``n·capacity_tokens`` holds it.  Violations raise ``ConfigError`` naming the rule.
     """
 
     def __init__(
@@ -164,7 +165,7 @@ class Router:
             if row.get("name") == "decode_break_even":
                 key = "dcp_tpa_tokens" if tpa else "dcp_tokens"
                 return cls([row[key]], [1, row["ranks"]], tpa=tpa)
-        raise ValueError(f"[measured-break-even] requires a decode_break_even row; got {path}")
+        raise RuleError("measured-break-even", "a decode_break_even row", path=path)
 
     @classmethod
     def modelled(
