@@ -19,8 +19,8 @@ def model(request) -> TinyModel:
 
 def test_shapes_from_the_issue():
     gqa, mla = ENGINE_MODELS["tiny-gqa"], ENGINE_MODELS["tiny-mla"]
-    assert (gqa.num_attention_heads, gqa.num_key_value_heads, gqa.use_mla) == (8, 2, False)
-    assert (mla.num_attention_heads, mla.num_key_value_heads, mla.use_mla) == (8, 1, True)
+    assert (gqa.num_q_heads, gqa.num_kv_heads, gqa.use_mla) == (8, 2, False)
+    assert (mla.num_q_heads, mla.num_kv_heads, mla.use_mla) == (8, 1, True)
     assert mla.kv_cache_dim == mla.kv_lora_rank + mla.qk_rope_head_dim
 
 
@@ -43,12 +43,12 @@ def test_tp_slices_sum_to_the_full_layer(model, tp):
     x = torch.randn(5, cfg.hidden_size, generator=gen, dtype=torch.float64)
     attn = torch.randn(
         5,
-        cfg.num_attention_heads,
+        cfg.num_q_heads,
         cfg.kv_lora_rank if cfg.use_mla else cfg.head_dim,
         generator=gen,
         dtype=torch.float64,
     )
-    h, i = cfg.num_attention_heads // tp, cfg.intermediate_size // tp
+    h, i = cfg.num_q_heads // tp, cfg.intermediate_size // tp
     o = sum(
         model.o_proj(0, attn[:, r * h : (r + 1) * h], slice(r * h, (r + 1) * h)) for r in range(tp)
     )

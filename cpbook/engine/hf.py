@@ -153,7 +153,7 @@ def hf_config(config: dict, name: str = "hf") -> tuple[HFConfig, torch.Tensor]:
         vocab_size=config["vocab_size"],
         hidden_size=H,
         num_hidden_layers=config["num_hidden_layers"],
-        num_attention_heads=n,
+        num_q_heads=n,
         intermediate_size=config["intermediate_size"],
         rms_norm_eps=config.get("rms_norm_eps", 1e-6),
     )
@@ -163,7 +163,7 @@ def hf_config(config: dict, name: str = "hf") -> tuple[HFConfig, torch.Tensor]:
         inv, af = rope_inv_freq(p, D)
         cfg = HFConfig(
             **common,
-            num_key_value_heads=config.get("num_key_value_heads", n),
+            num_kv_heads=config.get("num_key_value_heads", n),
             head_dim=D,
             qk_norm=fam == "qwen3",
             rope_attention_factor=af,
@@ -185,7 +185,7 @@ def hf_config(config: dict, name: str = "hf") -> tuple[HFConfig, torch.Tensor]:
         raise _bad("norm_topk_prob", "norm_topk_prob == False for deepseek_v2", True)
     cfg = HFConfig(
         **common,
-        num_key_value_heads=1,
+        num_kv_heads=1,
         use_mla=True,
         kv_lora_rank=config["kv_lora_rank"],
         q_lora_rank=config.get("q_lora_rank"),
@@ -248,7 +248,7 @@ def from_pretrained(
         used.add(key)
         return sd[key].to(torch.float64)
 
-    H, n, L = cfg.hidden_size, cfg.num_attention_heads, cfg.num_hidden_layers
+    H, n, L = cfg.hidden_size, cfg.num_q_heads, cfg.num_hidden_layers
     layers, mlas = [], []
     perm = torch.arange(cfg.qk_rope_head_dim)
     if raw.get("rope_interleave", True):  # DeepSeek-V2 always, V3 unless the config says not
@@ -274,7 +274,7 @@ def from_pretrained(
             kvb = t(a + "kv_b_proj.weight").reshape(n, Dn + cfg.v_head_dim, C)
             mlas.append(TinyMLA(kvb[:, :Dn].permute(2, 0, 1), kvb[:, Dn:].permute(2, 0, 1), R))
         else:
-            D, k = cfg.head_dim, cfg.num_key_value_heads
+            D, k = cfg.head_dim, cfg.num_kv_heads
             for w, heads in (("q", n), ("k", k), ("v", k)):
                 lw[f"w{w}"] = t(f"{a}{w}_proj.weight").T.reshape(H, heads, D)
                 if f"{a}{w}_proj.bias" in sd:

@@ -44,14 +44,16 @@ __all__ = [
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shapes of a tiny decoder (HF/vLLM names)."""
+    """Shapes of a tiny decoder (HF/vLLM names; the heads as cpbook names them everywhere:
+    ``num_q_heads`` is HF's ``num_attention_heads``, ``num_kv_heads`` its
+    ``num_key_value_heads``)."""
 
     name: str
     vocab_size: int = 96
     hidden_size: int = 64
     num_hidden_layers: int = 2
-    num_attention_heads: int = 8
-    num_key_value_heads: int = 2
+    num_q_heads: int = 8
+    num_kv_heads: int = 2
     head_dim: int = 16
     intermediate_size: int = 128
     rope_theta: float = 10000.0
@@ -67,8 +69,8 @@ class ModelConfig:
     def attention_shape(self) -> dict[str, Any]:
         """What :meth:`~cpbook.core.config.ParallelConfig.for_model` reads."""
         return dict(
-            num_q_heads=self.num_attention_heads,
-            num_kv_heads=self.num_key_value_heads,
+            num_q_heads=self.num_q_heads,
+            num_kv_heads=self.num_kv_heads,
             head_dim=self.qk_head_dim,
             use_mla=self.use_mla,
         )
@@ -91,7 +93,7 @@ class ModelConfig:
 
 ENGINE_MODELS: dict[str, ModelConfig] = {
     "tiny-gqa": ModelConfig("tiny-gqa", o_proj_gain=3.0),
-    "tiny-mla": ModelConfig("tiny-mla", num_key_value_heads=1, use_mla=True),
+    "tiny-mla": ModelConfig("tiny-mla", num_kv_heads=1, use_mla=True),
 }
 
 
@@ -135,7 +137,7 @@ class TinyModel:
             x = torch.randn(*shape, generator=gen, dtype=torch.float64) * gain / math.sqrt(fan_in)
             return x.to(dtype)
 
-        H, n, k = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
+        H, n, k = cfg.hidden_size, cfg.num_q_heads, cfg.num_kv_heads
         layers, mlas = [], []
         for _ in range(cfg.num_hidden_layers):
             lw = {"attn_norm": torch.ones(H, dtype=dtype), "mlp_norm": torch.ones(H, dtype=dtype)}
