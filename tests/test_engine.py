@@ -21,7 +21,9 @@ from cpbook.engine.config import CacheConfig, RunnerConfig, SchedulerConfig
 from cpbook.engine.engine import (
     Engine,
     engine_config,
+    load_model,
     make_prompts,
+    model_config,
     serve_rank,
     valid_grid,
 )
@@ -303,3 +305,32 @@ def test_serve_under_torchrun_and_a_world_mismatch():
     bad = serve("--model", "tiny-gqa", "--tp", "4", "--dcp", "2")
     assert bad.returncode != 0
     assert "cpbook: error: [grid-matches-world] requires tp * pcp == world_size" in bad.stderr
+
+
+def test_configs_as_objects_or_dicts_and_their_rules():
+    """A ParallelConfig of the model, or a dict of its sizes, builds the same engine; one of
+    another model, or of another block size than the cache's, names its rule."""
+    cfg = engine_config("tiny-gqa", 2, 1, 1)
+    ctx = RankContext(0, 2, "inline", torch.device("cpu"), timeout=5.0, sim=SimWorld(2, 5.0))
+    with pytest.raises(ConfigError, match=r"^\[config-matches-model\]"):
+        Engine("tiny-mla", cfg, ctx=ctx)
+    with pytest.raises(ConfigError, match=r"^\[block-size-agrees\]"):
+        Engine("tiny-gqa", cfg, cache_config=CacheConfig(block_size=8), ctx=ctx)
+    with pytest.raises(ConfigError, match=r"^\[positive-sizes\]"):
+        SchedulerConfig(max_num_seqs=0)
+    assert len(ctx.trace) == 0
+    a = Engine("tiny-gqa", {"block_size": 4}, scheduler_config={"max_num_seqs": 2})
+    b = Engine("tiny-gqa", engine_config("tiny-gqa"), scheduler_config=SchedulerConfig(2))
+    assert a.config == b.config and a.scheduler.max_num_seqs == 2
+    prompts = make_prompts(3, 4)
+    assert [o.tokens for o in a.generate(prompts, 3)] == [o.tokens for o in b.generate(prompts, 3)]
+
+
+def test_one_model_name_resolution(tmp_path):
+    """An engine model name wins over a folder of that name; a folder without config.json
+    and an unknown name name their rules."""
+    assert load_model("tiny-mla").config == model_config("tiny-mla")
+    with pytest.raises(ConfigError, match=r"^\[hf-folder\]"):
+        model_config(str(tmp_path))
+    with pytest.raises(ConfigError, match=r"^\[known-model\]"):
+        load_model("tiny-moe")

@@ -16,6 +16,11 @@ per concern instead of a wall of keywords:
   ``alpha``/``beta`` for ``strategy="auto"``);
 * :class:`ServeWorkload` — what :func:`~cpbook.engine.engine.serve_rank` serves.
 
+And the one resolution of a model name (:func:`model_config`, :func:`load_model`): an engine
+model name (:data:`~cpbook.engine.models.ENGINE_MODELS`) or a Hugging Face model folder;
+:func:`engine_config` and :func:`valid_grid` give a model's validated ``ParallelConfig`` and
+every grid it accepts.
+
 Every config accepts a dict of its fields wherever it is a parameter (:func:`config_of`), so a
 launcher's keyword sets stay plain data; every field is validated on construction and a bad
 value raises :class:`~cpbook.core.config.ConfigError` naming the rule.
@@ -23,12 +28,29 @@ value raises :class:`~cpbook.core.config.ConfigError` naming the rule.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Sequence, TypeVar
 
-from cpbook.core.config import check_positive
+import torch
 
-__all__ = ["SchedulerConfig", "CacheConfig", "RunnerConfig", "ServeWorkload", "config_of"]
+from cpbook.core.config import ConfigError, ParallelConfig, check_positive
+from cpbook.engine.hf import from_pretrained, hf_config
+from cpbook.engine.models import ENGINE_MODELS, ModelConfig, TinyModel, get_engine_model
+
+__all__ = [
+    "SchedulerConfig",
+    "CacheConfig",
+    "RunnerConfig",
+    "ServeWorkload",
+    "config_of",
+    "engine_config",
+    "engine_parallel_config",
+    "load_model",
+    "model_config",
+    "valid_grid",
+]
 
 T = TypeVar("T")
 
@@ -96,3 +118,105 @@ class ServeWorkload:
 
     def __post_init__(self) -> None:
         check_positive(num_requests=self.num_requests, max_new_tokens=self.max_new_tokens)
+
+
+def engine_config(
+    model: str | ModelConfig,
+    tensor_parallel_size: int = 1,
+    decode_context_parallel_size: int = 1,
+    prefill_context_parallel_size: int = 1,
+    *,
+    block_size: int = 4,
+    cp_kv_cache_interleave_size: int = 1,
+    dcp_comm_backend: str = "ag_rs",
+) -> ParallelConfig:
+    """The validated :class:`~cpbook.core.config.ParallelConfig` of engine model ``model`` (a
+    name of :data:`~cpbook.engine.models.ENGINE_MODELS`, a Hugging Face model folder, or its
+    :class:`ModelConfig`) on a TP×DCP×PCP grid, by
+    :meth:`~cpbook.core.config.ParallelConfig.for_model`.  Raises
+    :class:`~cpbook.core.config.ConfigError` naming the rule."""
+    return ParallelConfig.for_model(
+        model_config(model) if isinstance(model, str) else model,
+        tensor_parallel_size=tensor_parallel_size,
+        decode_context_parallel_size=decode_context_parallel_size,
+        prefill_context_parallel_size=prefill_context_parallel_size,
+        cp_kv_cache_interleave_size=cp_kv_cache_interleave_size,
+        block_size=block_size,
+        dcp_comm_backend=dcp_comm_backend,
+    )
+
+
+def _is_hf_folder(model: str) -> bool:
+    """The one model-name rule: an engine model name wins, else an existing folder is a
+    Hugging Face model, else the name is looked up (and rejected) as an engine model."""
+    return model not in ENGINE_MODELS and Path(model).is_dir()
+
+
+def model_config(model: str) -> ModelConfig:
+    """The :class:`ModelConfig` of an engine model name or of a Hugging Face folder's
+    ``config.json`` (validated by :func:`cpbook.engine.hf.hf_config`, no weights read)."""
+    if not _is_hf_folder(model):
+        return get_engine_model(model)
+    if not (Path(model) / "config.json").is_file():
+        raise ConfigError("hf-folder", "a folder with config.json", path=model)
+    return hf_config(json.loads((Path(model) / "config.json").read_text()), Path(model).name)[0]
+
+
+def load_model(model: str | TinyModel, dtype: str = "float64", seed: int = 0) -> TinyModel:
+    """``model`` itself if it is a :class:`TinyModel`; else an engine model's weights from
+    ``seed`` or a Hugging Face folder's weights (:func:`cpbook.engine.hf.from_pretrained`), in
+    ``dtype`` — the name resolved as :func:`model_config` resolves it."""
+    if not isinstance(model, str):
+        return model
+    if _is_hf_folder(model):
+        return from_pretrained(model, getattr(torch, dtype))
+    return TinyModel.from_name(model, seed, getattr(torch, dtype))
+
+
+def engine_parallel_config(
+    model: ModelConfig, parallel_config: ParallelConfig | dict[str, Any] | None, cache: CacheConfig
+) -> ParallelConfig:
+    """The engine's :class:`ParallelConfig`: a dict of layout sizes completed with ``model``'s
+    attention shape and the cache's block size, or a given config checked against both."""
+    if not isinstance(parallel_config, ParallelConfig):
+        layout = {"block_size": cache.block_size, **(parallel_config or {})}
+        parallel_config = ParallelConfig.for_model(model, **layout)
+    shape = {k: getattr(parallel_config, k) for k in model.attention_shape}
+    if shape != model.attention_shape:
+        raise ConfigError(
+            "config-matches-model",
+            "parallel_config's attention shape == the model's",
+            config=shape,
+            model=model.attention_shape,
+        )
+    if parallel_config.block_size != cache.block_size:
+        raise ConfigError(
+            "block-size-agrees",
+            "parallel_config.block_size == cache_config.block_size",
+            parallel_block_size=parallel_config.block_size,
+            cache_block_size=cache.block_size,
+        )
+    return parallel_config
+
+
+def valid_grid(
+    model: str,
+    tps: Sequence[int] = (1, 2, 4),
+    dcps: Sequence[int] = (1, 2, 4),
+    pcps: Sequence[int] = (1, 2),
+    max_world: int = 8,
+) -> list[tuple[int, int, int]]:
+    """Every ``(tp, dcp, pcp)`` of the given sizes that ``model`` accepts, ``tp*pcp <=
+    max_world``, ordered by world size."""
+    out = []
+    for tp in tps:
+        for pcp in pcps:
+            for dcp in dcps:
+                if tp * pcp > max_world:
+                    continue
+                try:
+                    engine_config(model, tp, dcp, pcp)
+                except ConfigError:
+                    continue
+                out.append((tp, dcp, pcp))
+    return sorted(out, key=lambda c: (c[0] * c[2], c))
