@@ -12,7 +12,7 @@ index, so :meth:`Simulation.decode` prices the whole interval in one numpy expre
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 
@@ -22,15 +22,15 @@ from cpbook.dynamic.migration import migration_plan
 from cpbook.dynamic.router import Router
 from cpbook.dynamic.workload import SimWorkload
 
-if TYPE_CHECKING:
-    from cpbook.dynamic.simulator import Cluster
+#: a :class:`cpbook.dynamic.simulator.Cluster` (the module above this one, not imported here)
+ClusterLike = Any
 
 __all__ = ["Simulation", "prefill_end_times"]
 
 _NEVER = np.iinfo(np.int64).max // 2  # steps until a migration that never comes
 
 
-def prefill_end_times(cluster: Cluster, w: SimWorkload, sizes: np.ndarray) -> np.ndarray:
+def prefill_end_times(cluster: ClusterLike, w: SimWorkload, sizes: np.ndarray) -> np.ndarray:
     """Prefill end time of every request: FCFS on aligned groups of its size ``sizes``."""
     free_at = np.zeros(cluster.prefill_gpus)
     dur = cluster.prefill_s(w.prompt, sizes)
@@ -52,7 +52,7 @@ class Simulation:
     complete (:meth:`complete`)."""
 
     def __init__(
-        self, cluster: Cluster, w: SimWorkload, router: Router, expected_output: int | None
+        self, cluster: ClusterLike, w: SimWorkload, router: Router, expected_output: int | None
     ) -> None:
         self.w, self.router = w, router
         self.g_n, self.cap = cluster.decode_gpus, cluster.capacity_tokens()
