@@ -133,16 +133,7 @@ class Engine:
         self.groups = make_groups(self.ctx, cfg)  # raises grid-matches-world before collectives
         self.kv = KVCacheManager.from_config(cfg, cache.num_gpu_blocks, cache.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, sched.max_num_batched_tokens, sched.max_num_seqs)
-        self.runner = ModelRunner(
-            self.model,
-            cfg,
-            self.groups,
-            cache.num_gpu_blocks,
-            strategy=run.strategy,
-            workspace_size=run.workspace_size,
-            alpha=run.alpha,
-            beta=run.beta,
-        )
+        self.runner = ModelRunner(self.model, cfg, self.groups, cache.num_gpu_blocks, run)
         self.speculative_config = spec
         draft = None
         if spec is not None and spec.method == "draft" and spec.model:

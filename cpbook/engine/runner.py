@@ -39,6 +39,7 @@ from cpbook.core.config import ParallelConfig
 from cpbook.core.groups import ParallelGroups
 from cpbook.core.heads import kv_heads_of, q_heads_of
 from cpbook.dcp.verify import dcp_verify_attention, local_verify_attention
+from cpbook.engine.config import RunnerConfig
 from cpbook.engine.models import TinyModel
 from cpbook.engine.scheduler import ScheduledChunk, SchedulerOutput
 from cpbook.kv.context import ContextShard
@@ -52,7 +53,9 @@ __all__ = ["ModelRunner"]
 
 class ModelRunner:
     """This rank's heads, MLP columns and per-layer :class:`~cpbook.kv.paged.PagedKVCache`
-    (``num_blocks`` physical blocks of ``block_size`` slots, DCP layout of ``config``)."""
+    (``num_blocks`` physical blocks of ``block_size`` slots, DCP layout of ``config``); the
+    chunked-prefill ``strategy``, ``workspace_size`` and link (``alpha``, ``beta``; ``None``:
+    the CPU fit) from ``runner_config``."""
 
     def __init__(
         self,
@@ -60,16 +63,13 @@ class ModelRunner:
         config: ParallelConfig,
         groups: ParallelGroups,
         num_blocks: int,
-        *,
-        strategy: str = "auto",
-        workspace_size: int = 64,
-        alpha: float | None = None,
-        beta: float | None = None,
+        runner_config: RunnerConfig | None = None,
     ) -> None:
         mc, c = model.config, groups.coords
+        run = RunnerConfig() if runner_config is None else runner_config
         self.model, self.config, self.groups = model, config, groups
-        self.strategy, self.workspace_size = strategy, workspace_size
-        self.alpha, self.beta = alpha, beta  # the link, for strategy="auto" (None: CPU fit)
+        self.strategy, self.workspace_size = run.strategy, run.workspace_size
+        self.alpha, self.beta = run.alpha, run.beta
         self.heads = q_heads_of(config, c.tp_rank)
         self.kv_heads = kv_heads_of(config, c.tp_rank)
         self.cols = model.mlp_shard(c.tp_rank, config.tp)
