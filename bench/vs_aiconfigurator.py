@@ -15,7 +15,7 @@ decode steps.  The two sides are matched as follows:
   for DeepSeek-V3), which is also the peer's default for those checkpoints;
 - layouts: TP ``t`` is the peer's ``tp_size=t`` (MoE: ``moe_tp_size=t``); DP × EP is its
   ``attention_dp_size=dp, moe_ep_size=dp`` with ``tp_size=1`` (cpbook's
-  ``Layout(dp=dp, ep=True)``); the peer's ``batch_size`` is per DP rank, cpbook's ``batch``
+  ``Deployment(dp=dp, ep=True)``); the peer's ``batch_size`` is per DP rank, cpbook's ``batch``
   is global, so cpbook decodes ``batch × dp``;
 - TTFT: the peer's is the prefill of the whole batch on one replica; cpbook's is
   ``batch × ttft(prompt)`` (prefill is compute-bound, so batching does not change its FLOPs);
@@ -72,7 +72,7 @@ AGG_CONCURRENCY = (8, 32, 96)
 class Case:
     model: str
     gpu: str
-    layout: cm.Layout
+    layout: cm.Deployment
     isl: int
     batch: int  #: per replica, as the peer counts it
 
@@ -81,11 +81,11 @@ class Case:
         return bool(cm.get_model(self.model).expert_params)
 
 
-def layouts(model: str) -> list[cm.Layout]:
+def layouts(model: str) -> list[cm.Deployment]:
     """TP 1-8 for dense models; TP 4/8 and DP8 x EP8 for MoE models."""
     if cm.get_model(model).expert_params:
-        return [cm.Layout(tp=4), cm.Layout(tp=8), cm.Layout(dp=8, ep=True)]
-    return [cm.Layout(tp=t) for t in (1, 2, 4, 8)]
+        return [cm.Deployment(tp=4), cm.Deployment(tp=8), cm.Deployment(dp=8, ep=True)]
+    return [cm.Deployment(tp=t) for t in (1, 2, 4, 8)]
 
 
 def cases(models: list[str], gpus: list[str]) -> list[Case]:
@@ -144,7 +144,7 @@ def agg_rows() -> list[dict]:
     """cpbook's TPOT under continuous batching beside the peer's aggregated mode."""
     rows = []
     for model, tp in AGG_LAYOUTS.items():
-        spec, gpu, lay = cm.get_model(model), cm.get_gpu("H200"), cm.Layout(tp=tp)
+        spec, gpu, lay = cm.get_model(model), cm.get_gpu("H200"), cm.Deployment(tp=tp)
         isl = 4096
         for osl, n in ((o, c) for o in AGG_OSLS for c in AGG_CONCURRENCY):
             kw = dict(prompt_len=isl, output_len=osl, max_num_batched_tokens=isl)

@@ -615,13 +615,13 @@ def test_fp8_weights_use_the_fp8_peak():
     h200 = cm.GPUS["H200"]
     assert h200.peak_flops(1) == 1979e12 == 2 * h200.peak_flops(2) + 1e12
     assert cm.GPUS["Ascend910C"].peak_flops(1) == cm.GPUS["Ascend910C"].bf16_flops
-    fp8 = cm.ttft(DSV3, h200, cm.Layout(tp=8), 32768)
-    slow = cm.ttft(DSV3, dataclasses.replace(h200, fp8_flops=0.0), cm.Layout(tp=8), 32768)
+    fp8 = cm.ttft(DSV3, h200, cm.Deployment(tp=8), 32768)
+    slow = cm.ttft(DSV3, dataclasses.replace(h200, fp8_flops=0.0), cm.Deployment(tp=8), 32768)
     assert fp8.compute_s < slow.compute_s
 
 
 def test_decode_all_reduce_runs_at_the_cuda_graph_latency():
-    t = cm.tpot(L70B, H200, cm.Layout(tp=8), 4096)
+    t = cm.tpot(L70B, H200, cm.Deployment(tp=8), 4096)
     nbytes = 2 * 8192 * 2 * 7 // 8  # ring all-reduce of one token's 8192 bf16 values
     one = GT.DECODE_ALLREDUCE_ALPHA_S + nbytes / H200.link_bw_bytes_per_s
     assert math.isclose(t.comm_s, 80 * 2 * one)
@@ -629,17 +629,17 @@ def test_decode_all_reduce_runs_at_the_cuda_graph_latency():
 
 
 def test_decode_fixed_costs_per_layer():
-    t = cm.tpot(L8B, H200, cm.Layout(), 4096)
+    t = cm.tpot(L8B, H200, cm.Deployment(), 4096)
     per_layer = 4 * GT.DECODE_GEMM_FIXED_S + 3 * GT.ELEMENTWISE_FLOOR_S
     assert math.isclose(t.fixed_s, 32 * (per_layer + GT.DECODE_ATTENTION_FIXED_S))
-    mla = cm.tpot(DSV3, H200, cm.Layout(tp=8), 4096)
+    mla = cm.tpot(DSV3, H200, cm.Deployment(tp=8), 4096)
     assert mla.fixed_s > DSV3.num_layers * GT.MLA_DECODE_FIXED_S  # + MoE floor and norms
-    assert cm.tpot(DSV3, H200, cm.Layout(tp=8), 4096, 64).fixed_s > mla.fixed_s
+    assert cm.tpot(DSV3, H200, cm.Deployment(tp=8), 4096, 64).fixed_s > mla.fixed_s
 
 
 def test_small_batch_moe_and_mla_decode_are_far_from_bandwidth_bound():
     """DeepSeek-V3 TP8 batch 1 at 4K: the peer's 14.3 ms; bandwidth alone gives ~3 ms."""
-    t = cm.tpot(DSV3, H200, cm.Layout(tp=8), 4096 + 128)
+    t = cm.tpot(DSV3, H200, cm.Deployment(tp=8), 4096 + 128)
     assert 13e-3 < t.total_s < 16e-3 and t.memory_s < 3e-3
     stream, extra = GT.moe_decode_s(10e6, 1, 3.84e12)
     assert stream + extra == GT.MOE_DECODE_FLOOR_S[1]
@@ -654,17 +654,17 @@ def test_ep_routing_imbalance_is_the_busiest_rank():
     assert GT.busiest_rank_experts(128, 1, 8, 8) == GT.touched_experts(128, 8, 8)
     assert GT.busiest_rank_experts(128, 8, 8, 10_000) == 16  # every local expert
     qwen = cm.MODELS["Qwen3-235B-A22B"]
-    ep = cm.ttft(qwen, H200, cm.Layout(dp=8, ep=True), 4096)
-    tp = cm.ttft(qwen, H200, cm.Layout(tp=8), 4096)
+    ep = cm.ttft(qwen, H200, cm.Deployment(dp=8, ep=True), 4096)
+    tp = cm.ttft(qwen, H200, cm.Deployment(tp=8), 4096)
     assert ep.ep_comm_s > 0 == tp.ep_comm_s
-    step = cm.tpot(qwen, H200, cm.Layout(dp=8, ep=True), 4096, 8)
+    step = cm.tpot(qwen, H200, cm.Deployment(dp=8, ep=True), 4096, 8)
     sent = 1 * 8 * 4096 * 2 * 7 / 8  # one token per rank to 8 experts, 7/8 of them remote
     a2a = GT.ALL_TO_ALL_ALPHA_S + sent / (H200.link_bw_bytes_per_s * GT.ALL_TO_ALL_BW_EFFICIENCY)
     assert math.isclose(step.comm_s, 2 * 94 * a2a)  # no TP all-reduce at TP1
 
 
 def test_tpot_under_continuous_batching_carries_prefill_chunks():
-    lay = cm.Layout(tp=8)
+    lay = cm.Deployment(tp=8)
     static = cm.tpot(L70B, H200, lay, 4096 + 512, 96)
     agg = cm.tpot(L70B, H200, lay, 4096 + 512, concurrency=96, prompt_len=4096, output_len=1024)
     per_token = cm.ttft(L70B, H200, lay, 4096).total_s / 4096
@@ -692,7 +692,7 @@ def test_kv_read_efficiency_is_occupancy_bound_at_one_request():
     assert eff(0.8, 2, 1) == eff(0.8, 1, 2) == 0.7 and eff(0.8, 8, 1) == eff(0.8, 1, 8) == 0.8
     # chapter 6's per-layer model streams at hbm_efficiency; the whole-model TPOT at one
     # request's occupancy, so its DCP8 crossing is chapter 6's break-even at 0.35 of HBM
-    lay, base = cm.Layout(tp=8, dcp=8), cm.Layout(tp=8)
+    lay, base = cm.Deployment(tp=8, dcp=8), cm.Deployment(tp=8)
     at = cm.decode_break_even(DSV3, H200, "dcp", hbm_efficiency=0.35)
     assert abs(cm.tpot_break_even(DSV3, H200, lay, base) / at - 1) < 0.01
     assert at < cm.decode_break_even(DSV3, H200, "dcp") / 2
@@ -719,9 +719,9 @@ def test_appendix_gpu_terms_table_matches_gpu_terms():
 def test_a_moe_model_must_state_its_experts():
     bare = dataclasses.replace(cm.MODELS["Qwen3-235B-A22B"], num_experts=0)
     for call in (
-        lambda: cm.tpot(bare, H200, cm.Layout(tp=8), 4096),
-        lambda: cm.ttft(bare, H200, cm.Layout(tp=8), 4096),
+        lambda: cm.tpot(bare, H200, cm.Deployment(tp=8), 4096),
+        lambda: cm.ttft(bare, H200, cm.Deployment(tp=8), 4096),
     ):
         with pytest.raises(ValueError, match=r"\[moe-shape\]"):
             call()
-    assert cm.ttft(bare, H200, cm.Layout(tp=8), 4096, mfu=0.5).total_s > 0  # former model
+    assert cm.ttft(bare, H200, cm.Deployment(tp=8), 4096, mfu=0.5).total_s > 0  # former model

@@ -1,4 +1,4 @@
-"""Tests for cpbook.costmodel.hf_config: model shapes from hand-written config.json dicts that
+"""Tests for cpbook.planner.hf_config: model shapes from hand-written config.json dicts that
 match the published configs (Hugging Face model repositories named in each key; no network)."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cpbook import costmodel as cm
-from cpbook.costmodel.hf_config import model_from_hf_config
+from cpbook import planner as pl
+from cpbook.planner.hf_config import model_from_hf_config
 
 FP8 = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8"}
 FP8["weight_block_size"] = [128, 128]
@@ -256,7 +257,7 @@ def test_published_shapes_and_sizes(name):
     if mla:
         assert (m.kv_lora_rank, m.qk_rope_head_dim) == (512, 64)
         assert m.q_lora_rank == (cfg["q_lora_rank"] or 0)
-    cm.check_deployment(m, cm.Layout(tp=1))  # vLLM's rules accept it at TP 1
+    pl.check_deployment(m, cm.Deployment(tp=1))  # vLLM's rules accept it at TP 1
 
 
 def test_deepseek_v3_matches_the_built_in_table():

@@ -247,7 +247,7 @@ MODELS: dict[str, ModelSpec] = {
 #: dense MLA model (FlashMLA) stores the 512 + 64 latent in FP8 with one scale per tensor, 576 B
 #: per token and layer for DeepSeek-V3 and Kimi-K2
 KV_DTYPE_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
-#: vLLM's ``fp8_ds_mla`` layout of *sparse* MLA (DeepSeek-V3.2, FlashMLA-sparse): 512 fp8 latent
+#: vLLM's ``fp8_ds_mla`` deployment of *sparse* MLA (DeepSeek-V3.2, FlashMLA-sparse): 512 fp8 latent
 #: + 16 B scales + 64 bf16 rope; the ``kv_dtype`` of that name, for MLA models only
 FP8_DS_MLA_BYTES_PER_TOKEN_PER_LAYER = 512 + 16 + 64 * 2
 #: every ``kv_dtype`` the memory model accepts
@@ -287,7 +287,7 @@ LINKS: dict[str, LinkSpec] = {
     # 900 GB/s bidirectional NVLink 4 per GPU = 450 GB/s per direction (datasheets).  α = 15 µs
     # per call is an assumption, the book's base case: at the low end of the NCCL latencies of
     # ALLREDUCE_BENCH_US once the ~2 µs of transfer is taken out (15 µs on 4 GPUs, 26 µs on the
-    # 8 GPUs of the layouts modelled); chapter 6 draws every result that depends on it against α.
+    # 8 GPUs modelled); chapter 6 draws every result that depends on it against α.
     "NVLink4": LinkSpec(
         "NVLink 4 + NVSwitch (H100/H200 HGX), NCCL", 15e-6, 450e9, "nvidia_h200,vllm_pr24111"
     ),

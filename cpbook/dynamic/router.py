@@ -49,7 +49,7 @@ def valid_cp_size(model: cm.ModelSpec, n: int, replica_tp: int = 1, tpa: bool = 
     """Raise ``ValueError`` (vLLM's rule name) unless ``n`` replicas of ``replica_tp`` GPUs can
     form a DCP group for ``model``: the layout TP = ``n·replica_tp``, DCP = ``n``."""
     if n > 1:
-        cm.Layout(tp=n * replica_tp, dcp=n, tpa=tpa).config(model)
+        cm.Deployment(tp=n * replica_tp, dcp=n, tpa=tpa).config(model)
 
 
 def cp_line(

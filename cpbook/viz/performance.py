@@ -36,8 +36,8 @@ def capacity_boundary(
     for ax, g in zip(axes, gpus):
         for (kv, dcp), (c, mk, ls) in styles.items():
             ys = [
-                cm.layout_max_context(
-                    model, cm.GPUS[g], cm.Layout(tp=8, dcp=dcp), kv, gpu_memory_utilization=u
+                cm.deployment_max_context(
+                    model, cm.GPUS[g], cm.Deployment(tp=8, dcp=dcp), kv, gpu_memory_utilization=u
                 )
                 for u in utils
             ]
@@ -57,7 +57,7 @@ def capacity_boundary(
 def layouts_vs_context(
     model: cm.ModelSpec,
     gpu: cm.GPUSpec,
-    layouts: Sequence[cm.Layout],
+    layouts: Sequence[cm.Deployment],
     contexts: Sequence[int],
     batch: int = 1,
 ):

@@ -2,9 +2,9 @@
 planner's filters and ranking.
 
 Both parts are drawn from the planner's own rules: the grid is
-:func:`cpbook.costmodel.vllm_rules.rule_probes` for one model of each family (a probe accepted,
-or the rule that rejects it), the pipeline is :data:`cpbook.costmodel.plan_space.DROP_RULES` in
-the order :func:`~cpbook.costmodel.plan_space.estimate` applies them.
+:func:`cpbook.planner.vllm_rules.rule_probes` for one model of each family (a probe accepted,
+or the rule that rejects it), the pipeline is :data:`cpbook.planner.plan_space.DROP_RULES` in
+the order :func:`~cpbook.planner.plan_space.estimate` applies them.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Mapping
 from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Rectangle
 
 from cpbook import costmodel as cm
-from cpbook.costmodel.plan_space import DROP_RULES
-from cpbook.costmodel.vllm_rules import rule_probes
+from cpbook.planner.plan_space import DROP_RULES
+from cpbook.planner.vllm_rules import rule_probes
 from cpbook.viz.style import BLUE, GREEN, ORANGE, VERMILLION, figure, ink, legible, tint
 
 __all__ = ["decision_flowchart", "DROP_TEXT"]
@@ -75,7 +75,7 @@ def decision_flowchart(families: Mapping[str, cm.ModelSpec]):
                      fontsize=7.5, color=ink(color))  # fmt: skip
     top.set_xlim(0, left + len(names) * cw)
     top.set_ylim(0, len(families) + 1.0)
-    top.set_title("What vLLM v0.33 serves, by model family (cpbook.costmodel.vllm_rules)")
+    top.set_title("What vLLM v0.33 serves, by model family (cpbook.planner.vllm_rules)")
     top.axis("off")
 
     ax = bottom
@@ -101,6 +101,6 @@ def decision_flowchart(families: Mapping[str, cm.ModelSpec]):
     _arrow(ax, (x + w, y + h / 2), (x + w + 0.5, y - 0.45 + h / 2))
     ax.set_xlim(0, 7.2)
     ax.set_ylim(y - 0.6, 6.0)
-    ax.set_title("What the planner does with them (cpbook.costmodel.plan)")
+    ax.set_title("What the planner does with them (cpbook.planner.plan)")
     ax.axis("off")
     return legible(fig, 8.5)

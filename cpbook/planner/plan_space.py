@@ -1,13 +1,13 @@
 """The deployment planner's search space, and one deployment's numbers.
 
-A *deployment* is a :class:`~cpbook.costmodel.memory.Layout` (DP x TP x PCP GPUs, DCP, EP,
+A *deployment* is a :class:`~cpbook.costmodel.memory.Deployment` (DP x TP x PCP GPUs, DCP, EP,
 query replication) plus a KV cache dtype.  :func:`deployments` enumerates every one that uses at
 most ``num_gpus`` GPUs and that vLLM v0.33.0 serves for the model
-(:func:`~cpbook.costmodel.vllm_rules.check_deployment`); :func:`estimate` prices one with the cost
+(:func:`~cpbook.planner.vllm_rules.check_deployment`); :func:`estimate` prices one with the cost
 model's own functions (memory, :func:`~cpbook.costmodel.latency.ttft`,
 :func:`~cpbook.costmodel.latency.tpot`, :func:`~cpbook.costmodel.latency.decode_throughput`);
 :func:`brute_force` ranks the unpruned product of every size, the reference
-:func:`cpbook.costmodel.plan.plan` must equal.
+:func:`cpbook.planner.plan.plan` must equal.
 
 A deployment may leave GPUs idle: at a fixed concurrency, more replicas only split the same
 batch, so the best use of 16 GPUs can be 8 of them.  Output tokens per second are counted per
@@ -25,10 +25,10 @@ from dataclasses import dataclass, replace
 from cpbook.core.config import ConfigError
 from cpbook.costmodel.latency import DecodeTime, PrefillTime, tpot, ttft
 from cpbook.costmodel.memory import (
-    Layout,
-    layout_kv_budget,
-    layout_kv_bytes_per_token,
-    layout_weight_bytes,
+    Deployment,
+    deployment_kv_budget,
+    deployment_kv_bytes_per_token,
+    deployment_weight_bytes,
     max_concurrency,
 )
 from cpbook.costmodel.specs import (
@@ -37,7 +37,7 @@ from cpbook.costmodel.specs import (
     ModelSpec,
     check_tokens,
 )
-from cpbook.costmodel.vllm_rules import check_deployment, check_kv_dtype
+from cpbook.planner.vllm_rules import check_deployment, check_kv_dtype
 
 OBJECTIVES = ("throughput", "ttft", "tpot")
 #: why an evaluated deployment is dropped, in the order they are tested
@@ -100,7 +100,7 @@ class Estimate:
     GPU in steady state and in decode alone (see :func:`estimate`).  ``drop``: the first of
     :data:`DROP_RULES` it fails, or ``None`` if it serves the workload."""
 
-    layout: Layout
+    deployment: Deployment
     kv_dtype: str
     weight_bytes: float
     kv_budget_bytes: float
@@ -115,7 +115,7 @@ class Estimate:
 
     @property
     def num_gpus(self) -> int:
-        return self.layout.num_gpus
+        return self.deployment.num_gpus
 
     @property
     def ttft_s(self) -> float:
@@ -128,12 +128,12 @@ class Estimate:
     @property
     def label(self) -> str:
         """``"TP8+DCP8"`` with ``+QR`` for MLA's query replication and ``/fp8`` for FP8 KV."""
-        name = self.layout.label.replace("+TPA", "+QR")
+        name = self.deployment.label.replace("+TPA", "+QR")
         return name + ("/fp8" if self.kv_dtype == "fp8" else "")
 
     def key(self) -> tuple:
         """A total order on deployments, fewest GPUs and smallest sizes first."""
-        lay = self.layout
+        lay = self.deployment
         return (lay.num_gpus, lay.tp, lay.pcp, lay.dcp, lay.dp, lay.ep, lay.tpa, self.kv_dtype)
 
 
@@ -197,12 +197,12 @@ def _divisors(n: int) -> list[int]:
 
 def deployments(
     model: ModelSpec, num_gpus: int, w: ServingWorkload, rejected: Counter | None = None
-) -> Iterator[tuple[Layout, str]]:
-    """Every ``(layout, kv_dtype)`` on at most ``num_gpus`` GPUs that vLLM serves for
+) -> Iterator[tuple[Deployment, str]]:
+    """Every ``(deployment, kv_dtype)`` on at most ``num_gpus`` GPUs that vLLM serves for
     ``model``.  DCP sizes tried: divisors of TP (PCP = 1), or ``{1, pcp, tp * pcp}`` (the only
     ones ``ParallelConfig`` admits with PCP); EP for MoE models, query replication for MLA with
     DCP.  Each replica shape goes through :func:`check_deployment` once (its rules do not read
-    DP), each EP layout again; ``rejected`` counts the candidates each rule rejects."""
+    DP), each EP deployment again; ``rejected`` counts the candidates each rule rejects."""
     eps = (False, True) if model.expert_params else (False,)
     for tp, pcp in itertools.product(range(1, num_gpus + 1), repeat=2):
         if tp * pcp > num_gpus:
@@ -210,7 +210,7 @@ def deployments(
         dps = range(1, num_gpus // (tp * pcp) + 1)
         for dcp in _divisors(tp) if pcp == 1 else sorted({1, pcp, tp * pcp}):
             for tpa in (False, True) if model.use_mla and dcp > 1 else (False,):
-                shape = Layout(tp=tp, dcp=dcp, pcp=pcp, tpa=tpa)
+                shape = Deployment(tp=tp, dcp=dcp, pcp=pcp, tpa=tpa)
                 try:
                     check_deployment(
                         model, shape, w.kv_dtypes[0], model_runner_v2=w.model_runner_v2
@@ -220,16 +220,16 @@ def deployments(
                         rejected[e.rule] += len(dps) * len(eps) * len(w.kv_dtypes)
                     continue
                 for dp, ep in itertools.product(dps, eps):
-                    layout = replace(shape, dp=dp, ep=ep)
+                    deployment = replace(shape, dp=dp, ep=ep)
                     if ep:
                         try:
-                            check_deployment(model, layout, w.kv_dtypes[0])
+                            check_deployment(model, deployment, w.kv_dtypes[0])
                         except ConfigError as e:
                             if rejected is not None:
                                 rejected[e.rule] += len(w.kv_dtypes)
                             continue
                     for kv in w.kv_dtypes:
-                        yield layout, kv
+                        yield deployment, kv
 
 
 Cache = dict[tuple, object]
@@ -243,9 +243,11 @@ def _cached(cache: Cache | None, key: tuple, compute: Callable[[], object]) -> o
     return cache[key]
 
 
-def _budget(model: ModelSpec, gpu: GPUSpec, layout: Layout, w: ServingWorkload) -> float | None:
+def _budget(
+    model: ModelSpec, gpu: GPUSpec, deployment: Deployment, w: ServingWorkload
+) -> float | None:
     try:
-        return layout_kv_budget(model, gpu, layout, w.gpu_memory_utilization)
+        return deployment_kv_budget(model, gpu, deployment, w.gpu_memory_utilization)
     except ValueError:  # [model-fits]
         return None
 
@@ -253,50 +255,62 @@ def _budget(model: ModelSpec, gpu: GPUSpec, layout: Layout, w: ServingWorkload) 
 def estimate(
     model: ModelSpec,
     gpu: GPUSpec,
-    layout: Layout,
+    deployment: Deployment,
     kv_dtype: str,
     w: ServingWorkload,
     *,
     time_dropped: bool = True,
     cache: Cache | None = None,
 ) -> Estimate:
-    """Price one deployment with the cost model's functions: ``layout_weight_bytes``,
-    ``layout_kv_budget``, ``layout_kv_bytes_per_token``, ``max_concurrency``, ``ttft`` of one
-    prompt and ``tpot`` of the last output token at ``batch``.
+    """Price one deployment with the cost model's functions: ``deployment_weight_bytes``,
+    ``deployment_kv_budget``, ``deployment_kv_bytes_per_token``, ``max_concurrency``, ``ttft`` of
+    one prompt and ``tpot`` of the last output token at ``batch``.
 
     ``tokens_per_s_per_gpu`` is the steady state of continuous batching at that batch, the
     inverse of the sum of :func:`gpu_seconds_per_token`; without its prefill term it is
     ``decode_throughput``'s ``batch / TPOT / num_gpus`` (``decode_tokens_per_s_per_gpu``).
     ``time_dropped=False`` skips the times of a deployment
     already dropped (for the planner's speed); ``cache`` (one per model and GPU) keeps what
-    depends only on the arguments of the call it caches: the layout's weights, its KV budget
+    depends only on the arguments of the call it caches: the deployment's weights, its KV budget
     (and ``gpu_memory_utilization``), and ``ttft`` per prompt and replica (a replica's prefill
     does not depend on DP or the KV dtype)."""
-    weights = _cached(cache, ("weights", layout), lambda: layout_weight_bytes(model, layout))
-    per_request = layout_kv_bytes_per_token(model, layout, kv_dtype) * w.request_tokens
+    weights = _cached(
+        cache, ("weights", deployment), lambda: deployment_weight_bytes(model, deployment)
+    )
+    per_request = deployment_kv_bytes_per_token(model, deployment, kv_dtype) * w.request_tokens
     budget = _cached(
-        cache, ("budget", layout, w.gpu_memory_utilization), lambda: _budget(model, gpu, layout, w)
+        cache,
+        ("budget", deployment, w.gpu_memory_utilization),
+        lambda: _budget(model, gpu, deployment, w),
     )
 
     def dropped(rule: str, capacity: int = 0, b: float = 0.0) -> Estimate:
         return Estimate(
-            layout, kv_dtype, weights, b, per_request, capacity, 0, None, None, 0.0, 0.0, rule
+            deployment, kv_dtype, weights, b, per_request, capacity, 0, None, None, 0.0, 0.0, rule
         )
 
     if budget is None:
         return dropped("model-fits")
     mem = {"gpu_memory_utilization": w.gpu_memory_utilization}
-    capacity = max_concurrency(model, gpu, layout, w.request_tokens, kv_dtype, **mem)
+    capacity = max_concurrency(model, gpu, deployment, w.request_tokens, kv_dtype, **mem)
     batch = min(w.concurrency, capacity)
     if batch == 0 or (capacity < w.concurrency and not time_dropped):
         return dropped("holds-concurrency", capacity, budget)
-    shape = ("ttft", w.prompt_tokens, layout.tp, layout.pcp, layout.dcp, layout.ep, layout.tpa)
-    first = _cached(cache, shape, lambda: ttft(model, gpu, layout, w.prompt_tokens))
+    shape = (
+        "ttft",
+        w.prompt_tokens,
+        deployment.tp,
+        deployment.pcp,
+        deployment.dcp,
+        deployment.ep,
+        deployment.tpa,
+    )
+    first = _cached(cache, shape, lambda: ttft(model, gpu, deployment, w.prompt_tokens))
     late = w.ttft_target_s is not None and first.total_s > w.ttft_target_s
     step = None
     if time_dropped or not late:
         step = tpot(
-            model, gpu, layout, w.request_tokens, batch, kv_dtype=kv_dtype,
+            model, gpu, deployment, w.request_tokens, batch, kv_dtype=kv_dtype,
             prompt_len=w.prompt_tokens, output_len=w.output_tokens,
         )  # fmt: skip
     drop = None
@@ -307,7 +321,18 @@ def estimate(
     elif w.tpot_target_s is not None and step.total_s > w.tpot_target_s:
         drop = "tpot-target"
     e = Estimate(
-        layout, kv_dtype, weights, budget, per_request, capacity, batch, first, step, 0.0, 0.0, drop
+        deployment,
+        kv_dtype,
+        weights,
+        budget,
+        per_request,
+        capacity,
+        batch,
+        first,
+        step,
+        0.0,
+        0.0,
+        drop,
     )
     if step is None:
         return e
@@ -315,7 +340,7 @@ def estimate(
     return replace(
         e,
         tokens_per_s_per_gpu=1 / (prefill + decode),
-        decode_tokens_per_s_per_gpu=batch / step.step_s / layout.num_gpus,
+        decode_tokens_per_s_per_gpu=batch / step.step_s / deployment.num_gpus,
     )
 
 
@@ -326,7 +351,7 @@ def gpu_seconds_per_token(e: Estimate, output_tokens: int) -> tuple[float, float
     step`` yields ``batch * output_tokens`` tokens on ``num_gpus`` GPUs (``step``: the decode
     step alone; the aggregated TPOT, :attr:`Estimate.tpot_s`, spreads the same prefill work
     over the steps)."""
-    r = math.ceil(e.batch / e.layout.dp)
+    r = math.ceil(e.batch / e.deployment.dp)
     per = e.num_gpus / (e.batch * output_tokens)
     return r * e.ttft_s * per, output_tokens * e.decode.step_s * per
 
@@ -346,8 +371,8 @@ def search(
     rejected: Counter = Counter()
     cache = {} if cache is None else cache
     rows = [
-        estimate(model, gpu, layout, kv, w, time_dropped=time_dropped, cache=cache)
-        for layout, kv in deployments(model, num_gpus, w, rejected)
+        estimate(model, gpu, deployment, kv, w, time_dropped=time_dropped, cache=cache)
+        for deployment, kv in deployments(model, num_gpus, w, rejected)
     ]
     return rows, rejected
 
@@ -367,12 +392,12 @@ def brute_force(
         if dp * tp * pcp > num_gpus:
             continue
         for ep, tpa, kv in itertools.product((False, True), (False, True), w.kv_dtypes):
-            layout = Layout(tp=tp, dcp=dcp, pcp=pcp, dp=dp, ep=ep, tpa=tpa)
+            deployment = Deployment(tp=tp, dcp=dcp, pcp=pcp, dp=dp, ep=ep, tpa=tpa)
             try:
-                check_deployment(model, layout, kv, model_runner_v2=w.model_runner_v2)
+                check_deployment(model, deployment, kv, model_runner_v2=w.model_runner_v2)
             except ConfigError:
                 continue
-            e = estimate(model, gpu, layout, kv, w)
+            e = estimate(model, gpu, deployment, kv, w)
             if e.drop is None:
                 found.append(e)
     return sorted(found, key=key)
