@@ -26,9 +26,10 @@ A case runs only where cpbook's memory model holds the batch (``max_concurrency`
 
 Aggregated mode (continuous batching with chunked prefill, ``--agg`` cases, H200, one layout
 per model): the peer's ``mode="agg"`` with ``batch_size`` = concurrency and its default
-``ctx_tokens`` (= ``isl``) against cpbook's ``tpot(..., concurrency, prompt_len, output_len,
-max_num_batched_tokens=isl)``; rows ``{"name": "vs_aic_agg", ..., "osl", "concurrency",
-"tpot_ms", "aic_tpot_ms", "tpot_ratio", "static_tpot_ms"}`` and one ``vs_aic_agg_summary``.
+``ctx_tokens`` (= ``isl``) against cpbook's ``tpot(..., concurrency,
+batching=ContinuousBatching(isl, osl, max_num_batched_tokens=isl))``; rows
+``{"name": "vs_aic_agg", ..., "osl", "concurrency", "tpot_ms", "aic_tpot_ms", "tpot_ratio",
+"static_tpot_ms"}`` and one ``vs_aic_agg_summary``.
 
 Prints one line per case ``{"name": "vs_aic", "model", "gpu", "layout", "isl", "batch", "ttft_ms",
 "aic_ttft_ms", "tpot_ms", "aic_tpot_ms", "ttft_ratio", "tpot_ratio"}`` (ratios are cpbook /
@@ -147,8 +148,8 @@ def agg_rows() -> list[dict]:
         spec, gpu, lay = cm.get_model(model), cm.get_gpu("H200"), cm.Deployment(tp=tp)
         isl = 4096
         for osl, n in ((o, c) for o in AGG_OSLS for c in AGG_CONCURRENCY):
-            kw = dict(prompt_len=isl, output_len=osl, max_num_batched_tokens=isl)
-            step = cm.tpot(spec, gpu, lay, isl + osl // 2, concurrency=n, **kw)
+            batching = cm.ContinuousBatching(isl, osl, max_num_batched_tokens=isl)
+            step = cm.tpot(spec, gpu, lay, isl + osl // 2, n, batching=batching)
             _, aic, _ = peer_ms(Case(model, "H200", lay, isl, n), "agg", osl)
             rows.append(
                 {

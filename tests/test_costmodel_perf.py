@@ -71,7 +71,9 @@ def test_ttft_splits_flops_and_dcp_adds_nothing():
     assert math.isclose(
         base.compute_s, dense / (peak * 0.74) + attn / (peak * gt.attention_mfu(131072))
     )
-    one = cm.ttft(L8B, H200, L(), 131072, mfu=cm.DEFAULT_MFU)  # the former model
+    one = cm.ttft(
+        L8B, H200, L(), 131072, knobs=cm.CostKnobs(mfu=cm.DEFAULT_MFU)
+    )  # the former model
     mm, _ = cm.prefill_flops(L8B, 131072)
     assert math.isclose(one.compute_s, (mm + attn) / (peak * cm.DEFAULT_MFU))
     assert one.elementwise_s == 0 < base.elementwise_s
@@ -89,7 +91,9 @@ def test_tpot_matches_chapter6_break_even():
 
     # one request reads its one latent head at the occupancy-bound KV efficiency
     eff = cm.gpu_terms.DECODE_ATTENTION_UNIT_EFFICIENCY
-    be = cm.decode_break_even(DSV3, H200, "dcp", tp=8, dcp=8, hbm_efficiency=eff)
+    be = cm.decode_break_even(
+        DSV3, H200, "dcp", tp=8, dcp=8, knobs=cm.CostKnobs(hbm_efficiency=eff)
+    )
     assert slower(int(be * 0.99)) and not slower(int(be * 1.01))
 
 
@@ -101,7 +105,7 @@ def test_meta_405b_prefill_is_a_shape_check_at_the_papers_utilisation():
     with pytest.raises(ValueError, match="model-fits"):  # bf16 weights: 101.5 GB per GPU
         cm.deployment_kv_budget(L405B, H100, L(tp=8, pcp=16))
     assert cm.deployment_kv_budget(fp8, H100, L(tp=8, pcp=16)) > 0
-    kw = dict(cp_link=cm.LINKS["RDMA400"], cp_comm="ring", mfu=0.63)
+    kw = dict(cp_link=cm.LINKS["RDMA400"], cp_comm="ring", knobs=cm.CostKnobs(mfu=0.63))
     err = {
         n: cm.ttft(fp8, H100, L(tp=8, pcp=16), n, **kw).total_s / p - 1
         for n, p in ((10**6, 77.0), (M1, 77.0), (128_000, 3.8), (2**17, 3.8))

@@ -132,11 +132,11 @@ def test_estimates_are_the_cost_models_numbers():
     p = plan(DSV3, H200, 8, w, advise=False)
     assert p.ranked
     for e in p.ranked:
-        kw = {"kv_dtype": e.kv_dtype}
+        kw = {"knobs": cm.CostKnobs(kv_dtype=e.kv_dtype)}
         assert e.weight_bytes == cm.deployment_weight_bytes(DSV3, e.deployment)
         assert e.kv_budget_bytes == cm.deployment_kv_budget(DSV3, H200, e.deployment)
         assert e.prefill == cm.ttft(DSV3, H200, e.deployment, w.prompt_tokens)
-        agg = dict(kw, prompt_len=w.prompt_tokens, output_len=w.output_tokens)
+        agg = dict(kw, batching=cm.ContinuousBatching(w.prompt_tokens, w.output_tokens))
         assert e.decode == cm.tpot(DSV3, H200, e.deployment, w.request_tokens, e.batch, **agg)
         assert e.decode.prefill_s > 0  # continuous batching: steps carry prefill chunks
         rate = cm.decode_throughput(DSV3, H200, e.deployment, w.request_tokens, e.batch, **kw)

@@ -1,7 +1,8 @@
 """cpbook's cost model: sourced specs, memory, time, and calibration on this machine.
 
 Modules: :mod:`.specs` (GPUs, links, models, every number sourced in ``book/references.bib``),
-:mod:`.memory` (weights and KV per GPU, longest request, concurrency, of one
+:mod:`.knobs` (:class:`~cpbook.costmodel.knobs.CostKnobs`, the assumptions every time
+function takes), :mod:`.memory` (weights and KV per GPU, longest request, concurrency, of one
 :class:`~cpbook.costmodel.memory.Deployment`), :mod:`.decode` (α–β collectives and one decode
 step's attention per layer, chapter 6), :mod:`.gpu_terms` (the GPU side's efficiencies and fixed
 costs, read off AIConfigurator's kernel tables), :mod:`.decode_step` (one decode step of a
@@ -19,6 +20,7 @@ from cpbook.costmodel.decode import (
     DEFAULT_HBM_EFFICIENCY,
     DecodeLayerTime,
     alpha_from_allreduce,
+    batch_for,
     collective_time,
     decode_break_even,
     decode_layer_time,
@@ -26,8 +28,10 @@ from cpbook.costmodel.decode import (
     tpa_weight_costs,
 )
 from cpbook.costmodel.decode_step import decode_step
+from cpbook.costmodel.knobs import CostKnobs
 from cpbook.costmodel.latency import (
     DEFAULT_MFU,
+    ContinuousBatching,
     DecodeTime,
     PrefillTime,
     decode_bytes_per_step,
@@ -81,6 +85,9 @@ __all__ = [
     "ALLREDUCE_BENCH_SOURCE",
     "ALLREDUCE_BENCH_US",
     "alpha_from_allreduce",
+    "batch_for",
+    "ContinuousBatching",
+    "CostKnobs",
     "DEFAULT_MFU",
     "DecodeTime",
     "PrefillTime",

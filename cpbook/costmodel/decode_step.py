@@ -6,26 +6,18 @@ from dataclasses import dataclass, replace
 
 from cpbook.costmodel import gpu_terms as gt
 from cpbook.costmodel.decode import (
-    DEFAULT_HBM_EFFICIENCY,
     collective_time,
     decode_attention_calls,
     kv_read_efficiency,
     tpa_weight_costs,
 )
+from cpbook.costmodel.knobs import CostKnobs
 from cpbook.costmodel.memory import (
     Deployment,
     deployment_kv_bytes_per_token,
     deployment_weight_bytes,
 )
-from cpbook.costmodel.specs import (
-    GPUSpec,
-    LinkSpec,
-    ModelSpec,
-    check_hbm_efficiency,
-    check_moe_shape,
-    check_tokens,
-    link_of,
-)
+from cpbook.costmodel.specs import GPUSpec, ModelSpec, check_moe_shape, check_tokens, link_of
 
 
 @dataclass(frozen=True)
@@ -92,15 +84,12 @@ def decode_step(
     context_tokens: int,
     batch: int = 1,
     *,
-    kv_dtype: str = "bf16",
-    hbm_efficiency: float = DEFAULT_HBM_EFFICIENCY,
-    mfu: float | None = None,
-    link: LinkSpec | None = None,
-    dcp_comm_backend: str = "ag_rs",
-    act_bytes: int = 2,
+    knobs: CostKnobs = CostKnobs(),
 ) -> DecodeTime:
     """One static decode step (no prefill chunks): what :func:`~cpbook.costmodel.latency.tpot`
-    returns without ``prompt_len``.
+    returns without continuous batching.  ``knobs``: :class:`~cpbook.costmodel.knobs.CostKnobs`
+    (KV dtype, HBM efficiency, GEMM MFU, link — default the GPU's scale-up link —, DCP's combine
+    backend, activation bytes).
 
     Memory at ``hbm_efficiency`` of HBM: the GPU's weight shard without the embedding table (a
     lookup), its share of the KV (:func:`~cpbook.costmodel.memory.deployment_kv_bytes_per_token`,
@@ -116,10 +105,10 @@ def decode_step(
     """
     check_tokens("context_tokens", context_tokens, minimum=1)
     check_tokens("batch", batch, minimum=1)
-    check_hbm_efficiency(hbm_efficiency)
     check_moe_shape(model)
-    cfg = deployment.config(model)
-    link = link or link_of(gpu)
+    cfg = deployment.config(model, knobs.dcp_comm_backend)
+    hbm_efficiency, mfu, act_bytes = knobs.hbm_efficiency, knobs.mfu, knobs.act_bytes
+    link = knobs.link or link_of(gpu)
     graph_link = replace(link, alpha_s=gt.DECODE_ALLREDUCE_ALPHA_S)
     shards = deployment.dp * (cfg.pcp if cfg.dcp == 1 else 1)
     b = -(-batch // shards)
@@ -136,7 +125,7 @@ def decode_step(
         _, extra = gt.moe_decode_s(per_layer, wbytes, bw)
         expert_read = per_layer * model.moe_layers
         fixed += extra * model.moe_layers
-    kv = deployment_kv_bytes_per_token(model, deployment, kv_dtype) * context_tokens * b
+    kv = deployment_kv_bytes_per_token(model, deployment, knobs.kv_dtype) * context_tokens * b
     kv_heads = 1 if model.use_mla else max(model.num_kv_heads // cfg.tp, 1)
     kv_eff = kv_read_efficiency(hbm_efficiency, b, kv_heads)
     extra = tpa_weight_costs(model, cfg, b, act_bytes)
@@ -158,7 +147,7 @@ def decode_step(
     else:
         per_layer_fixed = gt.DECODE_ATTENTION_FIXED_S
     fixed += per_layer_fixed * model.num_layers
-    calls = decode_attention_calls(model, cfg, deployment.tpa, b, dcp_comm_backend, act_bytes)
+    calls = decode_attention_calls(model, cfg, deployment.tpa, b, act_bytes)
     mlp = 2 * b * model.hidden_size * act_bytes * (cfg.tp - 1) // cfg.tp
     per_layer = sum(
         collective_time(op, nb, n, graph_link if op == "all_reduce" else link)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from cpbook.core.config import ParallelConfig
+from cpbook.core.errors import RuleError
 from cpbook.core.heads import attention_kv_heads, tpa_config
 from cpbook.costmodel.specs import (
     DEFAULT_ACTIVATION_RESERVE_BYTES,
@@ -35,14 +36,14 @@ def kv_bytes_per_token(model: ModelSpec, kv_dtype: str = "bf16") -> int:
     ``kv_dtype="fp8_ds_mla"`` is sparse MLA's deployment (DeepSeek-V3.2), 656 B per token and layer.
     """
     if kv_dtype not in KV_DTYPES:
-        raise ValueError(
-            f"[kv-dtype] requires kv_dtype in {sorted(KV_DTYPES)}; got kv_dtype={kv_dtype!r}"
-        )
+        raise RuleError("kv-dtype", f"kv_dtype in {sorted(KV_DTYPES)}", kv_dtype=kv_dtype)
     if kv_dtype == "fp8_ds_mla":
         if not model.use_mla:
-            raise ValueError(
-                f"[kv-dtype-ds-mla] requires an MLA model for kv_dtype='fp8_ds_mla'; "
-                f"got {model.name} (GQA)"
+            raise RuleError(
+                "kv-dtype-ds-mla",
+                "an MLA model for kv_dtype='fp8_ds_mla'",
+                model=model.name,
+                use_mla=model.use_mla,
             )
         return FP8_DS_MLA_BYTES_PER_TOKEN_PER_LAYER * model.num_layers
     if model.use_mla:
@@ -134,23 +135,25 @@ def _kv_budget(
     """``hbm * gpu_memory_utilization - weights - activation_reserve_bytes`` for one GPU holding
     ``weights`` (``where`` names the deployment in the error); ValueError unless positive."""
     if not 0 < gpu_memory_utilization <= 1:
-        raise ValueError(
-            f"[gpu-memory-utilization] requires 0 < gpu_memory_utilization <= 1; "
-            f"got gpu_memory_utilization={gpu_memory_utilization}"
+        raise RuleError(
+            "gpu-memory-utilization",
+            "0 < gpu_memory_utilization <= 1",
+            gpu_memory_utilization=gpu_memory_utilization,
         )
     if activation_reserve_bytes < 0:
-        raise ValueError(
-            f"[activation-reserve] requires activation_reserve_bytes >= 0; "
-            f"got activation_reserve_bytes={activation_reserve_bytes}"
+        raise RuleError(
+            "activation-reserve",
+            "activation_reserve_bytes >= 0",
+            activation_reserve_bytes=activation_reserve_bytes,
         )
     budget = gpu.hbm_bytes * gpu_memory_utilization - weights - activation_reserve_bytes
     if budget <= 0:
-        raise ValueError(
-            f"[model-fits] requires weights + reserve < usable HBM; {model.name} does not fit on "
-            f"{gpu.name} {where}: "
-            f"{gpu.hbm_bytes / GB:.0f} GB x {gpu_memory_utilization} - "
-            f"weights {weights / GB:.1f} GB - reserve "
-            f"{activation_reserve_bytes / GB:.1f} GB = {budget / GB:.1f} GB"
+        raise RuleError(
+            "model-fits",
+            f"weights + reserve < usable HBM ({model.name} on {gpu.name} {where}: "
+            f"{gpu.hbm_bytes / GB:.0f} GB x {gpu_memory_utilization} - weights "
+            f"{weights / GB:.1f} GB - reserve {activation_reserve_bytes / GB:.1f} GB)",
+            budget_gb=round(budget / GB, 1),
         )
     return budget
 
@@ -211,17 +214,19 @@ class Deployment:
         return "+".join(parts)
 
     @functools.lru_cache(maxsize=4096)  # deployments and models are frozen dataclasses
-    def config(self, model: ModelSpec) -> ParallelConfig:
-        """One replica's attention deployment, validated by vLLM's rules (ValueError if invalid;
-        a valid one is built once per deployment and model, both immutable)."""
+    def config(self, model: ModelSpec, dcp_comm_backend: str = "ag_rs") -> ParallelConfig:
+        """One replica's attention deployment with DCP's combine ``dcp_comm_backend``, validated
+        by vLLM's rules (ValueError if invalid; a valid one is built once per deployment, model
+        and backend, all immutable)."""
 
         if self.dp < 1:
-            raise ValueError(f"[positive-sizes] requires dp >= 1; got dp={self.dp}")
+            raise RuleError("positive-sizes", "dp >= 1", dp=self.dp)
         return tpa_config(
             "tpa" if self.tpa else "standard",
             tensor_parallel_size=self.tp,
             decode_context_parallel_size=self.dcp,
             prefill_context_parallel_size=self.pcp,
+            dcp_comm_backend=dcp_comm_backend,
             **model.attention_shape,
         )
 

@@ -23,6 +23,8 @@ import numbers
 from dataclasses import dataclass, replace
 from typing import Any
 
+from cpbook.core.errors import RuleError
+
 GB = 10**9  #: decimal gigabyte, as on vendor datasheets
 GIB = 2**30  #: binary gibibyte, as in ``torch.cuda.mem_get_info`` style reports
 
@@ -309,7 +311,7 @@ def get_model(name: str | ModelSpec) -> ModelSpec:
     if isinstance(name, ModelSpec):
         return name
     if name not in MODELS:
-        raise ValueError(f"[known-model] requires a key of MODELS {sorted(MODELS)}; got {name!r}")
+        raise RuleError("known-model", f"a key of MODELS {sorted(MODELS)}", name=name)
     return MODELS[name]
 
 
@@ -318,7 +320,7 @@ def get_gpu(name: str | GPUSpec) -> GPUSpec:
     if isinstance(name, GPUSpec):
         return name
     if name not in GPUS:
-        raise ValueError(f"[known-gpu] requires a key of GPUS {sorted(GPUS)}; got {name!r}")
+        raise RuleError("known-gpu", f"a key of GPUS {sorted(GPUS)}", name=name)
     return GPUS[name]
 
 
@@ -331,7 +333,7 @@ def check_tokens(name: str, tokens: object, minimum: int = 0, integer: bool = Tr
     if isinstance(tokens, bool) or not isinstance(tokens, kinds) or tokens < minimum:
         rule = "positive-tokens" if minimum else "non-negative-tokens"
         what = ("a positive " if minimum else "a non-negative ") + ("int" if integer else "number")
-        raise ValueError(f"[{rule}] requires {what}; got {name}={tokens!r}")
+        raise RuleError(rule, what, **{name: tokens})
 
 
 def check_moe_shape(model: ModelSpec) -> None:
@@ -340,16 +342,17 @@ def check_moe_shape(model: ModelSpec) -> None:
     if model.expert_params and not (
         model.num_experts and model.num_experts_per_tok and model.moe_layers
     ):
-        raise ValueError(
-            f"[moe-shape] requires num_experts, num_experts_per_tok and moe_layers for a MoE "
-            f"model; got {model.name}: num_experts={model.num_experts}, "
-            f"num_experts_per_tok={model.num_experts_per_tok}, moe_layers={model.moe_layers}"
+        raise RuleError(
+            "moe-shape",
+            "num_experts, num_experts_per_tok and moe_layers for a MoE model",
+            model=model.name,
+            num_experts=model.num_experts,
+            num_experts_per_tok=model.num_experts_per_tok,
+            moe_layers=model.moe_layers,
         )
 
 
 def check_hbm_efficiency(hbm_efficiency: float) -> None:
     """Rule ``hbm-efficiency``: the fraction of HBM bandwidth a kernel reaches is in (0, 1]."""
     if not 0 < hbm_efficiency <= 1:
-        raise ValueError(
-            f"[hbm-efficiency] requires 0 < hbm_efficiency <= 1; got {hbm_efficiency=}"
-        )
+        raise RuleError("hbm-efficiency", "0 < hbm_efficiency <= 1", hbm_efficiency=hbm_efficiency)

@@ -68,7 +68,7 @@ def cp_line(
     tp, dcp = (replica_tp, 1) if n == 1 else (n * replica_tp, n)
     kw = dict(tp=tp, dcp=dcp, num_reqs=num_reqs)
     if link is not None:
-        kw["link"] = link
+        kw["knobs"] = cm.CostKnobs(link=link)
     big = float(2**20)
     a = cm.decode_layer_time(model, gpu, 0, mode, **kw).total_s
     return a, (cm.decode_layer_time(model, gpu, big, mode, **kw).total_s - a) / big

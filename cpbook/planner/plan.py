@@ -15,6 +15,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass, replace
 
+from cpbook.core.errors import RuleError
 from cpbook.costmodel.memory import Deployment
 from cpbook.costmodel.specs import GB, GPUSpec, ModelSpec, get_gpu, get_model
 from cpbook.planner.plan_advice import WouldFit, fmt_rate, fmt_s, plural, why_lost, would_fit
@@ -65,7 +66,7 @@ class Plan:
         e = e or self.winner
         if e is None:
             why = self.would_fit.lines[0] if self.would_fit else "no deployment serves it"
-            raise ValueError(f"[plan-fits] requires a winning deployment; {why}")
+            raise RuleError("plan-fits", "a winning deployment", why=why)
         w = self.workload
         return serve_command(
             self.model,

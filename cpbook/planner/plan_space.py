@@ -23,7 +23,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
 from cpbook.core.config import ConfigError
-from cpbook.costmodel.latency import DecodeTime, PrefillTime, tpot, ttft
+from cpbook.core.errors import RuleError
+from cpbook.costmodel.knobs import CostKnobs
+from cpbook.costmodel.latency import ContinuousBatching, DecodeTime, PrefillTime, tpot, ttft
 from cpbook.costmodel.memory import (
     Deployment,
     deployment_kv_budget,
@@ -68,18 +70,18 @@ class ServingWorkload:
         for name in ("ttft_target_s", "tpot_target_s"):
             v = getattr(self, name)
             if v is not None and not v > 0:
-                raise ValueError(f"[positive-target] requires {name} > 0; got {name}={v!r}")
+                raise RuleError("positive-target", f"{name} > 0", **{name: v})
         if not self.kv_dtypes or len(set(self.kv_dtypes)) != len(self.kv_dtypes):
-            raise ValueError(
-                f"[kv-dtype-choices] requires distinct KV dtypes, at least one; "
-                f"got kv_dtypes={self.kv_dtypes!r}"
+            raise RuleError(
+                "kv-dtype-choices", "distinct KV dtypes, at least one", kv_dtypes=self.kv_dtypes
             )
         for kv in self.kv_dtypes:
             check_kv_dtype(kv)
         if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(
-                f"[gpu-memory-utilization] requires 0 < gpu_memory_utilization <= 1; "
-                f"got gpu_memory_utilization={self.gpu_memory_utilization}"
+            raise RuleError(
+                "gpu-memory-utilization",
+                "0 < gpu_memory_utilization <= 1",
+                gpu_memory_utilization=self.gpu_memory_utilization,
             )
 
     @property
@@ -159,7 +161,7 @@ def rank_key(objective: str) -> Callable[[Estimate], tuple]:
     TPOT for throughput: the user waits for the first token), the exact objective, and
     :meth:`Estimate.key`; ValueError for an unknown objective."""
     if objective not in OBJECTIVES:
-        raise ValueError(f"[plan-objective] requires objective in {OBJECTIVES}; got {objective!r}")
+        raise RuleError("plan-objective", f"objective in {OBJECTIVES}", objective=objective)
     if objective == "throughput":
         return lambda e: (
             objective_value(e, objective),
@@ -188,7 +190,7 @@ def rank_key(objective: str) -> Callable[[Estimate], tuple]:
 def check_num_gpus(num_gpus: object) -> None:
     """Rule ``positive-gpus``: a GPU count is a positive ``int``."""
     if isinstance(num_gpus, bool) or not isinstance(num_gpus, int) or num_gpus < 1:
-        raise ValueError(f"[positive-gpus] requires num_gpus >= 1; got num_gpus={num_gpus!r}")
+        raise RuleError("positive-gpus", "num_gpus >= 1", num_gpus=num_gpus)
 
 
 def _divisors(n: int) -> list[int]:
@@ -310,9 +312,14 @@ def estimate(
     step = None
     if time_dropped or not late:
         step = tpot(
-            model, gpu, deployment, w.request_tokens, batch, kv_dtype=kv_dtype,
-            prompt_len=w.prompt_tokens, output_len=w.output_tokens,
-        )  # fmt: skip
+            model,
+            gpu,
+            deployment,
+            w.request_tokens,
+            batch,
+            knobs=CostKnobs(kv_dtype=kv_dtype),
+            batching=ContinuousBatching(w.prompt_tokens, w.output_tokens),
+        )
     drop = None
     if capacity < w.concurrency:
         drop = "holds-concurrency"

@@ -17,6 +17,7 @@ import argparse
 import shlex
 from collections.abc import Sequence
 
+from cpbook.core.errors import RuleError
 from cpbook.costmodel.memory import Deployment
 from cpbook.costmodel.specs import ModelSpec
 
@@ -157,9 +158,9 @@ def parse_serve_command(command: str | Sequence[str]) -> tuple[Deployment, str]:
     try:
         a, rest = _parser().parse_known_args(argv)
     except (SystemExit, argparse.ArgumentError) as e:  # argparse's error paths
-        raise ValueError(f"[serve-command] requires vllm serve MODEL [FLAGS]; got {argv}") from e
+        raise RuleError("serve-command", "vllm serve MODEL [FLAGS]", argv=argv) from e
     if rest:
-        raise ValueError(f"[serve-command] requires only the planner's flags; got {rest}")
+        raise RuleError("serve-command", "only the planner's flags", rest=rest)
     deployment = Deployment(
         tp=a.tensor_parallel_size,
         dcp=a.decode_context_parallel_size,
