@@ -71,7 +71,11 @@ GPUS: dict[str, GPUSpec] = {
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Attention shape and weight size of one model (see the module docstring for MLA)."""
+    """Attention shape and weight size of one model (see the module docstring for MLA).
+
+    More than eight parameters: a frozen record of a model's published shape, one field per
+    ``config.json`` quantity the cost model reads, built once per model in :data:`MODELS`.
+    """
 
     name: str
     num_layers: int

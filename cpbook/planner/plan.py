@@ -41,7 +41,10 @@ class Plan:
     their ``drop`` rule; ``rejected``: how many candidates each vLLM rule rejected;
     ``frontier_ttft`` / ``frontier_tpot``: the Pareto frontiers of TTFT and TPOT against
     output tokens/s per GPU; ``reasons``: the winner's case and one line per runner-up;
-    ``would_fit``: what would serve the workload when nothing does."""
+    ``would_fit``: what would serve the workload when nothing does.
+
+    More than eight parameters: a frozen record of one :func:`plan` answer, built by it only.
+    """
 
     model: ModelSpec
     gpu: GPUSpec

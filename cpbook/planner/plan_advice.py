@@ -119,7 +119,10 @@ class WouldFit:
     ``gpus_deployment``; ``fp8_kv``: the best deployment once FP8 KV is allowed (``None`` if it is
     already or it does not help); ``prompt_tokens`` / ``concurrency``: the longest prompt and
     the most requests that fit on these GPUs (``None``: not even one); ``ttft_target_s`` /
-    ``tpot_target_s``: the loosest target a deployment holding the requests meets."""
+    ``tpot_target_s``: the loosest target a deployment holding the requests meets.
+
+    More than eight parameters: a frozen record of the advice, built by :func:`would_fit` only.
+    """
 
     rule: str
     num_gpus: int | None

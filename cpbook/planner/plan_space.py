@@ -100,7 +100,11 @@ class Estimate:
     continuous batching (its ``prefill_s``: the prefill chunks each step carries; ``None`` when
     not even one request fits, or when not timed); output tokens per second per
     GPU in steady state and in decode alone (see :func:`estimate`).  ``drop``: the first of
-    :data:`DROP_RULES` it fails, or ``None`` if it serves the workload."""
+    :data:`DROP_RULES` it fails, or ``None`` if it serves the workload.
+
+    More than eight parameters: a frozen record of one priced deployment, built by
+    :func:`estimate` only.
+    """
 
     deployment: Deployment
     kv_dtype: str
@@ -197,6 +201,43 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def _dcp_sizes(tp: int, pcp: int) -> list[int]:
+    """DCP sizes ``ParallelConfig`` admits: divisors of TP, or with PCP ``{1, pcp, tp * pcp}``."""
+    return _divisors(tp) if pcp == 1 else sorted({1, pcp, tp * pcp})
+
+
+def _tpa_choices(model: ModelSpec, dcp: int) -> tuple[bool, ...]:
+    """Query replication is tried for MLA with DCP only."""
+    return (False, True) if model.use_mla and dcp > 1 else (False,)
+
+
+def _replica_shapes(model: ModelSpec, num_gpus: int) -> Iterator[Deployment]:
+    """Every one-replica shape (``dp = 1``, no EP) of at most ``num_gpus`` GPUs, TP then PCP
+    then DCP then TPA ascending: the product of the layout axes, filtered."""
+    sizes = itertools.product(range(1, num_gpus + 1), repeat=2)
+    return (
+        Deployment(tp=tp, dcp=dcp, pcp=pcp, tpa=tpa)
+        for tp, pcp in sizes
+        if tp * pcp <= num_gpus
+        for dcp in _dcp_sizes(tp, pcp)
+        for tpa in _tpa_choices(model, dcp)
+    )
+
+
+def _served(
+    model: ModelSpec, d: Deployment, kv_dtype: str, rejected: Counter | None, weight: int, **kw
+) -> bool:
+    """Whether :func:`check_deployment` accepts ``d``; if not, ``rejected[rule] += weight``
+    (the candidates the rejection stands for)."""
+    try:
+        check_deployment(model, d, kv_dtype, **kw)
+    except ConfigError as e:
+        if rejected is not None:
+            rejected[e.rule] += weight
+        return False
+    return True
+
+
 def deployments(
     model: ModelSpec, num_gpus: int, w: ServingWorkload, rejected: Counter | None = None
 ) -> Iterator[tuple[Deployment, str]]:
@@ -206,32 +247,16 @@ def deployments(
     DCP.  Each replica shape goes through :func:`check_deployment` once (its rules do not read
     DP), each EP deployment again; ``rejected`` counts the candidates each rule rejects."""
     eps = (False, True) if model.expert_params else (False,)
-    for tp, pcp in itertools.product(range(1, num_gpus + 1), repeat=2):
-        if tp * pcp > num_gpus:
+    kv0, kvs = w.kv_dtypes[0], len(w.kv_dtypes)
+    for shape in _replica_shapes(model, num_gpus):
+        dps = range(1, num_gpus // shape.num_gpus + 1)
+        weight = len(dps) * len(eps) * kvs
+        if not _served(model, shape, kv0, rejected, weight, model_runner_v2=w.model_runner_v2):
             continue
-        dps = range(1, num_gpus // (tp * pcp) + 1)
-        for dcp in _divisors(tp) if pcp == 1 else sorted({1, pcp, tp * pcp}):
-            for tpa in (False, True) if model.use_mla and dcp > 1 else (False,):
-                shape = Deployment(tp=tp, dcp=dcp, pcp=pcp, tpa=tpa)
-                try:
-                    check_deployment(
-                        model, shape, w.kv_dtypes[0], model_runner_v2=w.model_runner_v2
-                    )
-                except ConfigError as e:
-                    if rejected is not None:
-                        rejected[e.rule] += len(dps) * len(eps) * len(w.kv_dtypes)
-                    continue
-                for dp, ep in itertools.product(dps, eps):
-                    deployment = replace(shape, dp=dp, ep=ep)
-                    if ep:
-                        try:
-                            check_deployment(model, deployment, w.kv_dtypes[0])
-                        except ConfigError as e:
-                            if rejected is not None:
-                                rejected[e.rule] += len(w.kv_dtypes)
-                            continue
-                    for kv in w.kv_dtypes:
-                        yield deployment, kv
+        for dp, ep in itertools.product(dps, eps):
+            d = replace(shape, dp=dp, ep=ep)
+            if not ep or _served(model, d, kv0, rejected, kvs):
+                yield from ((d, kv) for kv in w.kv_dtypes)
 
 
 Cache = dict[tuple, object]
