@@ -6,8 +6,8 @@ every import):
 
 1. ``core``, ``data`` — the traced ``Group`` interface, its simulated and torch.distributed
    backends, the launcher, :class:`~cpbook.core.config.ParallelConfig` and every rule, head
-   placement, the rank grid, dense attention with the LSE merge; the stored CPU runs the
-   package reads (package data).
+   placement, the rank grid, dense attention with the LSE merge, the one ``config.json``
+   reader; the stored CPU runs the package reads (package data).
 2. ``kv`` — DCP's memory: ownership and slot mapping, the paged store, the virtual-block manager
    with prefix caching, the P/D transfer plan, the context gather (chapter 2).
 3. ``dcp`` — DCP decode for GQA and MLA, MLA's context path, TPA (chapters 3, 6).
