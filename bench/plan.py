@@ -30,7 +30,8 @@ import time
 
 from cpbook.costmodel.specs import MODELS
 from cpbook.planner.plan import plan
-from cpbook.planner.plan_space import ServingWorkload, brute_force
+from cpbook.planner.plan_space import brute_force
+from cpbook.planner.search_space import ServingWorkload
 from cpbook.timing import machine_record
 
 K = 1024

@@ -46,7 +46,8 @@ from cpbook.engine.spec_decode import SpeculativeConfig, check_draft_vocab
 from cpbook.planner.hf_config import model_from_hf_config
 from cpbook.planner.plan import Plan, estimate_record, plan
 from cpbook.planner.plan_advice import fmt_rate, fmt_s
-from cpbook.planner.plan_space import OBJECTIVES, ServingWorkload
+from cpbook.planner.plan_space import OBJECTIVES
+from cpbook.planner.search_space import ServingWorkload
 from cpbook.planner.vllm_rules import PLAN_KV_DTYPES
 from cpbook.timing import serve_timing
 

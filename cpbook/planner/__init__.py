@@ -3,8 +3,9 @@
 
 Modules: :mod:`.hf_config` (a :class:`~cpbook.costmodel.specs.ModelSpec` from a ``config.json``,
 through :mod:`cpbook.core.hf_config`), :mod:`.vllm_rules` (what vLLM v0.33 serves),
-:mod:`.serve_flags` (the ``vllm serve`` line and its parser), :mod:`.plan_space` (the search
-space, one deployment's numbers), :mod:`.plan_advice` (the reasons, and what would fit),
+:mod:`.serve_flags` (the ``vllm serve`` line and its parser), :mod:`.search_space` (the
+workload and every deployment vLLM serves), :mod:`.plan_space` (one deployment's numbers, the
+ranking), :mod:`.plan_advice` (the reasons, and what would fit),
 :mod:`.plan` (:func:`plan`), and :mod:`.decision_path` (the article's three questions, kept as a
 check on the planner).  Its public names are re-exported here
 (``from cpbook import planner; planner.plan(...)``).
@@ -17,13 +18,12 @@ from cpbook.planner.plan_advice import MAX_REPLICA_GPUS, WouldFit
 from cpbook.planner.plan_space import (
     OBJECTIVES,
     Estimate,
-    ServingWorkload,
     brute_force,
-    deployments,
     estimate,
     objective_value,
     pareto,
 )
+from cpbook.planner.search_space import ServingWorkload, deployments
 from cpbook.planner.serve_flags import (
     HF_REPOS,
     deployment_flags,

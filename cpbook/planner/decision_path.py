@@ -21,7 +21,8 @@ from cpbook.costmodel.memory import Deployment, deployment_max_context
 from cpbook.costmodel.specs import GPUSpec, ModelSpec, get_gpu, get_model
 from cpbook.planner.plan import Plan, plan
 from cpbook.planner.plan_advice import fmt_s, plural, why_lost
-from cpbook.planner.plan_space import ServingWorkload, check_num_gpus, estimate
+from cpbook.planner.plan_space import estimate
+from cpbook.planner.search_space import ServingWorkload, check_num_gpus
 from cpbook.planner.vllm_rules import check_deployment
 
 #: the article's "short" requests, and the requests per GPU this module calls "very concurrent"

@@ -21,13 +21,13 @@ from cpbook.costmodel.specs import GB, GPUSpec, ModelSpec, get_gpu, get_model
 from cpbook.planner.plan_advice import WouldFit, fmt_rate, fmt_s, plural, why_lost, would_fit
 from cpbook.planner.plan_space import (
     Estimate,
-    ServingWorkload,
     estimate,
     objective_value,
     pareto,
     rank_key,
     search,
 )
+from cpbook.planner.search_space import ServingWorkload
 from cpbook.planner.serve_flags import serve_command
 from cpbook.planner.vllm_rules import check_deployment
 

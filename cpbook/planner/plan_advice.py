@@ -21,13 +21,13 @@ from cpbook.planner.plan_space import (
     DROP_RULES,
     Cache,
     Estimate,
-    ServingWorkload,
     estimate,
     gpu_seconds_per_token,
     objective_value,
     rank_key,
     search,
 )
+from cpbook.planner.search_space import ServingWorkload
 from cpbook.planner.vllm_rules import check_deployment
 
 #: the largest replica (TP x PCP GPUs) and deployment :func:`would_fit` sizes
