@@ -33,7 +33,7 @@ def kv_bytes_per_token(model: ModelSpec, kv_dtype: str = "bf16") -> int:
     GQA: ``2 * num_kv_heads * head_dim * num_layers * bytes``.
     MLA: ``(kv_lora_rank + qk_rope_head_dim) * num_layers * bytes``: with ``kv_dtype="fp8"``
     (vLLM's ``fp8`` / ``fp8_e4m3`` on FlashMLA) 576 B per token and layer for DeepSeek-V3;
-    ``kv_dtype="fp8_ds_mla"`` is sparse MLA's deployment (DeepSeek-V3.2), 656 B per token and layer.
+    ``kv_dtype="fp8_ds_mla"`` is sparse MLA's KV layout (DeepSeek-V3.2), 656 B per token and layer.
     """
     if kv_dtype not in KV_DTYPES:
         raise RuleError("kv-dtype", f"kv_dtype in {sorted(KV_DTYPES)}", kv_dtype=kv_dtype)
@@ -215,7 +215,7 @@ class Deployment:
 
     @functools.lru_cache(maxsize=4096)  # deployments and models are frozen dataclasses
     def config(self, model: ModelSpec, dcp_comm_backend: str = "ag_rs") -> ParallelConfig:
-        """One replica's attention deployment with DCP's combine ``dcp_comm_backend``, validated
+        """One replica's attention config, with DCP's combine ``dcp_comm_backend``, validated
         by vLLM's rules (ValueError if invalid; a valid one is built once per deployment, model
         and backend, all immutable)."""
 

@@ -253,7 +253,7 @@ MODELS: dict[str, ModelSpec] = {
 #: dense MLA model (FlashMLA) stores the 512 + 64 latent in FP8 with one scale per tensor, 576 B
 #: per token and layer for DeepSeek-V3 and Kimi-K2
 KV_DTYPE_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
-#: vLLM's ``fp8_ds_mla`` deployment of *sparse* MLA (DeepSeek-V3.2, FlashMLA-sparse): 512 fp8 latent
+#: vLLM's ``fp8_ds_mla`` KV layout of *sparse* MLA (DeepSeek-V3.2, FlashMLA-sparse): 512 fp8 latent
 #: + 16 B scales + 64 bf16 rope; the ``kv_dtype`` of that name, for MLA models only
 FP8_DS_MLA_BYTES_PER_TOKEN_PER_LAYER = 512 + 16 + 64 * 2
 #: every ``kv_dtype`` the memory model accepts
