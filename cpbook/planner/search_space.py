@@ -89,7 +89,7 @@ def _tpa_choices(model: ModelSpec, dcp: int) -> tuple[bool, ...]:
 
 def _replica_shapes(model: ModelSpec, num_gpus: int) -> Iterator[Deployment]:
     """Every one-replica shape (``dp = 1``, no EP) of at most ``num_gpus`` GPUs, TP then PCP
-    then DCP then TPA ascending: the product of the layout axes, filtered."""
+    then DCP then TPA ascending: the product of the deployment axes, filtered."""
     sizes = itertools.product(range(1, num_gpus + 1), repeat=2)
     return (
         Deployment(tp=tp, dcp=dcp, pcp=pcp, tpa=tpa)
