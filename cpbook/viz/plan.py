@@ -21,7 +21,7 @@ from cpbook.viz.style import BLUE, GREEN, ORANGE, VERMILLION, figure, ink, legib
 
 __all__ = ["decision_flowchart", "DROP_TEXT"]
 
-#: what each drop rule asks of a layout, in the pipeline's words
+#: what each drop rule asks of a deployment, in the pipeline's words
 DROP_TEXT = {
     "model-fits": f"weights + {cm.DEFAULT_ACTIVATION_RESERVE_BYTES / cm.GIB:g} GiB reserve fit "
     "in\nHBM x gpu_memory_utilization",
@@ -52,7 +52,7 @@ def _arrow(ax, xy0, xy1, text: str = "") -> None:
 def decision_flowchart(families: Mapping[str, cm.ModelSpec]):
     """Top: one row per family (its label, e.g. ``"GQA, 8 KV heads"``, and an example model),
     one column per probe of :func:`rule_probes`, green when vLLM v0.33 serves it, vermillion
-    with the rejecting rule when not.  Bottom: the planner's pipeline, every layout through
+    with the rejecting rule when not.  Bottom: the planner's pipeline, every deployment through
     the drop rules to the ranking and its two outcomes.  Returns the ``Figure``."""
     probes = {label: rule_probes(m) for label, m in families.items()}
     names = list(next(iter(probes.values())))
@@ -80,8 +80,8 @@ def decision_flowchart(families: Mapping[str, cm.ModelSpec]):
 
     ax = bottom
     w, h, x = 3.2, 0.62, 0.4
-    _box(ax, x, 5.2, w, h, "every DP x TP x PCP x DCP layout on <= N GPUs\n(x EP, x query "
-         "replication, x KV dtype)\nthat the rules above admit", tint(BLUE, 0.2), 8.5)  # fmt: skip
+    _box(ax, x, 5.2, w, h, "every DP x TP x PCP x DCP deployment\non <= N GPUs (x EP, x query "
+         "replication,\nx KV dtype) that the rules above admit", tint(BLUE, 0.2), 8.5)  # fmt: skip
     y = 5.2
     for rule in DROP_RULES:
         _arrow(ax, (x + w / 2, y), (x + w / 2, y - 0.3))

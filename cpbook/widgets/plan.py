@@ -86,7 +86,7 @@ def plan_explorer(
         },
         value=value,
         caption=(
-            "The planner's answer (cpbook.planner.plan): every layout vLLM v0.33 accepts for "
+            "The planner's answer (cpbook.planner.plan): every deployment vLLM v0.33 accepts for "
             "the model on at most this many GPUs, the ones that hold the requests (prompt plus "
             f"{tokens_label(OUTPUT_TOKENS)} output tokens, 16-bit KV) ranked by output tokens "
             "per second per GPU, no TTFT or TPOT target. Times and rates are modelled (prefill "
