@@ -3,10 +3,10 @@
     python bench/plan.py --json              # 336 questions: summary line
     python bench/plan.py --json --rows       # plus one line per question
 
-Asks :func:`cpbook.costmodel.plan.plan` (with its reasons and, where nothing fits, its
+Asks :func:`cpbook.planner.plan.plan` (with its reasons and, where nothing fits, its
 what-would-fit search) every question of the grid: the 7 built-in models x prompts 4K, 32K,
 128K, 1M x concurrency 1, 16, 128, 512 x 4, 8, 16 H200, 1K output tokens, throughput objective.
-Each answer's ranking is compared with :func:`cpbook.costmodel.plan_space.brute_force` (every
+Each answer's ranking is compared with :func:`cpbook.planner.plan_space.brute_force` (every
 size in 1..N, no pruning, no cache).  Prints a ``{"name": "plan_bench_run", "date_utc": ...}``
 line, then (``--rows``) ``{"name": "plan_question", "model": ..., "ms": ..., "winner": ...,
 "agrees": ...}`` lines, then::
@@ -28,9 +28,10 @@ import json
 import statistics
 import time
 
-from cpbook.costmodel.plan import plan
-from cpbook.costmodel.plan_space import ServingWorkload, brute_force
 from cpbook.costmodel.specs import MODELS
+from cpbook.planner.plan import plan
+from cpbook.planner.plan_space import brute_force
+from cpbook.planner.search_space import ServingWorkload
 from cpbook.timing import machine_record
 
 K = 1024

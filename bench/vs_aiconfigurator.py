@@ -15,7 +15,7 @@ decode steps.  The two sides are matched as follows:
   for DeepSeek-V3), which is also the peer's default for those checkpoints;
 - layouts: TP ``t`` is the peer's ``tp_size=t`` (MoE: ``moe_tp_size=t``); DP × EP is its
   ``attention_dp_size=dp, moe_ep_size=dp`` with ``tp_size=1`` (cpbook's
-  ``Layout(dp=dp, ep=True)``); the peer's ``batch_size`` is per DP rank, cpbook's ``batch``
+  ``Deployment(dp=dp, ep=True)``); the peer's ``batch_size`` is per DP rank, cpbook's ``batch``
   is global, so cpbook decodes ``batch × dp``;
 - TTFT: the peer's is the prefill of the whole batch on one replica; cpbook's is
   ``batch × ttft(prompt)`` (prefill is compute-bound, so batching does not change its FLOPs);
@@ -26,9 +26,10 @@ A case runs only where cpbook's memory model holds the batch (``max_concurrency`
 
 Aggregated mode (continuous batching with chunked prefill, ``--agg`` cases, H200, one layout
 per model): the peer's ``mode="agg"`` with ``batch_size`` = concurrency and its default
-``ctx_tokens`` (= ``isl``) against cpbook's ``tpot(..., concurrency, prompt_len, output_len,
-max_num_batched_tokens=isl)``; rows ``{"name": "vs_aic_agg", ..., "osl", "concurrency",
-"tpot_ms", "aic_tpot_ms", "tpot_ratio", "static_tpot_ms"}`` and one ``vs_aic_agg_summary``.
+``ctx_tokens`` (= ``isl``) against cpbook's ``tpot(..., concurrency,
+batching=ContinuousBatching(isl, osl, max_num_batched_tokens=isl))``; rows
+``{"name": "vs_aic_agg", ..., "osl", "concurrency", "tpot_ms", "aic_tpot_ms", "tpot_ratio",
+"static_tpot_ms"}`` and one ``vs_aic_agg_summary``.
 
 Prints one line per case ``{"name": "vs_aic", "model", "gpu", "layout", "isl", "batch", "ttft_ms",
 "aic_ttft_ms", "tpot_ms", "aic_tpot_ms", "ttft_ratio", "tpot_ratio"}`` (ratios are cpbook /
@@ -72,7 +73,7 @@ AGG_CONCURRENCY = (8, 32, 96)
 class Case:
     model: str
     gpu: str
-    layout: cm.Layout
+    layout: cm.Deployment
     isl: int
     batch: int  #: per replica, as the peer counts it
 
@@ -81,11 +82,11 @@ class Case:
         return bool(cm.get_model(self.model).expert_params)
 
 
-def layouts(model: str) -> list[cm.Layout]:
+def layouts(model: str) -> list[cm.Deployment]:
     """TP 1-8 for dense models; TP 4/8 and DP8 x EP8 for MoE models."""
     if cm.get_model(model).expert_params:
-        return [cm.Layout(tp=4), cm.Layout(tp=8), cm.Layout(dp=8, ep=True)]
-    return [cm.Layout(tp=t) for t in (1, 2, 4, 8)]
+        return [cm.Deployment(tp=4), cm.Deployment(tp=8), cm.Deployment(dp=8, ep=True)]
+    return [cm.Deployment(tp=t) for t in (1, 2, 4, 8)]
 
 
 def cases(models: list[str], gpus: list[str]) -> list[Case]:
@@ -144,11 +145,11 @@ def agg_rows() -> list[dict]:
     """cpbook's TPOT under continuous batching beside the peer's aggregated mode."""
     rows = []
     for model, tp in AGG_LAYOUTS.items():
-        spec, gpu, lay = cm.get_model(model), cm.get_gpu("H200"), cm.Layout(tp=tp)
+        spec, gpu, lay = cm.get_model(model), cm.get_gpu("H200"), cm.Deployment(tp=tp)
         isl = 4096
         for osl, n in ((o, c) for o in AGG_OSLS for c in AGG_CONCURRENCY):
-            kw = dict(prompt_len=isl, output_len=osl, max_num_batched_tokens=isl)
-            step = cm.tpot(spec, gpu, lay, isl + osl // 2, concurrency=n, **kw)
+            batching = cm.ContinuousBatching(isl, osl, max_num_batched_tokens=isl)
+            step = cm.tpot(spec, gpu, lay, isl + osl // 2, n, batching=batching)
             _, aic, _ = peer_ms(Case(model, "H200", lay, isl, n), "agg", osl)
             rows.append(
                 {

@@ -6,19 +6,20 @@ every import):
 
 1. ``core``, ``data`` — the traced ``Group`` interface, its simulated and torch.distributed
    backends, the launcher, :class:`~cpbook.core.config.ParallelConfig` and every rule, head
-   placement, the rank grid, dense attention with the LSE merge; the stored CPU runs the
-   package reads (package data).
+   placement, the rank grid, dense attention with the LSE merge, the one ``config.json``
+   reader; the stored CPU runs the package reads (package data).
 2. ``kv`` — DCP's memory: ownership and slot mapping, the paged store, the virtual-block manager
    with prefix caching, the P/D transfer plan, the context gather (chapter 2).
 3. ``dcp`` — DCP decode for GQA and MLA, MLA's context path, TPA (chapters 3, 6).
 4. ``pcp`` — the DualChunkSwap partition, PCP prefill, chunked prefill AllGather-Q /
    AllGather-KV (which combines over the DCP group, hence below ``dcp``), ring pass-KV /
    pass-Q, and their planners (chapters 4, 5).
-5. ``costmodel``, ``engine`` — sourced specs, memory, TTFT/TPOT, calibration, model shapes
-   from ``config.json``, vLLM v0.33's deployment rules, the deployment planner ``plan`` and the
-   article's decision path as a check on it (chapters 1, 6, 8); tiny models, scheduler,
-   runner, engine (chapter 9).
-6. ``dynamic`` — the length router, live migration, the workload simulator (chapter 7).
+5. ``costmodel``, ``engine`` — sourced specs, memory, TTFT/TPOT, speculative decoding's
+   break-even, calibration (chapters 1, 6, 8); tiny models, scheduler, runner, engine
+   (chapter 9).
+6. ``dynamic``, ``planner`` — the length router, live migration, the workload simulator
+   (chapter 7); model shapes from ``config.json``, vLLM v0.33's deployment rules, the
+   deployment planner ``plan`` and the article's decision path as a check on it (chapters 0, 8).
 7. ``demos`` — one module per chapter: its ``*_problem``, ``*_rank`` and dense references, and
    the registry behind ``python -m cpbook demo``.
 8. ``viz`` — the chapters' figures, and the one style module (palette, ink, formatters).

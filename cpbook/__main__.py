@@ -14,7 +14,7 @@ tokens per decode step to the summary.
 ``python -m cpbook plan --model DeepSeek-V3 --gpu H200 --gpus 8 --context 1M --output 1K
 --concurrency 16 [--ttft 10s] [--tpot 50ms] [--hf-config PATH] [--json]`` prints the
 deployment planner's ``vllm serve`` line, its top layouts and why
-(:func:`cpbook.costmodel.plan.plan`).
+(:func:`cpbook.planner.plan.plan`).
 
 Under torchrun (``torchrun --nproc-per-node N -m cpbook demo NAME``) the processes torchrun
 started run the demo directly; rank 0 prints the deterministic report.  Errors print one line,
@@ -39,15 +39,16 @@ from cpbook.core.launch import (
     worker_context,
     worker_run,
 )
-from cpbook.costmodel.hf_config import model_from_hf_config
-from cpbook.costmodel.plan import Plan, estimate_record, plan
-from cpbook.costmodel.plan_advice import fmt_rate, fmt_s
-from cpbook.costmodel.plan_space import OBJECTIVES, ServingWorkload
 from cpbook.costmodel.specs import GB, GPUS, get_model
-from cpbook.costmodel.vllm_rules import PLAN_KV_DTYPES
 from cpbook.demos import DEMOS, describe, get_demo, parse_params
 from cpbook.engine.engine import engine_config, model_config
 from cpbook.engine.spec_decode import SpeculativeConfig, check_draft_vocab
+from cpbook.planner.hf_config import model_from_hf_config
+from cpbook.planner.plan import Plan, estimate_record, plan
+from cpbook.planner.plan_advice import fmt_rate, fmt_s
+from cpbook.planner.plan_space import OBJECTIVES
+from cpbook.planner.search_space import ServingWorkload
+from cpbook.planner.vllm_rules import PLAN_KV_DTYPES
 from cpbook.timing import serve_timing
 
 _RULE = re.compile(r"(\[[\w-]+\] requires .*)")

@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cpbook import costmodel as cm
+from cpbook.core.errors import RuleError
 
 ROOT = Path(__file__).resolve().parents[1]
 APPENDIX = ROOT / "book" / "appendix_hardware_models.md"
@@ -236,10 +237,13 @@ def test_weights_per_gpu():
             lambda: cm.kv_budget_bytes_per_gpu(L8B, cm.GPUS["H100"], 1, 0.9, -1),
             "activation_reserve",
         ),
-        (lambda: cm.max_context_tokens(cm.MODELS["Kimi-K2"], cm.GPUS["H200"], 8), "does not fit"),
+        (
+            lambda: cm.max_context_tokens(cm.MODELS["Kimi-K2"], cm.GPUS["H200"], 8),
+            r"\[model-fits\]",
+        ),
         (
             lambda: cm.max_context_tokens(cm.MODELS["Llama-3.1-405B"], cm.GPUS["H100"], 8),
-            "does not fit",
+            r"\[model-fits\]",
         ),
     ],
 )
@@ -460,7 +464,9 @@ def test_collective_time_is_alpha_plus_bytes_over_bandwidth():
         (lambda: cm.decode_layer_time(DSV3, H200, 8, "tpa"), r"\[decode-mode\]"),
         (lambda: cm.decode_layer_time(DSV3, H200, -1, "dcp"), r"\[non-negative-tokens\]"),
         (
-            lambda: cm.decode_layer_time(DSV3, H200, 8, "dcp", hbm_efficiency=1.5),
+            lambda: cm.decode_layer_time(
+                DSV3, H200, 8, "dcp", knobs=cm.CostKnobs(hbm_efficiency=1.5)
+            ),
             r"\[hbm-efficiency\]",
         ),
         (lambda: cm.decode_break_even(DSV3, H200, "no_cp"), r"\[decode-mode\]"),
@@ -507,7 +513,7 @@ def test_decode_collectives_are_the_tpa_formula():
     tpa = cm.decode_layer_time(DSV3, H200, 4096, "dcp_tpa")
     # vLLM's LSEs are fp32: ag_rs gathers 8 x 16 of them per request, a2a packs 4 bytes each
     assert std.calls[1] == ("all_gather", 8, 8 * 16 * 4 * 7)
-    a2a = cm.decode_layer_time(DSV3, H200, 4096, "dcp", dcp_comm_backend="a2a")
+    a2a = cm.decode_layer_time(DSV3, H200, 4096, "dcp", knobs=cm.CostKnobs(dcp_comm_backend="a2a"))
     assert a2a.calls[1] == ("all_to_all", 8, 16 * (512 * 2 + 4) * 7)
     (_, _, q_bytes), *_ = std.calls
     assert math.isclose(std.comm_s - tpa.comm_s, NVL.alpha_s + q_bytes / NVL.bw_bytes_per_s)
@@ -558,7 +564,8 @@ def test_decode_kv_read_matches_the_capacity_model(key):
 
 def test_break_even_is_where_the_times_cross():
     for mode in ("dcp", "dcp_tpa"):
-        for kw in ({}, {"num_reqs": 16}, {"dcp_comm_backend": "a2a"}, {"kv_dtype": "fp8"}):
+        a2a, fp8 = cm.CostKnobs(dcp_comm_backend="a2a"), cm.CostKnobs(kv_dtype="fp8")
+        for kw in ({}, {"num_reqs": 16}, {"knobs": a2a}, {"knobs": fp8}):
             x = cm.decode_break_even(DSV3, H200, mode, **kw)
             assert 0 < x < math.inf
             t0 = cm.decode_layer_time(DSV3, H200, x, "no_cp", **kw).total_s
@@ -571,7 +578,7 @@ def test_break_even_is_where_the_times_cross():
     assert cm.decode_break_even(L70B, H200, "dcp_tpa", dcp=2) == math.inf
     # a free link never loses
     free = cm.LinkSpec("free", 0.0, math.inf, "none")
-    assert cm.decode_break_even(DSV3, H200, "dcp", link=free) == 0.0
+    assert cm.decode_break_even(DSV3, H200, "dcp", knobs=cm.CostKnobs(link=free)) == 0.0
 
 
 def test_break_even_sensitivities():
@@ -581,10 +588,10 @@ def test_break_even_sensitivities():
     for mode, x in base.items():  # per-layer costs: the number of layers cancels
         assert math.isclose(cm.decode_break_even(doubled, H200, mode), x, rel_tol=1e-12)
         slow = cm.LinkSpec("slow", 2 * NVL.alpha_s, NVL.bw_bytes_per_s, "")
-        assert cm.decode_break_even(DSV3, H200, mode, link=slow) > x
+        assert cm.decode_break_even(DSV3, H200, mode, knobs=cm.CostKnobs(link=slow)) > x
         assert cm.decode_break_even(DSV3, H200, mode, num_reqs=4) < x / 3
-        assert cm.decode_break_even(DSV3, H200, mode, hbm_efficiency=1.0) > x
-        assert cm.decode_break_even(DSV3, H200, mode, kv_dtype="fp8") > 1.5 * x
+        assert cm.decode_break_even(DSV3, H200, mode, knobs=cm.CostKnobs(hbm_efficiency=1.0)) > x
+        assert cm.decode_break_even(DSV3, H200, mode, knobs=cm.CostKnobs(kv_dtype="fp8")) > 1.5 * x
 
 
 # ------------------------------------------------------- GPU-side terms (gpu_terms, issue 23)
@@ -615,13 +622,13 @@ def test_fp8_weights_use_the_fp8_peak():
     h200 = cm.GPUS["H200"]
     assert h200.peak_flops(1) == 1979e12 == 2 * h200.peak_flops(2) + 1e12
     assert cm.GPUS["Ascend910C"].peak_flops(1) == cm.GPUS["Ascend910C"].bf16_flops
-    fp8 = cm.ttft(DSV3, h200, cm.Layout(tp=8), 32768)
-    slow = cm.ttft(DSV3, dataclasses.replace(h200, fp8_flops=0.0), cm.Layout(tp=8), 32768)
+    fp8 = cm.ttft(DSV3, h200, cm.Deployment(tp=8), 32768)
+    slow = cm.ttft(DSV3, dataclasses.replace(h200, fp8_flops=0.0), cm.Deployment(tp=8), 32768)
     assert fp8.compute_s < slow.compute_s
 
 
 def test_decode_all_reduce_runs_at_the_cuda_graph_latency():
-    t = cm.tpot(L70B, H200, cm.Layout(tp=8), 4096)
+    t = cm.tpot(L70B, H200, cm.Deployment(tp=8), 4096)
     nbytes = 2 * 8192 * 2 * 7 // 8  # ring all-reduce of one token's 8192 bf16 values
     one = GT.DECODE_ALLREDUCE_ALPHA_S + nbytes / H200.link_bw_bytes_per_s
     assert math.isclose(t.comm_s, 80 * 2 * one)
@@ -629,17 +636,17 @@ def test_decode_all_reduce_runs_at_the_cuda_graph_latency():
 
 
 def test_decode_fixed_costs_per_layer():
-    t = cm.tpot(L8B, H200, cm.Layout(), 4096)
+    t = cm.tpot(L8B, H200, cm.Deployment(), 4096)
     per_layer = 4 * GT.DECODE_GEMM_FIXED_S + 3 * GT.ELEMENTWISE_FLOOR_S
     assert math.isclose(t.fixed_s, 32 * (per_layer + GT.DECODE_ATTENTION_FIXED_S))
-    mla = cm.tpot(DSV3, H200, cm.Layout(tp=8), 4096)
+    mla = cm.tpot(DSV3, H200, cm.Deployment(tp=8), 4096)
     assert mla.fixed_s > DSV3.num_layers * GT.MLA_DECODE_FIXED_S  # + MoE floor and norms
-    assert cm.tpot(DSV3, H200, cm.Layout(tp=8), 4096, 64).fixed_s > mla.fixed_s
+    assert cm.tpot(DSV3, H200, cm.Deployment(tp=8), 4096, 64).fixed_s > mla.fixed_s
 
 
 def test_small_batch_moe_and_mla_decode_are_far_from_bandwidth_bound():
     """DeepSeek-V3 TP8 batch 1 at 4K: the peer's 14.3 ms; bandwidth alone gives ~3 ms."""
-    t = cm.tpot(DSV3, H200, cm.Layout(tp=8), 4096 + 128)
+    t = cm.tpot(DSV3, H200, cm.Deployment(tp=8), 4096 + 128)
     assert 13e-3 < t.total_s < 16e-3 and t.memory_s < 3e-3
     stream, extra = GT.moe_decode_s(10e6, 1, 3.84e12)
     assert stream + extra == GT.MOE_DECODE_FLOOR_S[1]
@@ -654,36 +661,48 @@ def test_ep_routing_imbalance_is_the_busiest_rank():
     assert GT.busiest_rank_experts(128, 1, 8, 8) == GT.touched_experts(128, 8, 8)
     assert GT.busiest_rank_experts(128, 8, 8, 10_000) == 16  # every local expert
     qwen = cm.MODELS["Qwen3-235B-A22B"]
-    ep = cm.ttft(qwen, H200, cm.Layout(dp=8, ep=True), 4096)
-    tp = cm.ttft(qwen, H200, cm.Layout(tp=8), 4096)
+    ep = cm.ttft(qwen, H200, cm.Deployment(dp=8, ep=True), 4096)
+    tp = cm.ttft(qwen, H200, cm.Deployment(tp=8), 4096)
     assert ep.ep_comm_s > 0 == tp.ep_comm_s
-    step = cm.tpot(qwen, H200, cm.Layout(dp=8, ep=True), 4096, 8)
+    step = cm.tpot(qwen, H200, cm.Deployment(dp=8, ep=True), 4096, 8)
     sent = 1 * 8 * 4096 * 2 * 7 / 8  # one token per rank to 8 experts, 7/8 of them remote
     a2a = GT.ALL_TO_ALL_ALPHA_S + sent / (H200.link_bw_bytes_per_s * GT.ALL_TO_ALL_BW_EFFICIENCY)
     assert math.isclose(step.comm_s, 2 * 94 * a2a)  # no TP all-reduce at TP1
 
 
 def test_tpot_under_continuous_batching_carries_prefill_chunks():
-    lay = cm.Layout(tp=8)
+    lay = cm.Deployment(tp=8)
     static = cm.tpot(L70B, H200, lay, 4096 + 512, 96)
-    agg = cm.tpot(L70B, H200, lay, 4096 + 512, concurrency=96, prompt_len=4096, output_len=1024)
+    agg = cm.tpot(L70B, H200, lay, 4096 + 512, 96, batching=cm.ContinuousBatching(4096, 1024))
     per_token = cm.ttft(L70B, H200, lay, 4096).total_s / 4096
     assert agg.step_s == static.total_s
     assert math.isclose(agg.prefill_s, 95 * 4096 / 1024 * per_token)
     assert 1.8 < agg.total_s / static.total_s < 2.2  # the peer: 29.5 vs 14.7 ms
-    capped = cm.tpot(
-        L70B, H200, lay, 4096, 96, prompt_len=4096, output_len=16, max_num_batched_tokens=2048
-    )
+    capped = cm.tpot(L70B, H200, lay, 4096, 96, batching=cm.ContinuousBatching(4096, 16, 2048))
     assert math.isclose(capped.prefill_s, 2048 * per_token)
-    alone = cm.tpot(L70B, H200, lay, 4096, prompt_len=4096, output_len=16)
+    alone = cm.tpot(L70B, H200, lay, 4096, batching=cm.ContinuousBatching(4096, 16))
     assert alone.prefill_s == 0  # its own prefill ends before its first token
     for call, rule in (
-        (lambda: cm.tpot(L70B, H200, lay, 4096, 2, concurrency=3), "batch-or-concurrency"),
-        (lambda: cm.tpot(L70B, H200, lay, 4096, prompt_len=4096), "prompt-and-output"),
-        (lambda: cm.tpot(L70B, H200, lay, 4096, prompt_len=1, output_len=0), "positive-tokens"),
+        (lambda: cm.ContinuousBatching(1, 0), "positive-tokens"),
+        (lambda: cm.ContinuousBatching(1, 1, 0), "positive-tokens"),
+        (lambda: cm.CostKnobs(mfu=0.0), "mfu"),
+        (lambda: cm.CostKnobs(kv_dtype="int4"), "kv-dtype"),
     ):
-        with pytest.raises(ValueError, match=rf"\[{rule}\]"):
+        with pytest.raises(RuleError, match=rf"\[{rule}\]"):
             call()
+
+
+def test_batch_for_is_the_smallest_batch_reaching_the_target():
+    def even(b: int) -> float:
+        return cm.decode_break_even(DSV3, H200, "dcp", num_reqs=b)
+
+    for target in (4096, 32768):
+        linear = next(b for b in range(1, 1025) if even(b) <= target)
+        assert cm.batch_for(even, target) == linear
+    assert cm.batch_for(even, 4096) == 86 and cm.batch_for(even, 10**9) == 1
+    with pytest.raises(RuleError, match=r"\[batch-reaches-target\]") as e:
+        cm.batch_for(even, 1.0, max_batch=4)
+    assert e.value.values == {"max_batch": 4, "target": 1.0}
 
 
 def test_kv_read_efficiency_is_occupancy_bound_at_one_request():
@@ -692,8 +711,8 @@ def test_kv_read_efficiency_is_occupancy_bound_at_one_request():
     assert eff(0.8, 2, 1) == eff(0.8, 1, 2) == 0.7 and eff(0.8, 8, 1) == eff(0.8, 1, 8) == 0.8
     # chapter 6's per-layer model streams at hbm_efficiency; the whole-model TPOT at one
     # request's occupancy, so its DCP8 crossing is chapter 6's break-even at 0.35 of HBM
-    lay, base = cm.Layout(tp=8, dcp=8), cm.Layout(tp=8)
-    at = cm.decode_break_even(DSV3, H200, "dcp", hbm_efficiency=0.35)
+    lay, base = cm.Deployment(tp=8, dcp=8), cm.Deployment(tp=8)
+    at = cm.decode_break_even(DSV3, H200, "dcp", knobs=cm.CostKnobs(hbm_efficiency=0.35))
     assert abs(cm.tpot_break_even(DSV3, H200, lay, base) / at - 1) < 0.01
     assert at < cm.decode_break_even(DSV3, H200, "dcp") / 2
 
@@ -719,9 +738,11 @@ def test_appendix_gpu_terms_table_matches_gpu_terms():
 def test_a_moe_model_must_state_its_experts():
     bare = dataclasses.replace(cm.MODELS["Qwen3-235B-A22B"], num_experts=0)
     for call in (
-        lambda: cm.tpot(bare, H200, cm.Layout(tp=8), 4096),
-        lambda: cm.ttft(bare, H200, cm.Layout(tp=8), 4096),
+        lambda: cm.tpot(bare, H200, cm.Deployment(tp=8), 4096),
+        lambda: cm.ttft(bare, H200, cm.Deployment(tp=8), 4096),
     ):
         with pytest.raises(ValueError, match=r"\[moe-shape\]"):
             call()
-    assert cm.ttft(bare, H200, cm.Layout(tp=8), 4096, mfu=0.5).total_s > 0  # former model
+    assert (
+        cm.ttft(bare, H200, cm.Deployment(tp=8), 4096, knobs=cm.CostKnobs(mfu=0.5)).total_s > 0
+    )  # former model

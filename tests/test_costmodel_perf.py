@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from cpbook import costmodel as cm
-from cpbook.costmodel import Layout as L
+from cpbook.costmodel import Deployment as L
 from cpbook.costmodel import calibration
 
 DSV3, KIMI, QWEN3 = (cm.MODELS[k] for k in ("DeepSeek-V3", "Kimi-K2", "Qwen3-235B-A22B"))
@@ -21,22 +21,22 @@ M1 = 2**20
 
 
 def test_layout_kv_per_token_by_hand():
-    assert cm.layout_kv_bytes_per_token(DSV3, L(tp=8)) == 70_272  # 8 copies of the latent
-    assert cm.layout_kv_bytes_per_token(DSV3, L(tp=8, dcp=8)) == 70_272 / 8
-    assert cm.layout_kv_bytes_per_token(L8B, L(tp=8)) == 131_072 / 8  # one KV head each
-    assert cm.layout_kv_bytes_per_token(L8B, L(pcp=8)) == 131_072  # PCP keeps the whole cache
-    assert cm.layout_kv_bytes_per_token(QWEN3, L(tp=8, dcp=2)) == 192_512 / 4 / 2
-    assert cm.layout_kv_bytes_per_token(QWEN3, L(tp=8, dcp=2, tpa=True)) == 192_512 / 4 / 2
-    assert cm.layout_kv_bytes_per_token(DSV3, L(tp=8, dcp=8), "fp8") == 576 * 61 / 8
+    assert cm.deployment_kv_bytes_per_token(DSV3, L(tp=8)) == 70_272  # 8 copies of the latent
+    assert cm.deployment_kv_bytes_per_token(DSV3, L(tp=8, dcp=8)) == 70_272 / 8
+    assert cm.deployment_kv_bytes_per_token(L8B, L(tp=8)) == 131_072 / 8  # one KV head each
+    assert cm.deployment_kv_bytes_per_token(L8B, L(pcp=8)) == 131_072  # PCP keeps the whole cache
+    assert cm.deployment_kv_bytes_per_token(QWEN3, L(tp=8, dcp=2)) == 192_512 / 4 / 2
+    assert cm.deployment_kv_bytes_per_token(QWEN3, L(tp=8, dcp=2, tpa=True)) == 192_512 / 4 / 2
+    assert cm.deployment_kv_bytes_per_token(DSV3, L(tp=8, dcp=8), "fp8") == 576 * 61 / 8
 
 
 def test_layout_agrees_with_pre_split_functions():
     for model, tp, dcp in ((DSV3, 8, 8), (DSV3, 8, 1), (QWEN3, 8, 2), (L70B, 8, 1)):
         lay = L(tp=tp, dcp=dcp)
-        assert cm.layout_kv_bytes_per_token(model, lay) == cm.kv_bytes_per_token_per_gpu(
+        assert cm.deployment_kv_bytes_per_token(model, lay) == cm.kv_bytes_per_token_per_gpu(
             model, tp, dcp
         )
-        assert cm.layout_max_context(model, H200, lay) == cm.max_context_tokens(
+        assert cm.deployment_max_context(model, H200, lay) == cm.max_context_tokens(
             model, H200, tp, dcp
         )
 
@@ -45,15 +45,17 @@ def test_weights_with_expert_parallelism_by_hand():
     routed = 58 * 256 * 3 * 7168 * 2048  # DeepSeek-V3 config.json
     assert DSV3.expert_params == routed
     dense = 671e9 - routed
-    assert math.isclose(cm.layout_weight_bytes(DSV3, L(dp=8, ep=True)), dense + routed / 8)
-    assert cm.layout_weight_bytes(DSV3, L(tp=8)) == cm.weight_bytes_per_gpu(DSV3, 8) == 671e9 / 8
-    assert cm.layout_weight_bytes(L8B, L(tp=2, pcp=4)) == 8.03e9 * 2 / 2  # PCP replicates
+    assert math.isclose(cm.deployment_weight_bytes(DSV3, L(dp=8, ep=True)), dense + routed / 8)
+    assert (
+        cm.deployment_weight_bytes(DSV3, L(tp=8)) == cm.weight_bytes_per_gpu(DSV3, 8) == 671e9 / 8
+    )
+    assert cm.deployment_weight_bytes(L8B, L(tp=2, pcp=4)) == 8.03e9 * 2 / 2  # PCP replicates
 
 
 def test_max_concurrency_counts_replicas():
     one = cm.max_concurrency(L8B, H200, L(), 4096)
     assert cm.max_concurrency(L8B, H200, L(dp=8), 4096) == 8 * one
-    assert one == math.floor(cm.layout_kv_budget(L8B, H200, L()) / (131_072 * 4096))
+    assert one == math.floor(cm.deployment_kv_budget(L8B, H200, L()) / (131_072 * 4096))
 
 
 # ---------------------------------------------------------------------------- time
@@ -69,7 +71,9 @@ def test_ttft_splits_flops_and_dcp_adds_nothing():
     assert math.isclose(
         base.compute_s, dense / (peak * 0.74) + attn / (peak * gt.attention_mfu(131072))
     )
-    one = cm.ttft(L8B, H200, L(), 131072, mfu=cm.DEFAULT_MFU)  # the former model
+    one = cm.ttft(
+        L8B, H200, L(), 131072, knobs=cm.CostKnobs(mfu=cm.DEFAULT_MFU)
+    )  # the former model
     mm, _ = cm.prefill_flops(L8B, 131072)
     assert math.isclose(one.compute_s, (mm + attn) / (peak * cm.DEFAULT_MFU))
     assert one.elementwise_s == 0 < base.elementwise_s
@@ -87,7 +91,9 @@ def test_tpot_matches_chapter6_break_even():
 
     # one request reads its one latent head at the occupancy-bound KV efficiency
     eff = cm.gpu_terms.DECODE_ATTENTION_UNIT_EFFICIENCY
-    be = cm.decode_break_even(DSV3, H200, "dcp", tp=8, dcp=8, hbm_efficiency=eff)
+    be = cm.decode_break_even(
+        DSV3, H200, "dcp", tp=8, dcp=8, knobs=cm.CostKnobs(hbm_efficiency=eff)
+    )
     assert slower(int(be * 0.99)) and not slower(int(be * 1.01))
 
 
@@ -97,9 +103,9 @@ def test_meta_405b_prefill_is_a_shape_check_at_the_papers_utilisation():
     30 % at 1M but more than 30 % fast at 128K: a shape check, as chapter 8 says."""
     fp8 = replace(L405B, weight_bytes_per_param=1)
     with pytest.raises(ValueError, match="model-fits"):  # bf16 weights: 101.5 GB per GPU
-        cm.layout_kv_budget(L405B, H100, L(tp=8, pcp=16))
-    assert cm.layout_kv_budget(fp8, H100, L(tp=8, pcp=16)) > 0
-    kw = dict(cp_link=cm.LINKS["RDMA400"], cp_comm="ring", mfu=0.63)
+        cm.deployment_kv_budget(L405B, H100, L(tp=8, pcp=16))
+    assert cm.deployment_kv_budget(fp8, H100, L(tp=8, pcp=16)) > 0
+    kw = dict(cp_link=cm.LINKS["RDMA400"], cp_comm="ring", knobs=cm.CostKnobs(mfu=0.63))
     err = {
         n: cm.ttft(fp8, H100, L(tp=8, pcp=16), n, **kw).total_s / p - 1
         for n, p in ((10**6, 77.0), (M1, 77.0), (128_000, 3.8), (2**17, 3.8))
@@ -115,7 +121,7 @@ def test_meta_405b_prefill_is_a_shape_check_at_the_papers_utilisation():
 def test_one_million_tokens_on_one_node():
     def fits(gpu, dcp, kv, util=0.9):
         return (
-            cm.layout_max_context(DSV3, gpu, L(tp=8, dcp=dcp), kv, gpu_memory_utilization=util)
+            cm.deployment_max_context(DSV3, gpu, L(tp=8, dcp=dcp), kv, gpu_memory_utilization=util)
             >= M1
         )
 
@@ -125,7 +131,7 @@ def test_one_million_tokens_on_one_node():
     assert fits(H200, 1, "fp8") and fits(H200, 1, "fp8", 0.89) and not fits(H200, 1, "fp8", 0.885)
     assert not fits(H200, 1, "fp8_ds_mla")  # V3.2's 656 B layout would miss at 0.9
     with pytest.raises(ValueError, match="model-fits"):
-        cm.layout_max_context(KIMI, H200, L(tp=8, dcp=8), gpu_memory_utilization=0.95)
+        cm.deployment_max_context(KIMI, H200, L(tp=8, dcp=8), gpu_memory_utilization=0.95)
 
 
 def test_dcp_throughput_story_qualitatively():
@@ -155,8 +161,8 @@ def test_pcp_between_dp_and_tp():
         (lambda: cm.ttft(L8B, H200, L(), 0), "positive-tokens"),
         (lambda: cm.tpot(L8B, H200, L(), 1024, batch=-1), "positive-tokens"),
         (lambda: cm.max_concurrency(L8B, H200, L(), -1), "positive-tokens"),
-        (lambda: cm.layout_weight_bytes(DSV3, L(tp=3)), "heads-divisible-by-tp"),
-        (lambda: cm.layout_kv_bytes_per_token(L70B, L(tp=8, dcp=2)), "gqa-dcp-needs"),
+        (lambda: cm.deployment_weight_bytes(DSV3, L(tp=3)), "heads-divisible-by-tp"),
+        (lambda: cm.deployment_kv_bytes_per_token(L70B, L(tp=8, dcp=2)), "gqa-dcp-needs"),
         (lambda: cm.ttft(L8B, H200, L(), 1024, cp_comm="ulysses"), "cp-comm"),
     ],
 )
@@ -218,7 +224,7 @@ def test_appendix_moe_and_link_tables_match_costmodel():
 
 def test_tpot_break_even_brackets_the_crossing():
     dsv3, h200 = cm.MODELS["DeepSeek-V3"], cm.GPUS["H200"]
-    dcp, tp = cm.Layout(tp=8, dcp=8), cm.Layout(tp=8)
+    dcp, tp = cm.Deployment(tp=8, dcp=8), cm.Deployment(tp=8)
     c = cm.tpot_break_even(dsv3, h200, dcp, tp)
     assert cm.tpot(dsv3, h200, dcp, c).total_s <= cm.tpot(dsv3, h200, tp, c).total_s
     assert cm.tpot(dsv3, h200, dcp, c - 256).total_s > cm.tpot(dsv3, h200, tp, c - 256).total_s

@@ -1,4 +1,4 @@
-"""cpbook.costmodel.spec: the verification step in the decode cost model (modelled)."""
+"""cpbook.costmodel.speculative: the verification step in the decode cost model (modelled)."""
 
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ import math
 import pytest
 
 from cpbook.costmodel.decode import decode_break_even, decode_layer_time
-from cpbook.costmodel.spec import (
+from cpbook.costmodel.specs import get_gpu, get_model
+from cpbook.costmodel.speculative import (
     expected_accepted_tokens,
     per_token_time,
     spec_break_even,
     spec_step_time,
 )
-from cpbook.costmodel.specs import get_gpu, get_model
 
 DSV3, H200 = get_model("DeepSeek-V3"), get_gpu("H200")
 

@@ -264,7 +264,7 @@ def test_engine_timeline_explorer_runs_the_engine_in_every_state():
 def test_plan_explorer_states_are_the_planners_answers():
     """Chapter 8's deployment explorer: each state is plan()'s answer for its controls, with
     the winner's vllm serve line, or what would fit; counts of one are singular."""
-    from cpbook.costmodel import ServingWorkload, plan
+    from cpbook.planner import ServingWorkload, plan
     from cpbook.widgets.plan import OUTPUT_TOKENS, plan_explorer, plan_readout
 
     ex = plan_explorer(

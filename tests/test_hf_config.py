@@ -1,4 +1,4 @@
-"""Tests for cpbook.costmodel.hf_config: model shapes from hand-written config.json dicts that
+"""Tests for cpbook.planner.hf_config: model shapes from hand-written config.json dicts that
 match the published configs (Hugging Face model repositories named in each key; no network)."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cpbook import costmodel as cm
-from cpbook.costmodel.hf_config import model_from_hf_config
+from cpbook import planner as pl
+from cpbook.planner.hf_config import model_from_hf_config
 
 FP8 = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8"}
 FP8["weight_block_size"] = [128, 128]
@@ -256,7 +257,7 @@ def test_published_shapes_and_sizes(name):
     if mla:
         assert (m.kv_lora_rank, m.qk_rope_head_dim) == (512, 64)
         assert m.q_lora_rank == (cfg["q_lora_rank"] or 0)
-    cm.check_deployment(m, cm.Layout(tp=1))  # vLLM's rules accept it at TP 1
+    pl.check_deployment(m, cm.Deployment(tp=1))  # vLLM's rules accept it at TP 1
 
 
 def test_deepseek_v3_matches_the_built_in_table():
@@ -352,3 +353,68 @@ def test_param_counts_are_consistent(kv, group, layers, hidden, vocab, tied, exp
     untied = model_from_hf_config({**cfg, "tie_word_embeddings": not tied})
     assert abs(untied.num_params - m.num_params) == vocab * hidden
     assert cm.kv_bytes_per_token(m) == 2 * kv * 128 * layers * 2
+
+
+# ------------------------------------------------------------ the one config.json reader
+
+
+def test_the_shared_reader_types_every_family():
+    """``cpbook.core.hf_config.read_hf_config``: one name per quantity whatever the family."""
+    from cpbook.core.hf_config import read_hf_config
+
+    v3 = read_hf_config(DSV3)
+    assert (v3.num_q_heads, v3.num_kv_heads, v3.head_dim, v3.use_mla) == (128, 1, 192, True)
+    assert (v3.kv_lora_rank, v3.q_lora_rank, v3.qk_rope_head_dim, v3.v_head_dim) == (
+        512,
+        1536,
+        64,
+        128,
+    )
+    assert (v3.num_experts, v3.num_experts_per_tok, v3.num_shared_experts) == (256, 8, 1)
+    assert len(v3.moe_layers) == 58 and v3.moe_layers[0] == 3 and v3.quant_method == "fp8"
+    assert v3.rope_parameters["rope_type"] == "yarn" and v3.index_topk == 0
+    assert read_hf_config(DSV32).index_topk == 2048
+    mix = read_hf_config(MIXTRAL)  # num_local_experts, and every layer MoE
+    assert (mix.num_experts, mix.moe_intermediate_size, len(mix.moe_layers)) == (8, 14336, 32)
+    llama = read_hf_config(LLAMA31_8B)
+    assert (llama.num_q_heads, llama.num_kv_heads, llama.head_dim, llama.is_moe) == (
+        32,
+        8,
+        128,
+        False,
+    )
+    assert read_hf_config({**LLAMA31_8B, "model_type": "mistral"}).model_type == "mistral"
+    with pytest.raises(ValueError, match=r"\[hf-model-type\]"):
+        read_hf_config({**LLAMA31_8B, "model_type": "gpt2"})
+
+
+def test_the_shared_reader_needs_no_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, cpbook.core.hf_config; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_engine_and_planner_read_the_same_shape():
+    """The engine's loader and the planner's reader agree on one checkpoint's shape, and each
+    keeps its strictness: the planner refuses Mistral (not a cost-model family), the engine a
+    field it does not run."""
+    pytest.importorskip("torch")
+    from cpbook.engine.hf import hf_config
+
+    raw = {**DSV2_LITE, "architectures": ["DeepseekV2ForCausalLM"]}
+    engine, _ = hf_config(raw)
+    spec = model_from_hf_config(raw)
+    assert (engine.num_attention_heads, engine.num_hidden_layers, engine.hidden_size) == (
+        spec.num_q_heads,
+        spec.num_layers,
+        spec.hidden_size,
+    )
+    assert engine.kv_lora_rank == spec.kv_lora_rank and engine.num_key_value_heads == 1
+    assert engine.n_routed_experts == spec.num_experts == 64
+    assert engine.first_k_dense_replace == spec.num_layers - spec.moe_layers == 1
+    with pytest.raises(ValueError, match=r"\[hf-model-type\]"):
+        model_from_hf_config({**LLAMA31_8B, "model_type": "mistral"})
+    with pytest.raises(ValueError, match=r"\[hf-config-supported\].*index_topk"):
+        hf_config({**raw, "index_topk": 2048})

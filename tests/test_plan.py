@@ -1,7 +1,7 @@
-"""Tests for the deployment planner: cpbook.costmodel.plan, plan_space, plan_advice, vllm_rules,
+"""Tests for the deployment planner: cpbook.planner.plan, plan_space, plan_advice, vllm_rules,
 serve_flags and ``python -m cpbook plan``.
 
-The properties of issue 19 (every ranked layout passes the rules and holds the concurrency;
+The properties of issue 19 (every ranked deployment passes the rules and holds the concurrency;
 more GPUs never worsen the best objective; a tighter target never improves it; the printed
 flags parse back; ``plan`` equals a brute-force search), the four wrong answers of the old
 decision path as tests of the right ones, every vLLM v0.33 rule by name, and the CLI."""
@@ -20,12 +20,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cpbook import costmodel as cm
+from cpbook import planner as pl
 from cpbook.__main__ import main, parse_seconds, parse_tokens
 from cpbook.core.config import ConfigError
-from cpbook.costmodel import Layout, ServingWorkload, plan
-from cpbook.costmodel.hf_config import model_from_hf_config
-from cpbook.costmodel.plan_advice import fmt_rate, plural
-from cpbook.costmodel.serve_flags import vllm_kv_cache_dtype
+from cpbook.costmodel import Deployment
+from cpbook.planner import ServingWorkload, plan
+from cpbook.planner.hf_config import model_from_hf_config
+from cpbook.planner.plan_advice import fmt_rate, plural
+from cpbook.planner.serve_flags import vllm_kv_cache_dtype
 
 from .test_hf_config import DSV32, GLM5
 
@@ -38,7 +40,7 @@ OBJ = ("throughput", "ttft", "tpot")
 
 def best_value(p, objective):
     """The winner's objective as ranked (lower is better); +inf when nothing serves."""
-    return cm.objective_value(p.winner, objective) if p.winner else math.inf
+    return pl.objective_value(p.winner, objective) if p.winner else math.inf
 
 
 models = st.sampled_from(
@@ -66,14 +68,14 @@ def test_ranked_layouts_pass_the_rules_and_hold_the_workload(model, gpu, n, w, o
     p = plan(model, gpu, n, w, objective=objective, advise=False)
     g = cm.get_gpu(gpu)
     for e in p.ranked:
-        e.layout.config(model)  # ParallelConfig
-        cm.check_deployment(model, e.layout, e.kv_dtype)
+        e.deployment.config(model)  # ParallelConfig
+        pl.check_deployment(model, e.deployment, e.kv_dtype)
         assert e.num_gpus <= n and e.drop is None
-        cap = cm.max_concurrency(model, g, e.layout, w.request_tokens, e.kv_dtype)
+        cap = cm.max_concurrency(model, g, e.deployment, w.request_tokens, e.kv_dtype)
         assert e.capacity == cap >= w.concurrency and e.batch == w.concurrency
         assert w.ttft_target_s is None or e.ttft_s <= w.ttft_target_s
         assert w.tpot_target_s is None or e.tpot_s <= w.tpot_target_s
-    values = [cm.objective_value(e, objective) for e in p.ranked]
+    values = [pl.objective_value(e, objective) for e in p.ranked]
     assert values == sorted(values)
 
 
@@ -83,7 +85,7 @@ def test_plan_equals_brute_force(model, n, w, objective):
     """The pruned enumeration, with its caches, ranks exactly what the unpruned product of
     every size in 1..n (each checked by the rules, priced without a cache) ranks."""
     p = plan(model, H200, n, w, objective=objective, advise=False)
-    assert list(p.ranked) == cm.brute_force(model, H200, n, w, objective)
+    assert list(p.ranked) == pl.brute_force(model, H200, n, w, objective)
 
 
 @settings(max_examples=25, deadline=None)
@@ -112,7 +114,7 @@ def test_a_tighter_target_never_improves_the_best(model, n, w, objective, tighte
     )
     tight = plan(model, H200, n, tight_w, objective=objective, advise=False)
     assert best_value(tight, objective) >= best_value(loose, objective)
-    assert {e.layout for e in tight.ranked} <= {e.layout for e in loose.ranked}
+    assert {e.deployment for e in tight.ranked} <= {e.deployment for e in loose.ranked}
 
 
 @settings(max_examples=30, deadline=None)
@@ -120,9 +122,9 @@ def test_a_tighter_target_never_improves_the_best(model, n, w, objective, tighte
 def test_printed_flags_parse_back_into_the_same_layout(model, n, w):
     p = plan(model, H200, n, w, advise=False)
     for e in p.ranked[:6]:
-        assert cm.parse_serve_command(p.command(e)) == (e.layout, e.kv_dtype)
-        short = "vllm serve m " + cm.layout_flags(model, e.layout, e.kv_dtype)
-        assert cm.parse_serve_command(short) == (e.layout, e.kv_dtype)
+        assert pl.parse_serve_command(p.command(e)) == (e.deployment, e.kv_dtype)
+        short = "vllm serve m " + pl.deployment_flags(model, e.deployment, e.kv_dtype)
+        assert pl.parse_serve_command(short) == (e.deployment, e.kv_dtype)
 
 
 def test_estimates_are_the_cost_models_numbers():
@@ -130,14 +132,14 @@ def test_estimates_are_the_cost_models_numbers():
     p = plan(DSV3, H200, 8, w, advise=False)
     assert p.ranked
     for e in p.ranked:
-        kw = {"kv_dtype": e.kv_dtype}
-        assert e.weight_bytes == cm.layout_weight_bytes(DSV3, e.layout)
-        assert e.kv_budget_bytes == cm.layout_kv_budget(DSV3, H200, e.layout)
-        assert e.prefill == cm.ttft(DSV3, H200, e.layout, w.prompt_tokens)
-        agg = dict(kw, prompt_len=w.prompt_tokens, output_len=w.output_tokens)
-        assert e.decode == cm.tpot(DSV3, H200, e.layout, w.request_tokens, e.batch, **agg)
+        kw = {"knobs": cm.CostKnobs(kv_dtype=e.kv_dtype)}
+        assert e.weight_bytes == cm.deployment_weight_bytes(DSV3, e.deployment)
+        assert e.kv_budget_bytes == cm.deployment_kv_budget(DSV3, H200, e.deployment)
+        assert e.prefill == cm.ttft(DSV3, H200, e.deployment, w.prompt_tokens)
+        agg = dict(kw, batching=cm.ContinuousBatching(w.prompt_tokens, w.output_tokens))
+        assert e.decode == cm.tpot(DSV3, H200, e.deployment, w.request_tokens, e.batch, **agg)
         assert e.decode.prefill_s > 0  # continuous batching: steps carry prefill chunks
-        rate = cm.decode_throughput(DSV3, H200, e.layout, w.request_tokens, e.batch, **kw)
+        rate = cm.decode_throughput(DSV3, H200, e.deployment, w.request_tokens, e.batch, **kw)
         assert e.decode_tokens_per_s_per_gpu == rate
         assert e.tokens_per_s_per_gpu < rate  # the prefill term costs something
 
@@ -171,31 +173,31 @@ def test_128k_16_users_needs_capacity_not_one_request():
     """Old answer: "TP8, 4 such requests at once ... no DCP needed ... add PCP", then no PCP.
     Right: TP8 holds 4 of the 16 requests and is dropped; the winner holds all 16."""
     p = explorer(128 * K, 16)
-    tp8 = next(e for e in p.dropped if e.layout == Layout(tp=8))
+    tp8 = next(e for e in p.dropped if e.deployment == Deployment(tp=8))
     assert (tp8.drop, tp8.capacity) == ("holds-concurrency", 4)
-    assert p.winner.capacity >= 16 and p.winner.layout != Layout(tp=8)
-    best_tp8 = next(e for e in p.ranked if e.layout.tp == 8)  # the TTFT end of the frontier
-    assert best_tp8.layout.dcp == 8 and best_tp8.capacity == 33
+    assert p.winner.capacity >= 16 and p.winner.deployment != Deployment(tp=8)
+    best_tp8 = next(e for e in p.ranked if e.deployment.tp == 8)  # the TTFT end of the frontier
+    assert best_tp8.deployment.dcp == 8 and best_tp8.capacity == 33
     # with the explorer's 10 s TTFT target nothing on 8 GPUs meets it, and PCP cannot help:
     # TP8 (the smallest TP whose weights fit without EP) already uses all 8 GPUs
     t = explorer(128 * K, 16, ttft_target_s=10)
     assert t.winner is None and t.would_fit.rule == "ttft-target"
-    assert t.would_fit.num_gpus == 16 and t.would_fit.gpus_layout.ttft_s <= 10
+    assert t.would_fit.num_gpus == 16 and t.would_fit.gpus_deployment.ttft_s <= 10
     assert t.would_fit.ttft_target_s == pytest.approx(best_tp8.ttft_s)
     assert plan(DSV3, H200, 16, t.workload, advise=False).winner is not None
 
 
 def test_1m_one_user_pcp_is_impossible_on_8_gpus():
-    """Old answer: "add PCP" with the layout unchanged and TTFT 860 s (567 s now).  Right: DCP
+    """Old answer: "add PCP" with the deployment unchanged and TTFT 860 s (567 s now).  Right: DCP
     is needed
-    (TP8 alone holds no 1M request), no layout with PCP holds one on 8 GPUs, so the winner is
+    (TP8 alone holds no 1M request), no deployment with PCP holds one on 8 GPUs, so the winner is
     TP8 + DCP8 at TP8's TTFT; a TTFT target needs more GPUs."""
     p = explorer(M, 1)
-    win = p.winner.layout
+    win = p.winner.deployment
     assert (win.tp, win.dcp, win.pcp) == (8, 8, 1)
-    assert p.winner.ttft_s == cm.ttft(DSV3, H200, Layout(tp=8), M).total_s
-    assert not any(e.layout.pcp > 1 for e in p.ranked)
-    pcp_rows = [e for e in p.dropped if e.layout.pcp > 1]
+    assert p.winner.ttft_s == cm.ttft(DSV3, H200, Deployment(tp=8), M).total_s
+    assert not any(e.deployment.pcp > 1 for e in p.ranked)
+    pcp_rows = [e for e in p.dropped if e.deployment.pcp > 1]
     assert pcp_rows and all(e.capacity == 0 for e in pcp_rows)
     assert any("without it TP8 holds 0" in r for r in p.reasons)
     t = explorer(M, 1, ttft_target_s=500)
@@ -203,7 +205,7 @@ def test_1m_one_user_pcp_is_impossible_on_8_gpus():
 
 
 def test_1m_16_users_says_what_would_fit():
-    """Old answer: "add PCP", layout unchanged.  Right: nothing on 8 GPUs holds 16 requests of
+    """Old answer: "add PCP", deployment unchanged.  Right: nothing on 8 GPUs holds 16 requests of
     1M tokens; the planner says how many GPUs would, and what fits on these 8."""
     p = explorer(M, 16)
     f = p.winner, p.would_fit
@@ -219,25 +221,25 @@ def test_1m_16_users_says_what_would_fit():
 
 
 def test_1m_512_users_is_not_keep_the_layout():
-    """Old answer: "keep the layout", which holds one request.  Right: no layout of 8 GPUs
+    """Old answer: "keep the deployment", which holds one request.  Right: no deployment of 8 GPUs
     holds 512; the fewest GPUs that would, and the 4 requests these 8 hold."""
     p = explorer(M, 512)
     assert p.winner is None and p.would_fit.concurrency == 4
-    e = p.would_fit.gpus_layout
+    e = p.would_fit.gpus_deployment
     assert e.drop is None and e.capacity >= 512 and e.num_gpus == p.would_fit.num_gpus > 8
-    cm.check_deployment(DSV3, e.layout, e.kv_dtype)
+    pl.check_deployment(DSV3, e.deployment, e.kv_dtype)
     assert any(f"{p.would_fit.num_gpus} GPUs would" in line for line in p.would_fit.lines)
 
 
 def test_4k_512_users_says_what_it_shows():
-    """Old answer: "pure DP" beside a TP8 layout.  Right: pure DP (TP1, no EP) cannot hold
+    """Old answer: "pure DP" beside a TP8 deployment.  Right: pure DP (TP1, no EP) cannot hold
     DeepSeek-V3's weights; the winner holds the 512 requests and its reasons and flags name the
-    same layout."""
+    same deployment."""
     p = explorer(4 * K, 512)
-    pure = next(e for e in p.dropped if e.layout == Layout(dp=8))
+    pure = next(e for e in p.dropped if e.deployment == Deployment(dp=8))
     assert pure.drop == "model-fits"
     assert p.winner.capacity >= 512
-    assert cm.parse_serve_command(p.command()) == (p.winner.layout, p.winner.kv_dtype)
+    assert pl.parse_serve_command(p.command()) == (p.winner.deployment, p.winner.kv_dtype)
     assert p.reasons[0].startswith(p.winner.label + " ")
 
 
@@ -245,49 +247,49 @@ def test_llama_8b_128k_ttft_2s_ranks_tp8_first():
     """The peer's answer: TP8 first (the article's decision path picks TP1 + PCP8, which vLLM
     v0.33 does not run for GQA: PCP is MLA-only; tests/test_decision_path.py)."""
     p = plan(L8B, H200, 8, ServingWorkload(128 * K, 1 * K, 1, ttft_target_s=2))
-    assert p.winner.layout == Layout(tp=8) and p.winner.ttft_s <= 2
+    assert p.winner.deployment == Deployment(tp=8) and p.winner.ttft_s <= 2
     with pytest.raises(ConfigError, match=r"\[pcp-mla-only\]"):
-        cm.check_deployment(L8B, Layout(tp=1, pcp=8))
+        pl.check_deployment(L8B, Deployment(tp=1, pcp=8))
 
 
 # ------------------------------------------------------------------------ vLLM v0.33 rules
 
 
 @pytest.mark.parametrize(
-    "model, layout, kv, rule",
+    "model, deployment, kv, rule",
     [
-        (L8B, Layout(tp=1, pcp=2), "bf16", "pcp-mla-only"),
-        (DSV3, Layout(tp=4, pcp=2, dcp=2), "bf16", "pcp-dcp-sparse-mla-only"),
-        (V32, Layout(tp=4, pcp=2, dcp=2, tpa=True), "bf16", "dcp-q-replicate-needs-pcp-1"),
-        (L70B, Layout(tp=16, dcp=2, tpa=True), "bf16", "tpa-gqa-unreleased"),
-        (L8B, Layout(tp=2, ep=True), "bf16", "ep-needs-moe"),
-        (DSV3, Layout(tp=1, ep=True), "bf16", "ep-needs-several-gpus"),
-        (DSV3, Layout(tp=8), "fp16", "kv-cache-dtype"),
-        (DSV3, Layout(tp=8, dcp=3), "bf16", "tp-divisible-by-dcp"),
-        (DSV3, Layout(tp=6), "bf16", "heads-divisible-by-tp"),
-        (L8B, Layout(tp=8, dcp=2), "bf16", "gqa-dcp-needs-replicated-kv"),
-        (L70B, Layout(tp=16, dcp=4), "bf16", "gqa-dcp-within-replicas"),
-        (V32, Layout(tp=4, pcp=2, dcp=4), "bf16", "pcp-dcp-combination"),
+        (L8B, Deployment(tp=1, pcp=2), "bf16", "pcp-mla-only"),
+        (DSV3, Deployment(tp=4, pcp=2, dcp=2), "bf16", "pcp-dcp-sparse-mla-only"),
+        (V32, Deployment(tp=4, pcp=2, dcp=2, tpa=True), "bf16", "dcp-q-replicate-needs-pcp-1"),
+        (L70B, Deployment(tp=16, dcp=2, tpa=True), "bf16", "tpa-gqa-unreleased"),
+        (L8B, Deployment(tp=2, ep=True), "bf16", "ep-needs-moe"),
+        (DSV3, Deployment(tp=1, ep=True), "bf16", "ep-needs-several-gpus"),
+        (DSV3, Deployment(tp=8), "fp16", "kv-cache-dtype"),
+        (DSV3, Deployment(tp=8, dcp=3), "bf16", "tp-divisible-by-dcp"),
+        (DSV3, Deployment(tp=6), "bf16", "heads-divisible-by-tp"),
+        (L8B, Deployment(tp=8, dcp=2), "bf16", "gqa-dcp-needs-replicated-kv"),
+        (L70B, Deployment(tp=16, dcp=4), "bf16", "gqa-dcp-within-replicas"),
+        (V32, Deployment(tp=4, pcp=2, dcp=4), "bf16", "pcp-dcp-combination"),
     ],
 )
-def test_every_rule_is_a_named_config_error(model, layout, kv, rule):
+def test_every_rule_is_a_named_config_error(model, deployment, kv, rule):
     with pytest.raises(ConfigError) as err:
-        cm.check_deployment(model, layout, kv)
+        pl.check_deployment(model, deployment, kv)
     assert err.value.rule == rule and f"[{rule}] requires" in str(err.value)
 
 
 def test_rules_admit_what_vllm_runs():
-    for model, layout in [
-        (V32, Layout(tp=4, pcp=2, dcp=2)),  # sparse MLA: PCP x DCP spanning PCP
-        (V32, Layout(tp=4, pcp=2, dcp=8)),  # ... or the whole TP x PCP block
-        (DSV3, Layout(tp=4, pcp=2)),  # dense MLA: PCP without DCP
-        (DSV3, Layout(tp=8, dcp=8, tpa=True)),  # query replication
-        (L70B, Layout(tp=16, dcp=2)),  # GQA: DCP within the KV-head copies
-        (DSV3, Layout(tp=1, dp=8, ep=True)),
+    for model, deployment in [
+        (V32, Deployment(tp=4, pcp=2, dcp=2)),  # sparse MLA: PCP x DCP spanning PCP
+        (V32, Deployment(tp=4, pcp=2, dcp=8)),  # ... or the whole TP x PCP block
+        (DSV3, Deployment(tp=4, pcp=2)),  # dense MLA: PCP without DCP
+        (DSV3, Deployment(tp=8, dcp=8, tpa=True)),  # query replication
+        (L70B, Deployment(tp=16, dcp=2)),  # GQA: DCP within the KV-head copies
+        (DSV3, Deployment(tp=1, dp=8, ep=True)),
     ]:
-        cm.check_deployment(model, layout)
+        pl.check_deployment(model, deployment)
     with pytest.raises(ConfigError, match=r"\[pcp-needs-model-runner-v2\]"):
-        cm.check_deployment(DSV3, Layout(tp=4, pcp=2), model_runner_v2=False)
+        pl.check_deployment(DSV3, Deployment(tp=4, pcp=2), model_runner_v2=False)
 
 
 def test_planner_counts_rejections_by_rule():
@@ -301,7 +303,7 @@ def test_planner_counts_rejections_by_rule():
     assert d.rejected["pcp-dcp-sparse-mla-only"] > 0
     g = plan(L70B, H200, 16, ServingWorkload(128 * K, 1 * K, 16), advise=False)
     assert g.rejected["pcp-mla-only"] > 0 and g.rejected["gqa-dcp-needs-replicated-kv"] > 0
-    assert any(e.layout.pcp > 1 and e.layout.dcp > 1 for e in p.ranked + p.dropped)
+    assert any(e.deployment.pcp > 1 and e.deployment.dcp > 1 for e in p.ranked + p.dropped)
 
 
 # ------------------------------------------------------------------------------ serve flags
@@ -316,13 +318,13 @@ def test_serve_command_flags():
                  "--cp-kv-cache-interleave-size 1", "--max-model-len 1049600",
                  "--gpu-memory-utilization 0.9"):  # fmt: skip
         assert flag in cmd
-    assert ("--dcp-q-replicate" in cmd.split()) == p.winner.layout.tpa
+    assert ("--dcp-q-replicate" in cmd.split()) == p.winner.deployment.tpa
     short = "vllm serve x -tp 4 -dcp 2 -pcp 2 -dp 2 -ep --kv-cache-dtype fp8_ds_mla"
-    assert cm.parse_serve_command(short) == (Layout(tp=4, dcp=2, pcp=2, dp=2, ep=True), "fp8")
+    assert pl.parse_serve_command(short) == (Deployment(tp=4, dcp=2, pcp=2, dp=2, ep=True), "fp8")
     with pytest.raises(ValueError, match=r"\[serve-command\]"):
-        cm.parse_serve_command("vllm serve x --pipeline-parallel-size 2")
+        pl.parse_serve_command("vllm serve x --pipeline-parallel-size 2")
     with pytest.raises(ValueError, match=r"\[serve-command\]"):
-        cm.parse_serve_command("vllm serve x --kv-cache-dtype int3")
+        pl.parse_serve_command("vllm serve x --kv-cache-dtype int3")
     assert vllm_kv_cache_dtype(V32, "fp8") == "fp8_ds_mla"
     assert vllm_kv_cache_dtype(V32, "bf16") == "bfloat16"  # V3.2's auto means FP8
     assert (vllm_kv_cache_dtype(DSV3, "fp8"), vllm_kv_cache_dtype(DSV3, "bf16")) == ("fp8", "auto")
@@ -341,12 +343,12 @@ def test_reasons_name_the_runners_up():
 
 
 def test_headlines():
-    assert cm.headline(explorer(M, 1)) == "DCP8: without it 0 of 1 fit"
-    assert cm.headline(explorer(M, 16)).startswith("nothing fits [holds-concurrency]: ")
+    assert pl.headline(explorer(M, 1)) == "DCP8: without it 0 of 1 fit"
+    assert pl.headline(explorer(M, 16)).startswith("nothing fits [holds-concurrency]: ")
     p = plan(L8B, H200, 8, ServingWorkload(4 * K, 256, 16))
-    assert cm.headline(p).startswith(f"no CP: TP{p.winner.layout.tp} holds ")
+    assert pl.headline(p).startswith(f"no CP: TP{p.winner.deployment.tp} holds ")
     sparse = plan(V32, H200, 16, ServingWorkload(M, 1 * K, 1), objective="ttft")
-    assert sparse.winner.layout.pcp > 1 and "PCP" in cm.headline(sparse)
+    assert sparse.winner.deployment.pcp > 1 and "PCP" in pl.headline(sparse)
 
 
 def test_idle_gpus_are_said():
@@ -414,7 +416,7 @@ def test_cli_prints_the_command_table_and_reasons(capsys):
     out = capsys.readouterr().out.splitlines()
     p = plan(DSV3, H200, 8, ServingWorkload(128 * K, 1 * K, 16))
     assert out[0] == p.command()
-    assert cm.parse_serve_command(out[0]) == (p.winner.layout, p.winner.kv_dtype)
+    assert pl.parse_serve_command(out[0]) == (p.winner.deployment, p.winner.kv_dtype)
     assert any(line.split()[:2] == ["1", p.winner.label] for line in out)
     assert "Why:" in out and f"  - {p.reasons[0]}" in out
 
@@ -425,13 +427,13 @@ def test_cli_json(capsys):
     assert main(argv) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     summary = rows[-1]
-    assert summary["name"] == "plan" and all(r["name"] == "layout" for r in rows[:-1])
+    assert summary["name"] == "plan" and all(r["name"] == "deployment" for r in rows[:-1])
     ranked = [r for r in rows[:-1] if r["rank"] is not None]
     assert len(ranked) == summary["serving"] and len(rows) - 1 - len(ranked) == summary["dropped"]
     assert ranked[0]["label"] == summary["winner"] and summary["tpot_target_s"] == 0.15
     assert all(r["tpot_s"] <= 0.15 for r in ranked)
-    layout, kv = cm.parse_serve_command(summary["command"])
-    assert (layout.tp, layout.dcp, layout.pcp, layout.dp) == tuple(
+    deployment, kv = pl.parse_serve_command(summary["command"])
+    assert (deployment.tp, deployment.dcp, deployment.pcp, deployment.dp) == tuple(
         ranked[0][k] for k in ("tp", "dcp", "pcp", "dp")
     )
 
@@ -483,20 +485,20 @@ def test_rule_probes_and_flowchart():
     from cpbook.viz.plan import decision_flowchart
 
     families = {"GQA": L70B, "MLA": DSV3, "sparse MLA": V32}
-    probes = {k: cm.rule_probes(m) for k, m in families.items()}
+    probes = {k: pl.rule_probes(m) for k, m in families.items()}
     assert probes["GQA"]["PCP 2"] == "pcp-mla-only"
     assert probes["MLA"]["PCP 2 x DCP 2"] == "pcp-dcp-sparse-mla-only"
     assert not any(probes["sparse MLA"].values())
     fig = decision_flowchart(families)
     texts = {t.get_text() for ax in fig.axes for t in ax.texts}
     assert "serves" in texts and any("pcp-mla-" in t for t in texts)
-    assert sum("dropped [" in t for t in texts) == len(cm.plan_space.DROP_RULES)
+    assert sum("dropped [" in t for t in texts) == len(pl.plan_space.DROP_RULES)
     plt.close(fig)  # tests/test_explorer.py checks that its own explorers leave no figure open
 
 
 def test_cli_output_piped_into_head_stops_quietly():
     """``python -m cpbook plan ... --json | head -1``: the closed pipe ends the command with exit
-    0 and no error line (about 100 KB of layout lines, more than a pipe holds)."""
+    0 and no error line (about 100 KB of deployment lines, more than a pipe holds)."""
     cmd = (
         f"{shlex.quote(sys.executable)} -m cpbook plan --model DeepSeek-V3 --gpus 16 "
         "--context 32K --concurrency 16 --json | head -1"
@@ -504,5 +506,5 @@ def test_cli_output_piped_into_head_stops_quietly():
     r = subprocess.run(
         ["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True, timeout=300
     )
-    assert r.stdout.startswith('{"name": "layout", "rank": 1')
+    assert r.stdout.startswith('{"name": "deployment", "rank": 1')
     assert r.stderr == "" and r.returncode == 0, (r.returncode, r.stderr)

@@ -30,7 +30,7 @@ def test_integers_get_separators_and_none_a_dash():
 
 
 def test_bad_rows_raise_naming_the_rule():
-    with pytest.raises(ValueError, match=r"\[table-row-width\].*row 1 has 1"):
+    with pytest.raises(ValueError, match=r"\[table-row-width\].*row=1, cells=\[3\]"):
         Table([[1, 2], [3]], ["a", "b"])
     with pytest.raises(ValueError, match=r"\[table-missing-key\].*'b'"):
         table([{"a": 1}], ["a", "b"])

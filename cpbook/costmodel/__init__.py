@@ -1,28 +1,26 @@
-"""cpbook's cost model: sourced specs, memory, time, calibration on this machine, and the
-deployment planner, with the article's decision path kept as a check on it.
+"""cpbook's cost model: sourced specs, memory, time, and calibration on this machine.
 
 Modules: :mod:`.specs` (GPUs, links, models, every number sourced in ``book/references.bib``),
-:mod:`.memory` (weights and KV per GPU, longest request, concurrency), :mod:`.decode` (α–β
-collectives and one decode step's attention per layer, chapter 6), :mod:`.gpu_terms` (the GPU
-side's efficiencies and fixed costs, read off AIConfigurator's kernel tables),
-:mod:`.decode_step` (one decode step of a layout), :mod:`.latency` (TTFT, TPOT
-and throughput of whole layouts), :mod:`.calibration` (α, β and throughput of this machine from
-``bench/`` runs), :mod:`.decision_path` (the article's three questions, checked against the
-planner), :mod:`.hf_config` (model shapes from a ``config.json``), :mod:`.vllm_rules` (what
-vLLM v0.33 serves), :mod:`.serve_flags` (the ``vllm serve`` line), and the deployment planner:
-:mod:`.plan_space` (the search space, one deployment's numbers), :mod:`.plan_advice` (its
-reasons) and :mod:`.plan`.  Every public name is re-exported here, so
-``from cpbook import costmodel as cm; cm.X`` keeps working.
+:mod:`.knobs` (:class:`~cpbook.costmodel.knobs.CostKnobs`, the assumptions every time
+function takes), :mod:`.memory` (weights and KV per GPU, longest request, concurrency, of one
+:class:`~cpbook.costmodel.memory.Deployment`), :mod:`.decode` (α–β collectives and one decode
+step's attention per layer, chapter 6), :mod:`.gpu_terms` (the GPU side's efficiencies and fixed
+costs, read off AIConfigurator's kernel tables), :mod:`.decode_step` (one decode step of a
+deployment), :mod:`.latency` (TTFT, TPOT and throughput of whole deployments),
+:mod:`.speculative` (what speculative decoding does to DCP's break-even) and :mod:`.calibration`
+(α, β and throughput of this machine from ``bench/`` runs).  The deployment planner built on it
+is :mod:`cpbook.planner`.  The names the chapters use are re-exported here, so
+``from cpbook import costmodel as cm; cm.X`` works.
 """
 
 from cpbook.costmodel import gpu_terms
-from cpbook.costmodel.decision_path import PathAnswer, PathCheck, decision_path, path_vs_plan
 from cpbook.costmodel.decode import (
     COLLECTIVES,
     DECODE_MODES,
     DEFAULT_HBM_EFFICIENCY,
     DecodeLayerTime,
     alpha_from_allreduce,
+    batch_for,
     collective_time,
     decode_break_even,
     decode_layer_time,
@@ -30,9 +28,10 @@ from cpbook.costmodel.decode import (
     tpa_weight_costs,
 )
 from cpbook.costmodel.decode_step import decode_step
-from cpbook.costmodel.hf_config import SUPPORTED_MODEL_TYPES, model_from_hf_config
+from cpbook.costmodel.knobs import CostKnobs
 from cpbook.costmodel.latency import (
     DEFAULT_MFU,
+    ContinuousBatching,
     DecodeTime,
     PrefillTime,
     decode_bytes_per_step,
@@ -45,37 +44,19 @@ from cpbook.costmodel.latency import (
     ttft,
 )
 from cpbook.costmodel.memory import (
-    Layout,
+    Deployment,
+    deployment_kv_budget,
+    deployment_kv_bytes_per_token,
+    deployment_max_context,
+    deployment_weight_bytes,
     kv_budget_bytes_per_gpu,
     kv_bytes_for_context,
     kv_bytes_per_token,
     kv_bytes_per_token_per_gpu,
     kv_replication,
-    layout_kv_budget,
-    layout_kv_bytes_per_token,
-    layout_max_context,
-    layout_weight_bytes,
     max_concurrency,
     max_context_tokens,
     weight_bytes_per_gpu,
-)
-from cpbook.costmodel.plan import Plan, estimate_record, headline, plan
-from cpbook.costmodel.plan_advice import WouldFit
-from cpbook.costmodel.plan_space import (
-    OBJECTIVES,
-    Estimate,
-    ServingWorkload,
-    brute_force,
-    deployments,
-    estimate,
-    objective_value,
-    pareto,
-)
-from cpbook.costmodel.serve_flags import (
-    HF_REPOS,
-    layout_flags,
-    parse_serve_command,
-    serve_command,
 )
 from cpbook.costmodel.specs import (
     ALLREDUCE_BENCH_BYTES,
@@ -98,39 +79,15 @@ from cpbook.costmodel.specs import (
     get_model,
     link_of,
 )
-from cpbook.costmodel.vllm_rules import PLAN_KV_DTYPES, check_deployment, rule_probes
 
 __all__ = [
     "ALLREDUCE_BENCH_BYTES",
     "ALLREDUCE_BENCH_SOURCE",
     "ALLREDUCE_BENCH_US",
     "alpha_from_allreduce",
-    "Estimate",
-    "HF_REPOS",
-    "OBJECTIVES",
-    "PLAN_KV_DTYPES",
-    "PathAnswer",
-    "PathCheck",
-    "Plan",
-    "SUPPORTED_MODEL_TYPES",
-    "ServingWorkload",
-    "WouldFit",
-    "brute_force",
-    "check_deployment",
-    "decision_path",
-    "deployments",
-    "estimate",
-    "estimate_record",
-    "headline",
-    "layout_flags",
-    "objective_value",
-    "model_from_hf_config",
-    "pareto",
-    "parse_serve_command",
-    "path_vs_plan",
-    "plan",
-    "rule_probes",
-    "serve_command",
+    "batch_for",
+    "ContinuousBatching",
+    "CostKnobs",
     "DEFAULT_MFU",
     "DecodeTime",
     "PrefillTime",
@@ -156,7 +113,7 @@ __all__ = [
     "KV_DTYPE_BYTES",
     "KV_DTYPES",
     "LINKS",
-    "Layout",
+    "Deployment",
     "LinkSpec",
     "MODELS",
     "ModelSpec",
@@ -172,10 +129,10 @@ __all__ = [
     "kv_bytes_per_token",
     "kv_bytes_per_token_per_gpu",
     "kv_replication",
-    "layout_kv_budget",
-    "layout_kv_bytes_per_token",
-    "layout_max_context",
-    "layout_weight_bytes",
+    "deployment_kv_budget",
+    "deployment_kv_bytes_per_token",
+    "deployment_max_context",
+    "deployment_weight_bytes",
     "link_of",
     "max_concurrency",
     "max_context_tokens",

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
+from cpbook.core.comm import comm_bytes
 from cpbook.core.heads import tpa_config
 from cpbook.data import stored_rows, stored_text
 from cpbook.dcp.tpa import tpa_comm_bytes, tpa_costs
@@ -78,7 +79,7 @@ def _work(**kw: float) -> dict:
 
 
 def _calls(calls: Sequence[tuple[str, int]]) -> tuple[int, int]:
-    return len(calls), sum(b for _, b in calls)
+    return len(calls), comm_bytes(calls)
 
 
 def pcp_points(rows: Sequence[dict], cores: int = 2) -> list[Point]:
@@ -86,6 +87,7 @@ def pcp_points(rows: Sequence[dict], cores: int = 2) -> list[Point]:
 
     out = []
     for r in rows:
+        # the stored rows' key is "num_heads" (MHA: query heads = KV heads)
         s, n, h, d = r["seq_len"], r["world_size"], r["num_heads"], r["head_dim"]
         full = 4 * h * d * s * s / 2  # causal
         calls, sent = _calls(pcp_comm_bytes(s // n, h, d, n, elem_bytes=4))

@@ -3,20 +3,16 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from cpbook.core.config import ParallelConfig
+from cpbook.core.errors import RuleError
 from cpbook.core.heads import attention_kv_heads, tpa_config
 from cpbook.costmodel import gpu_terms as gt
+from cpbook.costmodel.knobs import DEFAULT_HBM_EFFICIENCY, CostKnobs
 from cpbook.costmodel.memory import kv_bytes_per_token
-from cpbook.costmodel.specs import (
-    LINKS,
-    GPUSpec,
-    LinkSpec,
-    ModelSpec,
-    check_hbm_efficiency,
-    check_tokens,
-)
+from cpbook.costmodel.specs import LINKS, GPUSpec, LinkSpec, ModelSpec, check_tokens
 from cpbook.dcp.tpa import tpa_comm_bytes, tpa_costs
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
@@ -35,11 +31,11 @@ def collective_time(op: str, bytes_per_rank: float, group_size: int, link: LinkS
     algorithm's step count is folded into ``alpha``.
     """
     if op not in COLLECTIVES:
-        raise ValueError(f"[collective-op] requires op in {COLLECTIVES}; got op={op!r}")
+        raise RuleError("collective-op", f"op in {COLLECTIVES}", op=op)
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
-        raise ValueError(f"[positive-group] requires a positive int; got group_size={group_size!r}")
+        raise RuleError("positive-group", "a positive int", group_size=group_size)
     if bytes_per_rank < 0:
-        raise ValueError(f"[non-negative-bytes] requires >= 0; got {bytes_per_rank=}")
+        raise RuleError("non-negative-bytes", ">= 0", bytes_per_rank=bytes_per_rank)
     if group_size == 1:
         return 0.0
     return link.alpha_s + bytes_per_rank / link.bw_bytes_per_s
@@ -55,9 +51,20 @@ def alpha_from_allreduce(seconds: float, group_size: int, nbytes: int, link: Lin
 # ---------------------------------------------------------------- one decode step, per layer
 
 DECODE_MODES = ("no_cp", "dcp", "dcp_tpa")
-#: Fraction of the datasheet HBM bandwidth a decode-attention kernel reaches; FlashMLA reports
-#: up to 3000 GB/s on an H800 SXM5 (3.35 TB/s HBM3), about 0.9 — 0.8 leaves room for short rows.
-DEFAULT_HBM_EFFICIENCY = 0.8
+__all__ = [
+    "COLLECTIVES",
+    "DECODE_MODES",
+    "DEFAULT_HBM_EFFICIENCY",
+    "DecodeLayerTime",
+    "alpha_from_allreduce",
+    "batch_for",
+    "collective_time",
+    "decode_attention_calls",
+    "decode_break_even",
+    "decode_layer_time",
+    "kv_read_efficiency",
+    "tpa_weight_costs",
+]
 
 
 @dataclass(frozen=True)
@@ -83,38 +90,35 @@ class DecodeLayerTime:
         return self.kv_read_s + self.comm_s + self.q_proj_extra_s + self.w_uk_t_extra_s
 
 
-def _decode_config(model: ModelSpec, mode: str, tp: int, dcp: int) -> ParallelConfig:
-
+def _decode_config(
+    model: ModelSpec, mode: str, tp: int, dcp: int, dcp_comm_backend: str
+) -> ParallelConfig:
     if mode not in DECODE_MODES:
-        raise ValueError(f"[decode-mode] requires mode in {DECODE_MODES}; got mode={mode!r}")
-    if mode == "no_cp":
-        return ParallelConfig.for_model(
-            model, tensor_parallel_size=tp, decode_context_parallel_size=1
+        raise RuleError("decode-mode", f"mode in {DECODE_MODES}", mode=mode)
+    if mode == "dcp_tpa":
+        return tpa_config(
+            "tpa",
+            tensor_parallel_size=tp,
+            decode_context_parallel_size=dcp,
+            dcp_comm_backend=dcp_comm_backend,
+            **model.attention_shape,
         )
-    if mode == "dcp":
-        return ParallelConfig.for_model(
-            model, tensor_parallel_size=tp, decode_context_parallel_size=dcp
-        )
-    return tpa_config(
-        "tpa",
+    return ParallelConfig.for_model(
+        model,
         tensor_parallel_size=tp,
-        decode_context_parallel_size=dcp,
-        **model.attention_shape,
+        decode_context_parallel_size=1 if mode == "no_cp" else dcp,
+        dcp_comm_backend=dcp_comm_backend,
     )
 
 
 def decode_attention_calls(
-    model: ModelSpec,
-    cfg: ParallelConfig,
-    tpa: bool,
-    num_reqs: int,
-    dcp_comm_backend: str = "ag_rs",
-    act_bytes: int = 2,
+    model: ModelSpec, cfg: ParallelConfig, tpa: bool, num_reqs: int, act_bytes: int = 2
 ) -> tuple[tuple[str, int, int], ...]:
     """One layer's decode-attention collectives on one GPU of ``cfg``, as
     ``(op, group_size, bytes_per_rank)``: :func:`cpbook.dcp.tpa.tpa_comm_bytes` (standard or TPA)
-    with MLA's latent widths or GQA's head dim, activations of ``act_bytes`` and vLLM's fp32 LSE
-    (:data:`LSE_BYTES`), all-reduces over TP and the rest over DCP."""
+    with MLA's latent widths or GQA's head dim, ``cfg.dcp_comm_backend``'s combine, activations
+    of ``act_bytes`` and vLLM's fp32 LSE (:data:`LSE_BYTES`), all-reduces over TP and the rest
+    over DCP."""
 
     if model.use_mla:
         q_dim, out_dim = model.kv_lora_rank + model.qk_rope_head_dim, model.kv_lora_rank
@@ -129,7 +133,7 @@ def decode_attention_calls(
         cfg.dcp,
         cfg.tp,
         model.hidden_size,
-        dcp_comm_backend,
+        cfg.dcp_comm_backend,
         act_bytes,
         LSE_BYTES,
     )
@@ -166,11 +170,7 @@ def decode_layer_time(
     tp: int = 8,
     dcp: int = 8,
     num_reqs: int = 1,
-    kv_dtype: str = "bf16",
-    hbm_efficiency: float = DEFAULT_HBM_EFFICIENCY,
-    link: LinkSpec = LINKS["NVLink4"],
-    dcp_comm_backend: str = "ag_rs",
-    act_bytes: int = 2,
+    knobs: CostKnobs = CostKnobs(),
 ) -> DecodeLayerTime:
     """One layer's decode attention on one GPU of a TP group, ``num_reqs`` requests of
     ``context_tokens`` cached tokens each, in ``mode``:
@@ -182,9 +182,11 @@ def decode_layer_time(
       for GQA, ``dcp_q_replicate`` for MLA), plus reading ``dcp - 1`` more ``q_proj`` shards
       (and for MLA ``dcp - 1`` more shards of the absorbed ``W_UK_T``).
 
-    The KV streams at ``hbm_efficiency`` of HBM whatever the batch (the whole-model
-    :func:`~cpbook.costmodel.latency.tpot` adds :func:`kv_read_efficiency`'s occupancy bound;
-    chapter 8 compares the two); the collectives and their bytes are
+    ``knobs`` (:class:`~cpbook.costmodel.knobs.CostKnobs`) gives the KV dtype, the HBM
+    efficiency, the link (default NVLink 4), the combine backend and the activation bytes
+    (``mfu`` is not used).  The KV streams at ``hbm_efficiency`` of HBM whatever the batch
+    (the whole-model :func:`~cpbook.costmodel.latency.tpot` adds :func:`kv_read_efficiency`'s
+    occupancy bound; chapter 8 compares the two); the collectives and their bytes are
     :func:`cpbook.dcp.tpa.tpa_comm_bytes` (activations of ``act_bytes``; all-reduces at the
     CUDA-graph latency :data:`~cpbook.costmodel.gpu_terms.DECODE_ALLREDUCE_ALPHA_S`, the rest at
     ``link``'s α), the extra weights :func:`tpa_weight_costs`; the KV heads a GPU holds
@@ -192,16 +194,14 @@ def decode_layer_time(
     ``context_tokens``, so :func:`decode_break_even` solves for the crossing exactly.
     """
 
-    check_hbm_efficiency(hbm_efficiency)
     check_tokens("context_tokens", context_tokens, integer=False)
-    cfg = _decode_config(model, mode, tp, dcp)
+    cfg = _decode_config(model, mode, tp, dcp, knobs.dcp_comm_backend)
+    link, act_bytes = knobs.link or LINKS["NVLink4"], knobs.act_bytes
     heads = attention_kv_heads(cfg, 0)
-    per_head = kv_bytes_per_token(model, kv_dtype) / model.num_layers / model.num_kv_heads
+    per_head = kv_bytes_per_token(model, knobs.kv_dtype) / model.num_layers / model.num_kv_heads
     kv_bytes = per_head * (heads.stop - heads.start) / cfg.dcp * context_tokens * num_reqs
-    hbm = gpu.hbm_bw_bytes_per_s * hbm_efficiency
-    sized = decode_attention_calls(
-        model, cfg, mode == "dcp_tpa", num_reqs, dcp_comm_backend, act_bytes
-    )
+    hbm = gpu.hbm_bw_bytes_per_s * knobs.hbm_efficiency
+    sized = decode_attention_calls(model, cfg, mode == "dcp_tpa", num_reqs, act_bytes)
     extra = tpa_weight_costs(model, cfg, num_reqs, act_bytes)
     graph = replace(link, alpha_s=gt.DECODE_ALLREDUCE_ALPHA_S)
     return DecodeLayerTime(
@@ -223,7 +223,7 @@ def decode_break_even(model: ModelSpec, gpu: GPUSpec, mode: str, **kwargs) -> fl
     go to :func:`decode_layer_time` for both modes.
     """
     if mode == "no_cp":
-        raise ValueError("[decode-mode] requires mode in ('dcp', 'dcp_tpa'); got mode='no_cp'")
+        raise RuleError("decode-mode", "mode in ('dcp', 'dcp_tpa')", mode=mode)
     big = float(2**20)
     a0, a1 = (decode_layer_time(model, gpu, 0, m, **kwargs).total_s for m in ("no_cp", mode))
     b0, b1 = (decode_layer_time(model, gpu, big, m, **kwargs).total_s for m in ("no_cp", mode))
@@ -233,3 +233,24 @@ def decode_break_even(model: ModelSpec, gpu: GPUSpec, mode: str, **kwargs) -> fl
     if saved_per_token <= 0:
         return math.inf
     return (a1 - a0) / saved_per_token
+
+
+def batch_for(break_even: Callable[[int], float], target: float, max_batch: int = 1024) -> int:
+    """The smallest batch ``b`` in ``[1, max_batch]`` with ``break_even(b) <= target``, by
+    bisection: ``break_even`` maps a batch (requests sharing one CP group's collectives) to a
+    break-even context and must not increase with it, as :func:`decode_break_even` over
+    ``num_reqs`` does (more requests share the same collectives' latency).  E.g. chapter 6's
+    ``batch_for(lambda b: decode_break_even(m, g, "dcp", num_reqs=b), 4096)``.  Raises
+    ``RuleError`` (rule ``batch-reaches-target``) if even ``max_batch`` does not reach it."""
+    if break_even(max_batch) > target:
+        raise RuleError(
+            "batch-reaches-target",
+            "break_even(max_batch) <= target",
+            max_batch=max_batch,
+            target=target,
+        )
+    lo, hi = 1, max_batch
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if break_even(mid) <= target else (mid + 1, hi)
+    return lo

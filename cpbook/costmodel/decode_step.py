@@ -1,4 +1,4 @@
-"""One decode step of a whole layout, term by term (chapter 8's TPOT)."""
+"""One decode step of a whole deployment, term by term (chapter 8's TPOT)."""
 
 from __future__ import annotations
 
@@ -6,27 +6,23 @@ from dataclasses import dataclass, replace
 
 from cpbook.costmodel import gpu_terms as gt
 from cpbook.costmodel.decode import (
-    DEFAULT_HBM_EFFICIENCY,
     collective_time,
     decode_attention_calls,
     kv_read_efficiency,
     tpa_weight_costs,
 )
-from cpbook.costmodel.memory import Layout, layout_kv_bytes_per_token, layout_weight_bytes
-from cpbook.costmodel.specs import (
-    GPUSpec,
-    LinkSpec,
-    ModelSpec,
-    check_hbm_efficiency,
-    check_moe_shape,
-    check_tokens,
-    link_of,
+from cpbook.costmodel.knobs import CostKnobs
+from cpbook.costmodel.memory import (
+    Deployment,
+    deployment_kv_bytes_per_token,
+    deployment_weight_bytes,
 )
+from cpbook.costmodel.specs import GPUSpec, ModelSpec, check_moe_shape, check_tokens, link_of
 
 
 @dataclass(frozen=True)
 class DecodeTime:
-    """Modelled seconds of one decode step on one GPU of a layout.
+    """Modelled seconds of one decode step on one GPU of a deployment.
 
     Memory (weights, KV, TPA's extra ``q_proj`` and MLA ``W_UK_T`` shards, experts) and compute
     (at the GEMM MFU) overlap, so the step costs the larger of the two; the per-kernel fixed
@@ -53,15 +49,15 @@ class DecodeTime:
         return self.step_s + self.prefill_s
 
 
-def _expert_bytes(model: ModelSpec, layout: Layout, tp: int, b: int) -> tuple[float, float]:
+def _expert_bytes(model: ModelSpec, deployment: Deployment, tp: int, b: int) -> tuple[float, float]:
     """``(resident, read)``: routed-expert bytes one GPU holds, and those one MoE layer of the
     step reads on the busiest GPU (TP: the touched experts' shards; EP: the touched experts on
     the busiest rank, :func:`~cpbook.costmodel.gpu_terms.busiest_rank_experts`)."""
     size = model.expert_size_params * model.weight_bytes_per_param
-    if layout.ep:
-        ep = layout.num_gpus
+    if deployment.ep:
+        ep = deployment.num_gpus
         busiest = gt.busiest_rank_experts(
-            model.num_experts, ep, model.num_experts_per_tok, b * layout.dp
+            model.num_experts, ep, model.num_experts_per_tok, b * deployment.dp
         )
         return model.expert_params * model.weight_bytes_per_param / ep, busiest * size
     touched = gt.touched_experts(model.num_experts, model.num_experts_per_tok, b)
@@ -84,22 +80,19 @@ def _kernel_counts(model: ModelSpec) -> tuple[int, int]:
 def decode_step(
     model: ModelSpec,
     gpu: GPUSpec,
-    layout: Layout,
+    deployment: Deployment,
     context_tokens: int,
     batch: int = 1,
     *,
-    kv_dtype: str = "bf16",
-    hbm_efficiency: float = DEFAULT_HBM_EFFICIENCY,
-    mfu: float | None = None,
-    link: LinkSpec | None = None,
-    dcp_comm_backend: str = "ag_rs",
-    act_bytes: int = 2,
+    knobs: CostKnobs = CostKnobs(),
 ) -> DecodeTime:
     """One static decode step (no prefill chunks): what :func:`~cpbook.costmodel.latency.tpot`
-    returns without ``prompt_len``.
+    returns without continuous batching.  ``knobs``: :class:`~cpbook.costmodel.knobs.CostKnobs`
+    (KV dtype, HBM efficiency, GEMM MFU, link — default the GPU's scale-up link —, DCP's combine
+    backend, activation bytes).
 
     Memory at ``hbm_efficiency`` of HBM: the GPU's weight shard without the embedding table (a
-    lookup), its share of the KV (:func:`~cpbook.costmodel.memory.layout_kv_bytes_per_token`,
+    lookup), its share of the KV (:func:`~cpbook.costmodel.memory.deployment_kv_bytes_per_token`,
     at :data:`~cpbook.costmodel.gpu_terms.DECODE_ATTENTION_UNIT_EFFICIENCY` per request and KV
     head up to ``hbm_efficiency``), TPA's extra shards, and per MoE layer the experts the batch
     touches on the busiest GPU.  Compute at ``mfu`` (default ``GEMM_MFU``) of the weights' peak.
@@ -112,27 +105,27 @@ def decode_step(
     """
     check_tokens("context_tokens", context_tokens, minimum=1)
     check_tokens("batch", batch, minimum=1)
-    check_hbm_efficiency(hbm_efficiency)
     check_moe_shape(model)
-    cfg = layout.config(model)
-    link = link or link_of(gpu)
+    cfg = deployment.config(model, knobs.dcp_comm_backend)
+    hbm_efficiency, mfu, act_bytes = knobs.hbm_efficiency, knobs.mfu, knobs.act_bytes
+    link = knobs.link or link_of(gpu)
     graph_link = replace(link, alpha_s=gt.DECODE_ALLREDUCE_ALPHA_S)
-    shards = layout.dp * (cfg.pcp if cfg.dcp == 1 else 1)
+    shards = deployment.dp * (cfg.pcp if cfg.dcp == 1 else 1)
     b = -(-batch // shards)
     bw = gpu.hbm_bw_bytes_per_s * hbm_efficiency
     wbytes = model.weight_bytes_per_param
-    weights = layout_weight_bytes(model, layout) - model.lm_head_params * wbytes / cfg.tp * (
-        0 if model.tie_word_embeddings else 1
-    )
+    weights = deployment_weight_bytes(
+        model, deployment
+    ) - model.lm_head_params * wbytes / cfg.tp * (0 if model.tie_word_embeddings else 1)
     fixed = 0.0
     expert_read = 0.0
     if model.expert_params:
-        resident, per_layer = _expert_bytes(model, layout, cfg.tp, b)
+        resident, per_layer = _expert_bytes(model, deployment, cfg.tp, b)
         weights -= resident
         _, extra = gt.moe_decode_s(per_layer, wbytes, bw)
         expert_read = per_layer * model.moe_layers
         fixed += extra * model.moe_layers
-    kv = layout_kv_bytes_per_token(model, layout, kv_dtype) * context_tokens * b
+    kv = deployment_kv_bytes_per_token(model, deployment, knobs.kv_dtype) * context_tokens * b
     kv_heads = 1 if model.use_mla else max(model.num_kv_heads // cfg.tp, 1)
     kv_eff = kv_read_efficiency(hbm_efficiency, b, kv_heads)
     extra = tpa_weight_costs(model, cfg, b, act_bytes)
@@ -154,15 +147,15 @@ def decode_step(
     else:
         per_layer_fixed = gt.DECODE_ATTENTION_FIXED_S
     fixed += per_layer_fixed * model.num_layers
-    calls = decode_attention_calls(model, cfg, layout.tpa, b, dcp_comm_backend, act_bytes)
+    calls = decode_attention_calls(model, cfg, deployment.tpa, b, act_bytes)
     mlp = 2 * b * model.hidden_size * act_bytes * (cfg.tp - 1) // cfg.tp
     per_layer = sum(
         collective_time(op, nb, n, graph_link if op == "all_reduce" else link)
         for op, n, nb in calls
     ) + collective_time("all_reduce", mlp, cfg.tp, graph_link)
     comm = per_layer * model.num_layers
-    if layout.ep and model.expert_params:
-        ep = layout.num_gpus
+    if deployment.ep and model.expert_params:
+        ep = deployment.num_gpus
         sent = b * model.num_experts_per_tok * model.hidden_size * act_bytes * (ep - 1) / ep
         comm += 2 * model.moe_layers * gt.all_to_all_s(sent, ep, link.bw_bytes_per_s)
     return DecodeTime(memory, compute, comm, b, fixed)

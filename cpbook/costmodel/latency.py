@@ -1,13 +1,15 @@
-"""Time of whole layouts: TTFT, TPOT and throughput (chapter 8)."""
+"""Time of whole deployments: TTFT, TPOT and throughput (chapter 8)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from cpbook.core.errors import RuleError
 from cpbook.costmodel import gpu_terms as gt
-from cpbook.costmodel.decode import DEFAULT_HBM_EFFICIENCY, collective_time
+from cpbook.costmodel.decode import collective_time
 from cpbook.costmodel.decode_step import DecodeTime, decode_step
-from cpbook.costmodel.memory import Layout, kv_bytes_per_token_per_gpu, weight_bytes_per_gpu
+from cpbook.costmodel.knobs import CostKnobs
+from cpbook.costmodel.memory import Deployment, kv_bytes_per_token_per_gpu, weight_bytes_per_gpu
 from cpbook.costmodel.specs import (
     GPUSpec,
     LinkSpec,
@@ -48,10 +50,11 @@ def decode_bytes_per_step(
     return weight_bytes_per_gpu(model, tp), kv
 
 
-# ------------------------------------------------------------------- prefill (TTFT) of layouts
+# ------------------------------------------------------------------- prefill (TTFT) of deployments
 
 #: One MFU for every prefill FLOP, the book's assumption before the GPU-side terms of
-#: :mod:`cpbook.costmodel.gpu_terms`; ``ttft(..., mfu=DEFAULT_MFU)`` still prices it so.  Meta
+#: :mod:`cpbook.costmodel.gpu_terms`; ``ttft(..., knobs=CostKnobs(mfu=DEFAULT_MFU))`` still
+#: prices it so.  Meta
 #: reports 63 % "FLOPS utilization" for its 1M-token prefill (arXiv 2411.01783, FP8 GEMMs).
 DEFAULT_MFU = 0.5
 PCP_COMM = ("allgather", "ring")
@@ -94,11 +97,11 @@ class PrefillTime:
 
 
 def _prefill_compute_s(
-    model: ModelSpec, gpu: GPUSpec, layout: Layout, tokens: int, mfu: float | None
+    model: ModelSpec, gpu: GPUSpec, deployment: Deployment, tokens: int, mfu: float | None
 ) -> tuple[float, float]:
-    """``(compute, attention)`` seconds of one prompt's prefill on one GPU of ``layout``'s
+    """``(compute, attention)`` seconds of one prompt's prefill on one GPU of ``deployment``'s
     replica; with ``mfu`` every FLOP at that one MFU (the former model)."""
-    gpus = layout.tp * layout.pcp
+    gpus = deployment.tp * deployment.pcp
     wb = 1 if model.weight_bytes_per_param <= 1 else 2
     dense, experts = prefill_gemm_flops(model, tokens)
     _, attn = prefill_flops(model, tokens)
@@ -112,7 +115,7 @@ def _prefill_compute_s(
     attn_s = attn / gpus / (gpu.bf16_flops * gt.attention_mfu(tokens))
     # EP: every DP rank prefills at once (the loaded case), so each GPU does one prompt's
     # expert FLOPs, slowed by the busiest rank
-    ep = gt.EP_PREFILL_IMBALANCE if layout.ep and layout.num_gpus > 1 else 1.0
+    ep = gt.EP_PREFILL_IMBALANCE if deployment.ep and deployment.num_gpus > 1 else 1.0
     expert_s = experts * ep / gpus / (peak * gt.MOE_GEMM_MFU[wb])
     gemm_s = dense / gpus / (peak * gt.ramp(gt.GEMM_MFU[wb], tokens))
     return gemm_s + expert_s + attn_s, attn_s
@@ -121,22 +124,20 @@ def _prefill_compute_s(
 def ttft(
     model: ModelSpec,
     gpu: GPUSpec,
-    layout: Layout,
+    deployment: Deployment,
     prompt_tokens: int,
     *,
-    mfu: float | None = None,
-    link: LinkSpec | None = None,
+    knobs: CostKnobs = CostKnobs(),
     cp_link: LinkSpec | None = None,
     cp_comm: str = "allgather",
-    act_bytes: int = 2,
     kv_bytes: int = 2,
 ) -> PrefillTime:
-    """Time to first token of one ``prompt_tokens`` prompt on one replica of ``layout``.
+    """Time to first token of one ``prompt_tokens`` prompt on one replica of ``deployment``.
 
     GEMMs (:func:`prefill_gemm_flops`: no embedding FLOPs, the LM head for the last token) at
     :data:`~cpbook.costmodel.gpu_terms.GEMM_MFU` of the weights' peak (FP8 weights: the FP8
     peak), routed experts at ``MOE_GEMM_MFU`` (EP: times ``EP_PREFILL_IMBALANCE``), attention
-    at :func:`~cpbook.costmodel.gpu_terms.attention_mfu` of the BF16 peak.  ``mfu`` instead
+    at :func:`~cpbook.costmodel.gpu_terms.attention_mfu` of the BF16 peak.  ``knobs.mfu`` instead
     gives the former model: :func:`prefill_flops`' count (MoE: active share), every FLOP at
     ``mfu`` of the BF16 peak, no elementwise or EP terms.  Norms and activations stream their
     bytes; TP all-reduces and EP all-to-alls use the link's α–β.  DCP adds nothing to a fresh
@@ -145,22 +146,22 @@ def ttft(
     PCP splits the tokens zigzag over ``pcp`` ranks: ``cp_comm="allgather"`` is vLLM's K/V
     all-gather before attention (:func:`cpbook.pcp.prefill.pcp_comm_bytes`, not overlapped),
     ``"ring"`` Meta's pass-KV ring (:func:`cpbook.pcp.ring_plan.ring_comm_bytes`), each step
-    hidden behind that step's attention.  ``link`` is TP's, ``cp_link`` the CP group's
-    (defaults: the GPU's scale-up link).
+    hidden behind that step's attention.  ``knobs.link`` is TP's, ``cp_link`` the CP group's
+    (defaults: the GPU's scale-up link); activations are ``knobs.act_bytes`` wide, the gathered
+    K/V ``kv_bytes`` (the other knobs are decode's).
     """
 
     check_tokens("prompt_tokens", prompt_tokens, minimum=1)
-    if mfu is not None and not 0 < mfu <= 1:
-        raise ValueError(f"[mfu] requires 0 < mfu <= 1; got {mfu=}")
     if cp_comm not in PCP_COMM:
-        raise ValueError(f"[cp-comm] requires cp_comm in {PCP_COMM}; got {cp_comm=}")
+        raise RuleError("cp-comm", f"cp_comm in {PCP_COMM}", cp_comm=cp_comm)
+    mfu, act_bytes = knobs.mfu, knobs.act_bytes
     if mfu is None:
         check_moe_shape(model)
-    cfg = layout.config(model)
-    link = link or link_of(gpu)
+    cfg = deployment.config(model)
+    link = knobs.link or link_of(gpu)
     cp_link = cp_link or link
     n, layers = cfg.pcp, model.num_layers
-    compute, attn_s = _prefill_compute_s(model, gpu, layout, prompt_tokens, mfu)
+    compute, attn_s = _prefill_compute_s(model, gpu, deployment, prompt_tokens, mfu)
     rows = padded_len(prompt_tokens, n) // n
     allreduce = 2 * rows * model.hidden_size * act_bytes * (cfg.tp - 1) // cfg.tp
     tp_s = 2 * layers * collective_time("all_reduce", allreduce, cfg.tp, link)
@@ -194,93 +195,84 @@ def ttft(
         width = rows * model.intermediate_size / cfg.tp
         elem += dense_layers * gt.elementwise_s(width, gt.ACT_BYTES_PER_ELEMENT, bw)
     ep_s = 0.0
-    if layout.ep and model.expert_params:
-        ep = layout.num_gpus
+    if deployment.ep and model.expert_params:
+        ep = deployment.num_gpus
         sent = rows * model.num_experts_per_tok * model.hidden_size * act_bytes * (ep - 1) / ep
         ep_s = 2 * model.moe_layers * gt.all_to_all_s(sent, ep, link.bw_bytes_per_s)
     return PrefillTime(compute, tp_s, cp_s, elem, ep_s)
 
 
-# -------------------------------------------------------------------- decode (TPOT) of layouts
+# -------------------------------------------------------------------- decode (TPOT) of deployments
+
+
+@dataclass(frozen=True)
+class ContinuousBatching:
+    """The steady state :func:`tpot` prices prefill chunks for: every request a prompt of
+    ``prompt_len`` tokens and ``output_len`` output tokens, the chunks of one step at most
+    ``max_num_batched_tokens`` (vLLM's ``SchedulerConfig`` budget).  Guarantees: all three are
+    positive ints (rule ``positive-tokens``)."""
+
+    prompt_len: int
+    output_len: int
+    max_num_batched_tokens: int = gt.DEFAULT_MAX_NUM_BATCHED_TOKENS
+
+    def __post_init__(self) -> None:
+        check_tokens("prompt_len", self.prompt_len, minimum=1)
+        check_tokens("output_len", self.output_len, minimum=1)
+        check_tokens("max_num_batched_tokens", self.max_num_batched_tokens, minimum=1)
 
 
 def tpot(
     model: ModelSpec,
     gpu: GPUSpec,
-    layout: Layout,
+    deployment: Deployment,
     context_tokens: int,
     batch: int = 1,
     *,
-    kv_dtype: str = "bf16",
-    hbm_efficiency: float = DEFAULT_HBM_EFFICIENCY,
-    mfu: float | None = None,
-    link: LinkSpec | None = None,
-    dcp_comm_backend: str = "ag_rs",
-    act_bytes: int = 2,
-    concurrency: int | None = None,
-    prompt_len: int | None = None,
-    output_len: int | None = None,
-    max_num_batched_tokens: int = gt.DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    knobs: CostKnobs = CostKnobs(),
+    batching: ContinuousBatching | None = None,
 ) -> DecodeTime:
-    """One decode step of ``batch`` requests of ``context_tokens`` cached tokens each, spread
-    evenly over the ``dp`` replicas (PCP without DCP: over the PCP ranks too, as vLLM's
-    ``pcp_shard_decode_requests`` does); see :func:`cpbook.costmodel.decode_step.decode_step`
-    for its terms.  ``concurrency`` is another name for ``batch`` (the peer's and the
-    planner's).
+    """One decode step of ``batch`` requests (the planner's concurrency) of ``context_tokens``
+    cached tokens each, spread evenly over the ``dp`` replicas (PCP without DCP: over the PCP
+    ranks too, as vLLM's ``pcp_shard_decode_requests`` does); see
+    :func:`cpbook.costmodel.decode_step.decode_step` for its terms and ``knobs``.
 
-    Continuous batching: with ``prompt_len`` and ``output_len``, each step also carries the
-    prefill chunks of the requests that replace finished ones: in steady state each of the
-    other ``r − 1`` requests of the replica (``r = ceil(batch / dp)``) is replaced every
-    ``output_len`` steps, so ``(r − 1) · prompt_len / output_len`` tokens per step, at most
-    ``max_num_batched_tokens`` (vLLM's chunk budget), each at one prompt's TTFT per token
-    (``prefill_s``): the aggregated TPOT.  AIConfigurator's aggregated mode counts ``r`` (a
-    request's own prefill too); a request's own prefill ends before its first token.
+    Continuous batching: with ``batching``, each step also carries the prefill chunks of the
+    requests that replace finished ones: in steady state each of the other ``r − 1`` requests
+    of the replica (``r = ceil(batch / dp)``) is replaced every ``output_len`` steps, so
+    ``(r − 1) · prompt_len / output_len`` tokens per step, at most ``max_num_batched_tokens``,
+    each at one prompt's TTFT per token (``prefill_s``): the aggregated TPOT.  AIConfigurator's
+    aggregated mode counts ``r`` (a request's own prefill too); a request's own prefill ends
+    before its first token.
     """
-    if concurrency is not None:
-        if batch not in (1, concurrency):
-            raise ValueError(
-                f"[batch-or-concurrency] requires batch == concurrency when both are given; "
-                f"got {batch=}, {concurrency=}"
-            )
-        batch = concurrency
-    if (prompt_len is None) != (output_len is None):
-        raise ValueError(
-            f"[prompt-and-output] requires prompt_len and output_len together; "
-            f"got {prompt_len=}, {output_len=}"
-        )
-    step = decode_step(
-        model, gpu, layout, context_tokens, batch, kv_dtype=kv_dtype,
-        hbm_efficiency=hbm_efficiency, mfu=mfu, link=link, dcp_comm_backend=dcp_comm_backend,
-        act_bytes=act_bytes,
-    )  # fmt: skip
-    if prompt_len is None:
+    step = decode_step(model, gpu, deployment, context_tokens, batch, knobs=knobs)
+    if batching is None:
         return step
-    check_tokens("prompt_len", prompt_len, minimum=1)
-    check_tokens("output_len", output_len, minimum=1)
-    check_tokens("max_num_batched_tokens", max_num_batched_tokens, minimum=1)
-    others = -(-batch // layout.dp) - 1  # a request's own prefill precedes its first token
-    chunk = min(others * prompt_len / output_len, max_num_batched_tokens)
-    per_token = ttft(model, gpu, layout, prompt_len, link=link, act_bytes=act_bytes).total_s
-    return replace(step, prefill_s=chunk * per_token / prompt_len)
+    others = -(-batch // deployment.dp) - 1  # a request's own prefill precedes its first token
+    b = batching
+    chunk = min(others * b.prompt_len / b.output_len, b.max_num_batched_tokens)
+    prefill_knobs = replace(knobs, mfu=None)  # the chunks at the GPU-side terms
+    per_token = ttft(model, gpu, deployment, b.prompt_len, knobs=prefill_knobs).total_s
+    return replace(step, prefill_s=chunk * per_token / b.prompt_len)
 
 
 def tpot_break_even(
     model: ModelSpec,
     gpu: GPUSpec,
-    layout: Layout,
-    baseline: Layout,
+    deployment: Deployment,
+    baseline: Deployment,
     batch: int = 1,
     lo: int = 1024,
     hi: int = 2**19,
     resolution: int = 256,
 ) -> int:
     """The context length (within ``resolution`` tokens, bisected in ``[lo, hi]``) above which
-    ``layout``'s whole-model TPOT beats ``baseline``'s at ``batch`` requests; ``hi`` if it
+    ``deployment``'s whole-model TPOT beats ``baseline``'s at ``batch`` requests; ``hi`` if it
     never does below it.  Assumes one crossing (the DCP terms are linear in the context)."""
 
     def slower(c: int) -> bool:
         return (
-            tpot(model, gpu, layout, c, batch).total_s
+            tpot(model, gpu, deployment, c, batch).total_s
             > tpot(model, gpu, baseline, c, batch).total_s
         )
 
@@ -291,18 +283,23 @@ def tpot_break_even(
 
 
 def decode_throughput(
-    model: ModelSpec, gpu: GPUSpec, layout: Layout, context_tokens: int, batch: int, **kwargs
+    model: ModelSpec,
+    gpu: GPUSpec,
+    deployment: Deployment,
+    context_tokens: int,
+    batch: int,
+    **kwargs,
 ) -> float:
     """Output tokens per second per GPU with ``batch`` requests decoding at once
     (``kwargs``: those of :func:`tpot`)."""
-    step = tpot(model, gpu, layout, context_tokens, batch, **kwargs)
-    return batch / step.total_s / layout.num_gpus
+    step = tpot(model, gpu, deployment, context_tokens, batch, **kwargs)
+    return batch / step.total_s / deployment.num_gpus
 
 
 def prefill_throughput(
-    model: ModelSpec, gpu: GPUSpec, layout: Layout, prompt_tokens: int, **kwargs
+    model: ModelSpec, gpu: GPUSpec, deployment: Deployment, prompt_tokens: int, **kwargs
 ) -> float:
     """Prompt tokens per second per GPU when every replica prefills one prompt after another
     (``kwargs``: those of :func:`ttft`)."""
-    t = ttft(model, gpu, layout, prompt_tokens, **kwargs).total_s
-    return prompt_tokens / t / (layout.tp * layout.pcp)
+    t = ttft(model, gpu, deployment, prompt_tokens, **kwargs).total_s
+    return prompt_tokens / t / (deployment.tp * deployment.pcp)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from cpbook.core.config import ParallelConfig
+from cpbook.core.errors import RuleError
 from cpbook.core.heads import attention_kv_heads, tpa_config
 from cpbook.costmodel.specs import (
     DEFAULT_ACTIVATION_RESERVE_BYTES,
@@ -32,17 +33,17 @@ def kv_bytes_per_token(model: ModelSpec, kv_dtype: str = "bf16") -> int:
     GQA: ``2 * num_kv_heads * head_dim * num_layers * bytes``.
     MLA: ``(kv_lora_rank + qk_rope_head_dim) * num_layers * bytes``: with ``kv_dtype="fp8"``
     (vLLM's ``fp8`` / ``fp8_e4m3`` on FlashMLA) 576 B per token and layer for DeepSeek-V3;
-    ``kv_dtype="fp8_ds_mla"`` is sparse MLA's layout (DeepSeek-V3.2), 656 B per token and layer.
+    ``kv_dtype="fp8_ds_mla"`` is sparse MLA's KV layout (DeepSeek-V3.2), 656 B per token and layer.
     """
     if kv_dtype not in KV_DTYPES:
-        raise ValueError(
-            f"[kv-dtype] requires kv_dtype in {sorted(KV_DTYPES)}; got kv_dtype={kv_dtype!r}"
-        )
+        raise RuleError("kv-dtype", f"kv_dtype in {sorted(KV_DTYPES)}", kv_dtype=kv_dtype)
     if kv_dtype == "fp8_ds_mla":
         if not model.use_mla:
-            raise ValueError(
-                f"[kv-dtype-ds-mla] requires an MLA model for kv_dtype='fp8_ds_mla'; "
-                f"got {model.name} (GQA)"
+            raise RuleError(
+                "kv-dtype-ds-mla",
+                "an MLA model for kv_dtype='fp8_ds_mla'",
+                model=model.name,
+                use_mla=model.use_mla,
             )
         return FP8_DS_MLA_BYTES_PER_TOKEN_PER_LAYER * model.num_layers
     if model.use_mla:
@@ -132,25 +133,27 @@ def _kv_budget(
     activation_reserve_bytes: float,
 ) -> float:
     """``hbm * gpu_memory_utilization - weights - activation_reserve_bytes`` for one GPU holding
-    ``weights`` (``where`` names the layout in the error); ValueError unless positive."""
+    ``weights`` (``where`` names the deployment in the error); ValueError unless positive."""
     if not 0 < gpu_memory_utilization <= 1:
-        raise ValueError(
-            f"[gpu-memory-utilization] requires 0 < gpu_memory_utilization <= 1; "
-            f"got gpu_memory_utilization={gpu_memory_utilization}"
+        raise RuleError(
+            "gpu-memory-utilization",
+            "0 < gpu_memory_utilization <= 1",
+            gpu_memory_utilization=gpu_memory_utilization,
         )
     if activation_reserve_bytes < 0:
-        raise ValueError(
-            f"[activation-reserve] requires activation_reserve_bytes >= 0; "
-            f"got activation_reserve_bytes={activation_reserve_bytes}"
+        raise RuleError(
+            "activation-reserve",
+            "activation_reserve_bytes >= 0",
+            activation_reserve_bytes=activation_reserve_bytes,
         )
     budget = gpu.hbm_bytes * gpu_memory_utilization - weights - activation_reserve_bytes
     if budget <= 0:
-        raise ValueError(
-            f"[model-fits] requires weights + reserve < usable HBM; {model.name} does not fit on "
-            f"{gpu.name} {where}: "
-            f"{gpu.hbm_bytes / GB:.0f} GB x {gpu_memory_utilization} - "
-            f"weights {weights / GB:.1f} GB - reserve "
-            f"{activation_reserve_bytes / GB:.1f} GB = {budget / GB:.1f} GB"
+        raise RuleError(
+            "model-fits",
+            f"weights + reserve < usable HBM ({model.name} on {gpu.name} {where}: "
+            f"{gpu.hbm_bytes / GB:.0f} GB x {gpu_memory_utilization} - weights "
+            f"{weights / GB:.1f} GB - reserve {activation_reserve_bytes / GB:.1f} GB)",
+            budget_gb=round(budget / GB, 1),
         )
     return budget
 
@@ -177,11 +180,11 @@ def max_context_tokens(
     return math.floor(budget / per_token)
 
 
-# ---------------------------------------------------------------- whole deployments (layouts)
+# ---------------------------------------------------------------- whole deployments
 
 
 @dataclass(frozen=True)
-class Layout:
+class Deployment:
     """How ``dp * tp * pcp`` GPUs serve one model, in vLLM's terms.
 
     ``tp``, ``dcp``, ``pcp``: ``tensor_parallel_size``, ``decode_context_parallel_size`` and
@@ -210,31 +213,37 @@ class Layout:
         parts += [k for k, on in (("EP", self.ep), ("TPA", self.tpa)) if on]
         return "+".join(parts)
 
-    @functools.lru_cache(maxsize=4096)  # layouts and models are frozen dataclasses
-    def config(self, model: ModelSpec) -> ParallelConfig:
-        """One replica's attention layout, validated by vLLM's rules (ValueError if invalid;
-        a valid one is built once per layout and model, both immutable)."""
+    @functools.lru_cache(maxsize=4096)  # deployments and models are frozen dataclasses
+    def config(self, model: ModelSpec, dcp_comm_backend: str = "ag_rs") -> ParallelConfig:
+        """One replica's attention config, with DCP's combine ``dcp_comm_backend``, validated
+        by vLLM's rules (ValueError if invalid; a valid one is built once per deployment, model
+        and backend, all immutable)."""
 
         if self.dp < 1:
-            raise ValueError(f"[positive-sizes] requires dp >= 1; got dp={self.dp}")
+            raise RuleError("positive-sizes", "dp >= 1", dp=self.dp)
         return tpa_config(
             "tpa" if self.tpa else "standard",
             tensor_parallel_size=self.tp,
             decode_context_parallel_size=self.dcp,
             prefill_context_parallel_size=self.pcp,
+            dcp_comm_backend=dcp_comm_backend,
             **model.attention_shape,
         )
 
 
-def layout_weight_bytes(model: ModelSpec, layout: Layout) -> float:
-    """Weight bytes on one GPU of ``layout``: TP shards, PCP and DP replicate, EP spreads the
+def deployment_weight_bytes(model: ModelSpec, deployment: Deployment) -> float:
+    """Weight bytes on one GPU of ``deployment``: TP shards, PCP and DP replicate, EP spreads the
     routed experts over every GPU."""
-    layout.config(model)
-    return weight_bytes_per_gpu(model, layout.tp, layout.num_gpus if layout.ep else None)
+    deployment.config(model)
+    return weight_bytes_per_gpu(
+        model, deployment.tp, deployment.num_gpus if deployment.ep else None
+    )
 
 
-def layout_kv_bytes_per_token(model: ModelSpec, layout: Layout, kv_dtype: str = "bf16") -> float:
-    """KV bytes one GPU stores per token of a request under ``layout``.
+def deployment_kv_bytes_per_token(
+    model: ModelSpec, deployment: Deployment, kv_dtype: str = "bf16"
+) -> float:
+    """KV bytes one GPU stores per token of a request under ``deployment``.
 
     The GPU's KV heads are :func:`cpbook.core.heads.attention_kv_heads` of its replica's
     configuration (TP heads, or TPA's attention shard); DCP divides the tokens by ``dcp``.  PCP
@@ -242,48 +251,50 @@ def layout_kv_bytes_per_token(model: ModelSpec, layout: Layout, kv_dtype: str = 
     every PCP rank keeps the request's full cache unless ``dcp`` spans the PCP ranks.
     """
 
-    cfg = layout.config(model)
+    cfg = deployment.config(model)
     heads = attention_kv_heads(cfg, 0)
     per_head = Fraction(kv_bytes_per_token(model, kv_dtype), model.num_kv_heads)
     return float(per_head * (heads.stop - heads.start) / cfg.dcp)
 
 
-def layout_kv_budget(
+def deployment_kv_budget(
     model: ModelSpec,
     gpu: GPUSpec,
-    layout: Layout,
+    deployment: Deployment,
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
     activation_reserve_bytes: float = DEFAULT_ACTIVATION_RESERVE_BYTES,
 ) -> float:
-    """Bytes left for KV on one GPU of ``layout``; ValueError when the weights do not fit."""
+    """Bytes left for KV on one GPU of ``deployment``; ValueError when the weights do not fit."""
     return _kv_budget(
         model,
         gpu,
-        layout_weight_bytes(model, layout),
-        f"as {layout.label}",
+        deployment_weight_bytes(model, deployment),
+        f"as {deployment.label}",
         gpu_memory_utilization,
         activation_reserve_bytes,
     )
 
 
-def layout_max_context(
-    model: ModelSpec, gpu: GPUSpec, layout: Layout, kv_dtype: str = "bf16", **memory
+def deployment_max_context(
+    model: ModelSpec, gpu: GPUSpec, deployment: Deployment, kv_dtype: str = "bf16", **memory
 ) -> int:
-    """Longest single request whose KV fits one replica of ``layout`` (``memory``: the keyword
-    arguments of :func:`layout_kv_budget`)."""
-    budget = layout_kv_budget(model, gpu, layout, **memory)
-    return math.floor(budget / layout_kv_bytes_per_token(model, layout, kv_dtype))
+    """Longest single request whose KV fits one replica of ``deployment`` (``memory``: the keyword
+    arguments of :func:`deployment_kv_budget`)."""
+    budget = deployment_kv_budget(model, gpu, deployment, **memory)
+    return math.floor(budget / deployment_kv_bytes_per_token(model, deployment, kv_dtype))
 
 
 def max_concurrency(
     model: ModelSpec,
     gpu: GPUSpec,
-    layout: Layout,
+    deployment: Deployment,
     context_tokens: int,
     kv_dtype: str = "bf16",
     **memory,
 ) -> int:
     """Requests of ``context_tokens`` tokens whose KV fits at once on all ``dp`` replicas."""
     check_tokens("context_tokens", context_tokens, minimum=1)
-    per_request = layout_kv_bytes_per_token(model, layout, kv_dtype) * context_tokens
-    return layout.dp * math.floor(layout_kv_budget(model, gpu, layout, **memory) / per_request)
+    per_request = deployment_kv_bytes_per_token(model, deployment, kv_dtype) * context_tokens
+    return deployment.dp * math.floor(
+        deployment_kv_budget(model, gpu, deployment, **memory) / per_request
+    )

@@ -23,6 +23,8 @@ import numbers
 from dataclasses import dataclass, replace
 from typing import Any
 
+from cpbook.core.errors import RuleError
+
 GB = 10**9  #: decimal gigabyte, as on vendor datasheets
 GIB = 2**30  #: binary gibibyte, as in ``torch.cuda.mem_get_info`` style reports
 
@@ -69,7 +71,11 @@ GPUS: dict[str, GPUSpec] = {
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Attention shape and weight size of one model (see the module docstring for MLA)."""
+    """Attention shape and weight size of one model (see the module docstring for MLA).
+
+    More than eight parameters: a frozen record of a model's published shape, one field per
+    ``config.json`` quantity the cost model reads, built once per model in :data:`MODELS`.
+    """
 
     name: str
     num_layers: int
@@ -247,7 +253,7 @@ MODELS: dict[str, ModelSpec] = {
 #: dense MLA model (FlashMLA) stores the 512 + 64 latent in FP8 with one scale per tensor, 576 B
 #: per token and layer for DeepSeek-V3 and Kimi-K2
 KV_DTYPE_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
-#: vLLM's ``fp8_ds_mla`` layout of *sparse* MLA (DeepSeek-V3.2, FlashMLA-sparse): 512 fp8 latent
+#: vLLM's ``fp8_ds_mla`` KV layout of *sparse* MLA (DeepSeek-V3.2, FlashMLA-sparse): 512 fp8 latent
 #: + 16 B scales + 64 bf16 rope; the ``kv_dtype`` of that name, for MLA models only
 FP8_DS_MLA_BYTES_PER_TOKEN_PER_LAYER = 512 + 16 + 64 * 2
 #: every ``kv_dtype`` the memory model accepts
@@ -287,7 +293,7 @@ LINKS: dict[str, LinkSpec] = {
     # 900 GB/s bidirectional NVLink 4 per GPU = 450 GB/s per direction (datasheets).  α = 15 µs
     # per call is an assumption, the book's base case: at the low end of the NCCL latencies of
     # ALLREDUCE_BENCH_US once the ~2 µs of transfer is taken out (15 µs on 4 GPUs, 26 µs on the
-    # 8 GPUs of the layouts modelled); chapter 6 draws every result that depends on it against α.
+    # 8 GPUs modelled); chapter 6 draws every result that depends on it against α.
     "NVLink4": LinkSpec(
         "NVLink 4 + NVSwitch (H100/H200 HGX), NCCL", 15e-6, 450e9, "nvidia_h200,vllm_pr24111"
     ),
@@ -309,7 +315,7 @@ def get_model(name: str | ModelSpec) -> ModelSpec:
     if isinstance(name, ModelSpec):
         return name
     if name not in MODELS:
-        raise ValueError(f"[known-model] requires a key of MODELS {sorted(MODELS)}; got {name!r}")
+        raise RuleError("known-model", f"a key of MODELS {sorted(MODELS)}", name=name)
     return MODELS[name]
 
 
@@ -318,7 +324,7 @@ def get_gpu(name: str | GPUSpec) -> GPUSpec:
     if isinstance(name, GPUSpec):
         return name
     if name not in GPUS:
-        raise ValueError(f"[known-gpu] requires a key of GPUS {sorted(GPUS)}; got {name!r}")
+        raise RuleError("known-gpu", f"a key of GPUS {sorted(GPUS)}", name=name)
     return GPUS[name]
 
 
@@ -331,7 +337,7 @@ def check_tokens(name: str, tokens: object, minimum: int = 0, integer: bool = Tr
     if isinstance(tokens, bool) or not isinstance(tokens, kinds) or tokens < minimum:
         rule = "positive-tokens" if minimum else "non-negative-tokens"
         what = ("a positive " if minimum else "a non-negative ") + ("int" if integer else "number")
-        raise ValueError(f"[{rule}] requires {what}; got {name}={tokens!r}")
+        raise RuleError(rule, what, **{name: tokens})
 
 
 def check_moe_shape(model: ModelSpec) -> None:
@@ -340,16 +346,17 @@ def check_moe_shape(model: ModelSpec) -> None:
     if model.expert_params and not (
         model.num_experts and model.num_experts_per_tok and model.moe_layers
     ):
-        raise ValueError(
-            f"[moe-shape] requires num_experts, num_experts_per_tok and moe_layers for a MoE "
-            f"model; got {model.name}: num_experts={model.num_experts}, "
-            f"num_experts_per_tok={model.num_experts_per_tok}, moe_layers={model.moe_layers}"
+        raise RuleError(
+            "moe-shape",
+            "num_experts, num_experts_per_tok and moe_layers for a MoE model",
+            model=model.name,
+            num_experts=model.num_experts,
+            num_experts_per_tok=model.num_experts_per_tok,
+            moe_layers=model.moe_layers,
         )
 
 
 def check_hbm_efficiency(hbm_efficiency: float) -> None:
     """Rule ``hbm-efficiency``: the fraction of HBM bandwidth a kernel reaches is in (0, 1]."""
     if not 0 < hbm_efficiency <= 1:
-        raise ValueError(
-            f"[hbm-efficiency] requires 0 < hbm_efficiency <= 1; got {hbm_efficiency=}"
-        )
+        raise RuleError("hbm-efficiency", "0 < hbm_efficiency <= 1", hbm_efficiency=hbm_efficiency)

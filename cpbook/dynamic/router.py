@@ -50,7 +50,7 @@ def valid_cp_size(model: cm.ModelSpec, n: int, replica_tp: int = 1, tpa: bool = 
     of ``replica_tp`` GPUs can form a DCP group for ``model``: the layout TP = ``n·replica_tp``,
     DCP = ``n``."""
     if n > 1:
-        cm.Layout(tp=n * replica_tp, dcp=n, tpa=tpa).config(model)
+        cm.Deployment(tp=n * replica_tp, dcp=n, tpa=tpa).config(model)
 
 
 def cp_line(
@@ -69,7 +69,7 @@ def cp_line(
     tp, dcp = (replica_tp, 1) if n == 1 else (n * replica_tp, n)
     kw = dict(tp=tp, dcp=dcp, num_reqs=num_reqs)
     if link is not None:
-        kw["link"] = link
+        kw["knobs"] = cm.CostKnobs(link=link)
     big = float(2**20)
     a = cm.decode_layer_time(model, gpu, 0, mode, **kw).total_s
     return a, (cm.decode_layer_time(model, gpu, big, mode, **kw).total_s - a) / big

@@ -12,7 +12,7 @@ The system modelled (every assumption is a parameter of :class:`Cluster` or stat
 * **Decode pool: DP attention + expert parallelism** on ``decode_gpus`` GPUs.  Every layer's
   expert all-to-all synchronises all GPUs (vLLM RFC #29295), so the pool advances in global
   steps and one step lasts ``t_weights + layers · max_g attention_g``: ``t_weights`` streams a
-  GPU's weights (:func:`cpbook.costmodel.layout_weight_bytes`), ``attention_g`` reads the KV
+  GPU's weights (:func:`cpbook.costmodel.deployment_weight_bytes`), ``attention_g`` reads the KV
   tokens GPU ``g`` holds and pays the collectives of each CP group with requests on it
   (:func:`cpbook.dynamic.router.cp_line`: α per call, β per request, TPA's extra ``q_proj``).
 * **Memory.**  A request reserves ``P + O`` KV tokens when admitted to decode (no preemption):
@@ -81,16 +81,16 @@ class Cluster:
     def capacity_tokens(self) -> int:
         """KV tokens one decode GPU holds (DP attention + EP over the decode pool)."""
         m, g = self.spec
-        layout = cm.Layout(dp=self.decode_gpus, tp=1, ep=True)
+        layout = cm.Deployment(dp=self.decode_gpus, tp=1, ep=True)
         return math.floor(
-            cm.layout_kv_budget(m, g, layout) / cm.layout_kv_bytes_per_token(m, layout)
+            cm.deployment_kv_budget(m, g, layout) / cm.deployment_kv_bytes_per_token(m, layout)
         )
 
     def weights_step_s(self) -> float:
         """Seconds one decode step spends streaming a GPU's weights."""
         m, g = self.spec
-        layout = cm.Layout(dp=self.decode_gpus, tp=1, ep=True)
-        return cm.layout_weight_bytes(m, layout) / (
+        layout = cm.Deployment(dp=self.decode_gpus, tp=1, ep=True)
+        return cm.deployment_weight_bytes(m, layout) / (
             g.hbm_bw_bytes_per_s * cm.DEFAULT_HBM_EFFICIENCY
         )
 

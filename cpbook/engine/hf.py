@@ -6,8 +6,10 @@ for TP as vLLM does (column-parallel QKV and gate/up, row-parallel o and down, K
 replicated when TP > KV heads, MoE experts' columns split over TP) and runs DCP and PCP as for
 the tiny models.  :func:`hf_config` validates ``config.json`` alone: a field or value the
 engine does not implement raises :class:`~cpbook.core.config.ConfigError` (a ``ValueError``)
-naming it; nothing is silently ignored.  ``rope_scaling``/``rope_theta`` (checkpoints) and
-``rope_parameters`` (transformers 5) are both read.
+naming it; nothing is silently ignored.  The file is read by
+:func:`cpbook.core.hf_config.read_hf_config`, the reader the planner uses too; this module adds
+the engine's strictness (its allow-list of keys and values).  ``rope_scaling``/``rope_theta``
+(checkpoints) and ``rope_parameters`` (transformers 5) are both read.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 from safetensors.torch import load_file
 
 from cpbook.core.config import ConfigError
+from cpbook.core.hf_config import read_hf_config
 from cpbook.dcp.mla import TinyMLA
 from cpbook.engine.hf_model import HFConfig, HFModel
 
@@ -66,13 +69,6 @@ _MLA = _GQA | {
 
 def _bad(field: str, requirement: str, value: Any) -> ConfigError:
     return ConfigError("hf-config-supported", requirement, **{field: value})
-
-
-def _rope_params(c: dict) -> dict:
-    p = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
-    p.setdefault("rope_theta", c.get("rope_theta", 10000.0))
-    p["rope_type"] = p.pop("type", None) or p.get("rope_type") or "default"
-    return p
 
 
 def rope_inv_freq(p: dict, dim: int) -> tuple[torch.Tensor, float]:
@@ -146,32 +142,31 @@ def hf_config(config: dict, name: str = "hf") -> tuple[HFConfig, torch.Tensor]:
                 raise _bad(key, f"{key} == {want!r}", value)
         elif key not in _INERT and key not in (_MLA if mla else _GQA):
             raise _bad(key, f"a field cpbook implements for {fam}", value)
-    H, n = config["hidden_size"], config["num_attention_heads"]
+    if mla and config.get("attention_bias"):
+        raise _bad("attention_bias", "attention_bias == False for DeepSeek MLA", True)
+    c = read_hf_config(config, model_type=fam)
     common: dict[str, Any] = dict(
         name=name,
         model_type=fam,
-        vocab_size=config["vocab_size"],
-        hidden_size=H,
-        num_hidden_layers=config["num_hidden_layers"],
-        num_q_heads=n,
-        intermediate_size=config["intermediate_size"],
-        rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        num_hidden_layers=c.num_hidden_layers,
+        num_q_heads=c.num_q_heads,
+        intermediate_size=c.intermediate_size,
+        rms_norm_eps=c.rms_norm_eps,
     )
-    p = _rope_params(config)
+    p = dict(c.rope_parameters)
     if not mla:
-        D = config.get("head_dim") or H // n
-        inv, af = rope_inv_freq(p, D)
+        inv, af = rope_inv_freq(p, c.head_dim)
         cfg = HFConfig(
             **common,
-            num_kv_heads=config.get("num_key_value_heads", n),
-            head_dim=D,
-            qk_norm=fam == "qwen3",
+            num_kv_heads=c.num_kv_heads,
+            head_dim=c.head_dim,
+            qk_norm=c.qk_norm,
             rope_attention_factor=af,
         )
         return cfg, inv
-    if config.get("attention_bias"):
-        raise _bad("attention_bias", "attention_bias == False for DeepSeek MLA", True)
-    R, Dn = config["qk_rope_head_dim"], config["qk_nope_head_dim"]
+    R, Dn = c.qk_rope_head_dim, c.qk_nope_head_dim
     inv, af = rope_inv_freq(p, R)
     scale = (Dn + R) ** -0.5
     if p["rope_type"] != "default" and p.get("mscale_all_dim"):
@@ -187,18 +182,18 @@ def hf_config(config: dict, name: str = "hf") -> tuple[HFConfig, torch.Tensor]:
         **common,
         num_kv_heads=1,
         use_mla=True,
-        kv_lora_rank=config["kv_lora_rank"],
-        q_lora_rank=config.get("q_lora_rank"),
+        kv_lora_rank=c.kv_lora_rank,
+        q_lora_rank=c.q_lora_rank or None,
         qk_nope_head_dim=Dn,
         qk_rope_head_dim=R,
-        v_head_dim=config["v_head_dim"],
+        v_head_dim=c.v_head_dim,
         softmax_scale=scale,
         rope_attention_factor=af,
-        n_routed_experts=config.get("n_routed_experts") or 0,
-        num_experts_per_tok=config.get("num_experts_per_tok") or 0,
-        moe_intermediate_size=config.get("moe_intermediate_size") or 0,
-        n_shared_experts=config.get("n_shared_experts") or 0,
-        first_k_dense_replace=config.get("first_k_dense_replace", 0),
+        n_routed_experts=c.num_experts,
+        num_experts_per_tok=c.num_experts_per_tok,
+        moe_intermediate_size=c.moe_intermediate_size,
+        n_shared_experts=c.num_shared_experts,
+        first_k_dense_replace=c.moe_layers[0] if c.moe_layers else 0,
         topk_method=method,
         n_group=config.get("n_group") or 1,
         topk_group=config.get("topk_group") or 1,

@@ -14,6 +14,7 @@ from typing import Mapping, Sequence
 
 from matplotlib.patches import FancyArrowPatch, Rectangle
 
+from cpbook.core.errors import RuleError
 from cpbook.viz.style import figure, ink, rank_color
 
 __all__ = ["Step", "transfer_steps", "transfers_figure"]
@@ -68,12 +69,11 @@ def transfer_steps(
             groups = ["PCP"] * len(head) + ["DCP"] * pieces
             return [Step(w, op, g, b) for w, g, (op, b) in zip(names, groups, comm)]
     else:
-        raise ValueError(
-            f"[transfer-strategy] strategy is 'allgather_q' or 'allgather_kv'; got {strategy!r}"
-        )
-    raise ValueError(
-        f"[transfer-trace] a {strategy} trace on pcp={pcp}, dcp={dcp} has the collectives of "
-        f"its strategy; got {ops}"
+        raise RuleError("transfer-strategy", "'allgather_q' or 'allgather_kv'", strategy=strategy)
+    raise RuleError(
+        "transfer-trace",
+        f"a {strategy} trace on pcp={pcp}, dcp={dcp} with the collectives of its strategy",
+        ops=ops,
     )
 
 
@@ -97,10 +97,13 @@ def transfers_figure(
     ``C <= slope · T`` for this request's ``context_len`` and ``chunk_len``."""
     ranks = {len(traces) for traces in comm.values()}
     if len(ranks) != 1 or (dcp not in (1, pcp)) or ranks != {pcp}:
-        raise ValueError(
-            f"[transfer-grid] one trace per rank of a tp=1 grid with dcp in (1, pcp) (every "
-            f"collective spans all pcp ranks); got pcp={pcp}, dcp={dcp}, traces per strategy "
-            f"{ {st: len(t) for st, t in comm.items()} }"
+        raise RuleError(
+            "transfer-grid",
+            "one trace per rank of a tp=1 grid with dcp in (1, pcp) (every collective spans "
+            "all pcp ranks)",
+            pcp=pcp,
+            dcp=dcp,
+            traces={st: len(t) for st, t in comm.items()},
         )
     n = pcp
     steps = {

@@ -9,6 +9,7 @@ from typing import Any, Mapping, Sequence
 from matplotlib.patches import Rectangle
 from matplotlib.ticker import NullLocator
 
+from cpbook.core.comm import comm_bytes
 from cpbook.viz.style import PALETTE, figure, ink, rank_color
 
 __all__ = ["gqa_dataflow", "combine_traffic", "reorg_layout", "move_q_or_kv"]
@@ -140,7 +141,7 @@ def combine_traffic(
         "ReduceScatter": PALETTE[2],
         "All2All": PALETTE[1],
     }
-    width = max(sum(n for _, n in c) for c in step_bytes.values()) * 1.3
+    width = max(comm_bytes(c) for c in step_bytes.values()) * 1.3
     for i, (backend, calls) in enumerate(step_bytes.items()):
         left = 0
         for j, (op, nbytes) in enumerate(calls):

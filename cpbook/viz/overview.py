@@ -86,7 +86,7 @@ def lse_merge(
     num_keys: int = 10,
     world_size: int = 4,
     num_queries: int = 2,
-    num_heads: int = 4,
+    num_q_heads: int = 4,
     head_dim: int = 16,
     seed: int = 1,
     query: int = 0,
@@ -99,7 +99,7 @@ def lse_merge(
     Inputs come from :func:`cpbook.demos.ch01_merge.merge_problem` with ``seed``, split like
     ``merge_rank`` splits them (``torch.tensor_split``), so the numbers match the chapter's.
     """
-    q, k, v = merge_problem(num_keys, num_queries, num_heads, head_dim, seed)
+    q, k, v = merge_problem(num_keys, num_queries, num_q_heads, head_dim, seed)
     shards = torch.tensor_split(torch.arange(num_keys), world_size)
     lses = torch.stack([dense_attention(q, k[s], v[s])[1][query, head] for s in shards])
     lse = torch.logsumexp(lses, dim=0)

@@ -1,4 +1,4 @@
-"""Figures of chapter 8: where one 1M-token request fits, TTFT and TPOT of whole layouts against
+"""Figures of chapter 8: where one 1M-token request fits, TTFT and TPOT of whole deployments against
 context, the CPU cost model's predictions against this machine's stored runs, and the GPU side
 against AIConfigurator's stored predictions.
 
@@ -15,7 +15,7 @@ from matplotlib.ticker import FuncFormatter
 from cpbook import costmodel as cm
 from cpbook.viz.style import PALETTE, figure, plain_label, tokens_label
 
-__all__ = ["capacity_boundary", "layouts_vs_context", "parity", "peer_parity"]
+__all__ = ["capacity_boundary", "deployments_vs_context", "parity", "peer_parity"]
 
 _PLAIN = FuncFormatter(plain_label)
 _TOKENS = FuncFormatter(tokens_label)
@@ -36,8 +36,8 @@ def capacity_boundary(
     for ax, g in zip(axes, gpus):
         for (kv, dcp), (c, mk, ls) in styles.items():
             ys = [
-                cm.layout_max_context(
-                    model, cm.GPUS[g], cm.Layout(tp=8, dcp=dcp), kv, gpu_memory_utilization=u
+                cm.deployment_max_context(
+                    model, cm.GPUS[g], cm.Deployment(tp=8, dcp=dcp), kv, gpu_memory_utilization=u
                 )
                 for u in utils
             ]
@@ -54,17 +54,17 @@ def capacity_boundary(
     return fig
 
 
-def layouts_vs_context(
+def deployments_vs_context(
     model: cm.ModelSpec,
     gpu: cm.GPUSpec,
-    layouts: Sequence[cm.Layout],
+    deployments: Sequence[cm.Deployment],
     contexts: Sequence[int],
     batch: int = 1,
 ):
     """TTFT (left) and TPOT at ``batch`` requests (right) against context, one line per
-    layout; layouts whose weights or KV do not fit are left out at that context."""
+    deployment; deployments whose weights or KV do not fit are left out at that context."""
     fig, (a, b) = figure(ncols=2, figsize=(7.2, 3.2))
-    for i, lay in enumerate(layouts):
+    for i, lay in enumerate(deployments):
         xs, t1, t2 = [], [], []
         for c in contexts:
             try:

@@ -2,9 +2,9 @@
 planner's filters and ranking.
 
 Both parts are drawn from the planner's own rules: the grid is
-:func:`cpbook.costmodel.vllm_rules.rule_probes` for one model of each family (a probe accepted,
-or the rule that rejects it), the pipeline is :data:`cpbook.costmodel.plan_space.DROP_RULES` in
-the order :func:`~cpbook.costmodel.plan_space.estimate` applies them.
+:func:`cpbook.planner.vllm_rules.rule_probes` for one model of each family (a probe accepted,
+or the rule that rejects it), the pipeline is :data:`cpbook.planner.plan_space.DROP_RULES` in
+the order :func:`~cpbook.planner.plan_space.estimate` applies them.
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ from typing import Mapping
 from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Rectangle
 
 from cpbook import costmodel as cm
-from cpbook.costmodel.plan_space import DROP_RULES
-from cpbook.costmodel.vllm_rules import rule_probes
+from cpbook.planner.plan_space import DROP_RULES
+from cpbook.planner.vllm_rules import rule_probes
 from cpbook.viz.style import BLUE, GREEN, ORANGE, VERMILLION, figure, ink, legible, tint
 
 __all__ = ["decision_flowchart", "DROP_TEXT"]
 
-#: what each drop rule asks of a layout, in the pipeline's words
+#: what each drop rule asks of a deployment, in the pipeline's words
 DROP_TEXT = {
     "model-fits": f"weights + {cm.DEFAULT_ACTIVATION_RESERVE_BYTES / cm.GIB:g} GiB reserve fit "
     "in\nHBM x gpu_memory_utilization",
@@ -52,7 +52,7 @@ def _arrow(ax, xy0, xy1, text: str = "") -> None:
 def decision_flowchart(families: Mapping[str, cm.ModelSpec]):
     """Top: one row per family (its label, e.g. ``"GQA, 8 KV heads"``, and an example model),
     one column per probe of :func:`rule_probes`, green when vLLM v0.33 serves it, vermillion
-    with the rejecting rule when not.  Bottom: the planner's pipeline, every layout through
+    with the rejecting rule when not.  Bottom: the planner's pipeline, every deployment through
     the drop rules to the ranking and its two outcomes.  Returns the ``Figure``."""
     probes = {label: rule_probes(m) for label, m in families.items()}
     names = list(next(iter(probes.values())))
@@ -75,13 +75,13 @@ def decision_flowchart(families: Mapping[str, cm.ModelSpec]):
                      fontsize=7.5, color=ink(color))  # fmt: skip
     top.set_xlim(0, left + len(names) * cw)
     top.set_ylim(0, len(families) + 1.0)
-    top.set_title("What vLLM v0.33 serves, by model family (cpbook.costmodel.vllm_rules)")
+    top.set_title("What vLLM v0.33 serves, by model family (cpbook.planner.vllm_rules)")
     top.axis("off")
 
     ax = bottom
     w, h, x = 3.2, 0.62, 0.4
-    _box(ax, x, 5.2, w, h, "every DP x TP x PCP x DCP layout on <= N GPUs\n(x EP, x query "
-         "replication, x KV dtype)\nthat the rules above admit", tint(BLUE, 0.2), 8.5)  # fmt: skip
+    _box(ax, x, 5.2, w, h, "every DP x TP x PCP x DCP deployment\non <= N GPUs (x EP, x query "
+         "replication,\nx KV dtype) that the rules above admit", tint(BLUE, 0.2), 8.5)  # fmt: skip
     y = 5.2
     for rule in DROP_RULES:
         _arrow(ax, (x + w / 2, y), (x + w / 2, y - 0.3))
@@ -101,6 +101,6 @@ def decision_flowchart(families: Mapping[str, cm.ModelSpec]):
     _arrow(ax, (x + w, y + h / 2), (x + w + 0.5, y - 0.45 + h / 2))
     ax.set_xlim(0, 7.2)
     ax.set_ylim(y - 0.6, 6.0)
-    ax.set_title("What the planner does with them (cpbook.costmodel.plan)")
+    ax.set_title("What the planner does with them (cpbook.planner.plan)")
     ax.axis("off")
     return legible(fig, 8.5)

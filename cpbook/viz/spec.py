@@ -5,7 +5,7 @@
 sees (causal by global position); the per-rank counts printed on the right are
 :func:`cpbook.dcp.verify.verify_key_counts`.  :func:`break_even_figure` puts the measured time
 per output token (stored rows of ``bench/spec_decode.py``) beside the modelled break-even of
-:mod:`cpbook.costmodel.spec`.
+:mod:`cpbook.costmodel.speculative`.
 """
 
 from __future__ import annotations

@@ -15,6 +15,8 @@ import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 from matplotlib.text import Text
 
+from cpbook.core.errors import RuleError
+
 __all__ = [
     "BLUE",
     "ORANGE",
@@ -57,7 +59,7 @@ def tint(color: str, amount: float = 0.5) -> str:
     """``color`` mixed with white (``amount`` 0: unchanged, 1: white), as ``#RRGGBB``: the light
     shade of a palette colour, for a second part of the same quantity."""
     if not 0.0 <= amount <= 1.0:
-        raise ValueError(f"[tint-amount] requires 0 <= amount <= 1; got {amount}")
+        raise RuleError("tint-amount", "0 <= amount <= 1", amount=amount)
     rgb = mcolors.to_rgb(color)
     return mcolors.to_hex(tuple(c + (1.0 - c) * amount for c in rgb)).upper()
 

@@ -12,6 +12,8 @@ import html
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from cpbook.core.errors import RuleError
+
 __all__ = ["Table", "table"]
 
 
@@ -43,9 +45,11 @@ class Table:
         width = len(columns)
         for i, row in enumerate(rows):
             if len(row) != width:
-                raise ValueError(
-                    f"[table-row-width] every row has one cell per column ({width}); "
-                    f"row {i} has {len(row)}: {list(row)!r}"
+                raise RuleError(
+                    "table-row-width",
+                    f"one cell per column ({width}) in every row",
+                    row=i,
+                    cells=list(row),
                 )
         self.columns = [str(c) for c in columns]
         self.title = title
@@ -106,5 +110,7 @@ def table(
     for i, rec in enumerate(records):
         missing = [k for k in keys if k not in rec]
         if missing:
-            raise ValueError(f"[table-missing-key] record {i} lacks {missing}; it has {list(rec)}")
+            raise RuleError(
+                "table-missing-key", "every key in every record", record=i, missing=missing
+            )
     return Table([[rec[k] for k in keys] for rec in records], headers, title=title, digits=digits)

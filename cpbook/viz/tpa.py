@@ -8,6 +8,7 @@ stored benchmark, :mod:`cpbook.costmodel`) and returns the ``Figure``.
 from __future__ import annotations
 
 import math
+from dataclasses import fields, replace
 from typing import Any, Callable, Mapping, Sequence
 
 from matplotlib.patches import FancyBboxPatch
@@ -33,6 +34,7 @@ ARTICLE = {131072: "article: 128K", 4096: "article: 4K"}
 _COMPUTE, _COLLECTIVE, _NONE = "#DCEBF7", "#FBE3C4", "#F2F2F2"
 _PLAIN = FuncFormatter(plain_label)  # 20, not 2 x 10^1
 _PLAIN_25 = FuncFormatter(lambda v, _p: plain_label(v) if plain_label(v)[0] in "25" else "")
+_KNOB_FIELDS = {f.name for f in fields(cm.CostKnobs)}
 
 
 def _log_tokens(axis, ticks: Sequence[int]) -> None:
@@ -266,14 +268,18 @@ def _sweep(
 
 def break_even_sensitivity(model: cm.ModelSpec, gpu: cm.GPUSpec, base: Mapping[str, Any]):
     """Break-even context of DCP and DCP + TPA against one assumption at a time, the others at
-    ``base`` (keyword arguments of :func:`cpbook.costmodel.decode_layer_time`, with ``link``);
+    ``base`` (keyword arguments of :func:`cpbook.costmodel.decode_layer_time`, ``knobs``
+    included: a :class:`~cpbook.costmodel.knobs.CostKnobs` whose ``link`` is the base link);
     the grey band marks the base value, dashed lines the article's 128K and 4K."""
-    link: cm.LinkSpec = base["link"]
+    knobs: cm.CostKnobs = base.get("knobs", cm.CostKnobs())
+    link: cm.LinkSpec = knobs.link or cm.LINKS["NVLink4"]
     fig, axes = figure(3, 2, figsize=(7.2, 9.0), sharey=True)
     (a, b), (c, d), (e, f) = axes
 
     def kw(**over: Any) -> dict[str, Any]:
-        return {**base, **over}
+        """``base`` with ``over``; the knob fields among ``over`` go into ``knobs``."""
+        knob = {k: over.pop(k) for k in list(over) if k in _KNOB_FIELDS}
+        return {**base, **over, "knobs": replace(knobs, **knob)}
 
     def with_link(alpha: float | None = None, bw: float | None = None) -> cm.LinkSpec:
         return cm.LinkSpec(
@@ -313,7 +319,7 @@ def break_even_sensitivity(model: cm.ModelSpec, gpu: cm.GPUSpec, base: Mapping[s
         model,
         gpu,
         "HBM efficiency η of the KV read",
-        base.get("hbm_efficiency", cm.DEFAULT_HBM_EFFICIENCY),
+        knobs.hbm_efficiency,
         labelled=True,
     )
     _sweep(
@@ -375,7 +381,7 @@ def alpha_break_even(
 
     def at(mode: str, alpha: float, b: int) -> float:
         lk = cm.LinkSpec(link.name, alpha, link.bw_bytes_per_s, link.source)
-        return cm.decode_break_even(model, gpu, mode, link=lk, num_reqs=b)
+        return cm.decode_break_even(model, gpu, mode, num_reqs=b, knobs=cm.CostKnobs(link=lk))
 
     us = [a * 1e6 for a in alphas]
     for j, b in enumerate(num_reqs):

@@ -11,6 +11,8 @@ from __future__ import annotations
 import html
 from typing import Sequence
 
+from cpbook.core.errors import RuleError
+
 __all__ = ["bar_chart"]
 
 BarSegment = tuple[float, str]
@@ -31,7 +33,8 @@ def bar_chart(
     """
     totals = [sum(v for v, _ in segs) for _, segs, _ in rows]
     if any(v < 0 for _, segs, _ in rows for v, _ in segs):
-        raise ValueError("[bar-values] requires non-negative values; got a negative one")
+        lowest = min(v for _, segs, _ in rows for v, _ in segs)
+        raise RuleError("bar-values", "non-negative values", lowest=lowest)
     top = scale if scale is not None else max(totals, default=0.0)
     out = ['<div class="cpx-bars" style="font-size:.85em;margin:.3em 0">']
     if title:

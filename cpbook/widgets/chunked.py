@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from cpbook.core.comm import comm_bytes
 from cpbook.pcp.chunked_plan import chunked_comm_bytes
 from cpbook.viz.style import GREEN, PURPLE, tint
 from cpbook.widgets.bars import bar_chart
@@ -36,7 +37,7 @@ def bytes_readout(heads: int, chunk: int, context: int) -> str:
         st: chunked_comm_bytes(st, (context,), (chunk,), num_q_heads=heads, **SETUP)
         for st in ("allgather_q", "allgather_kv")
     }
-    q_first, q_rest = plans["allgather_q"][0][1], sum(b for _, b in plans["allgather_q"][1:])
+    q_first, q_rest = plans["allgather_q"][0][1], comm_bytes(plans["allgather_q"][1:])
     kv = [b for _, b in plans["allgather_kv"]]
     kv_first, kv_rest = kv[0], sum(kv[1:])
     total_q, total_kv = q_first + q_rest, kv_first + kv_rest

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import html
 
+from cpbook.core.comm import comm_bytes
 from cpbook.dcp.decode import decode_comm_bytes
 from cpbook.viz.style import BLUE, GREEN, ORANGE, PURPLE
 from cpbook.widgets.explorer import Control, Explorer
@@ -42,7 +43,7 @@ def comm_bars_html(
     kv = num_reqs * 2 * head_dim * elem_bytes * -(-context // dcp)
     names = _NAMES[dcp_comm_backend]
     rows = [(f"{i + 1}. {names[i]}", n, _COLOURS[op]) for i, (op, n) in enumerate(calls)]
-    sent = sum(n for _, n in calls)
+    sent = comm_bytes(calls)
     rows += [("sent, total", sent, "#555555"), ("KV read", kv, PURPLE)]
     scale = scale or max(n for _, n, _ in rows)
     out = [

@@ -53,6 +53,8 @@ import numbers
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
+from cpbook.core.errors import RuleError
+
 __all__ = ["Control", "Explorer", "explorer", "pre", "NBVAL_PNG_PATTERN", "NBVAL_PNG_REPLACE"]
 
 # The images this module writes, for nbval's sanitizer: ``<img class="cpx-img" ... src="...">``.
@@ -75,14 +77,16 @@ class Control:
 
     def __post_init__(self) -> None:
         if not len(self.values):
-            raise ValueError("[explorer-control] requires at least one value; got none")
+            raise RuleError("explorer-control", "at least one value", values=self.values)
         if self.names is not None and len(self.names) != len(self.values):
-            raise ValueError(
-                f"[explorer-control] requires one name per value; got {len(self.names)} names"
-                f" for {len(self.values)} values"
+            raise RuleError(
+                "explorer-control",
+                "one name per value",
+                names=len(self.names),
+                values=len(self.values),
             )
         if self.kind not in (None, "slider", "select"):
-            raise ValueError(f"[explorer-control] requires kind slider or select; got {self.kind}")
+            raise RuleError("explorer-control", "kind slider or select", kind=self.kind)
 
     @property
     def display(self) -> list[str]:
@@ -175,10 +179,10 @@ class Explorer:
         value = dict(value or {})
         unknown = set(value) - set(self.controls)
         if unknown:
-            raise ValueError(f"[explorer-value] requires known controls; got {sorted(unknown)}")
+            raise RuleError("explorer-value", "known controls", unknown=sorted(unknown))
         for k, v in value.items():
             if v not in list(self.controls[k].values):
-                raise ValueError(f"[explorer-value] requires one of {k}'s values; got {k}={v!r}")
+                raise RuleError("explorer-value", f"one of {k}'s values", **{k: v})
         self.index = {
             k: list(c.values).index(value.get(k, c.values[0])) for k, c in self.controls.items()
         }
@@ -215,7 +219,7 @@ class Explorer:
             for item in items:
                 if _is_figure(item):
                     plt.close(item)
-            raise ValueError("[explorer-alt] requires alt text for a state with a figure")
+            raise RuleError("explorer-alt", "alt text for a state with a figure", values=values)
         for item in items:
             if _is_figure(item):
                 parts.append(("png", (_png(item, self.dpi), self._alt(values))))

@@ -1,7 +1,7 @@
 """Chapter 8 explorer: which deployment, and which ``vllm serve`` line, for a model, a context, a
 number of requests in flight, a GPU count and a GPU type.
 
-Every state is :func:`cpbook.costmodel.plan.plan`'s answer (throughput objective, 16-bit KV,
+Every state is :func:`cpbook.planner.plan.plan`'s answer (throughput objective, 16-bit KV,
 1K output tokens, no target): the winner with its flags, capacity, TTFT, TPOT and output
 tokens/s per GPU and the planner's one-line reason, or, where nothing fits, what would.
 """
@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import html
 
-from cpbook.costmodel import GPUS, Plan, ServingWorkload, headline, plan
-from cpbook.costmodel.plan_advice import fmt_rate, fmt_s, plural
+from cpbook.costmodel import GPUS
+from cpbook.planner import Plan, ServingWorkload, headline, plan
+from cpbook.planner.plan_advice import fmt_rate, fmt_s, plural
 from cpbook.viz.style import tokens_label
 from cpbook.widgets.explorer import Control, Explorer, pre
 
@@ -67,7 +68,7 @@ def plan_explorer(
     **value,
 ) -> Explorer:
     """Model × context × requests in flight × GPU count × GPU type: every state one
-    :func:`~cpbook.costmodel.plan.plan` call, precomputed (HTML only); ``value``: the initial
+    :func:`~cpbook.planner.plan.plan` call, precomputed (HTML only); ``value``: the initial
     state (control names ``model``, ``context``, ``concurrency``, ``gpus``, ``gpu``)."""
 
     def render(model: str, context: int, concurrency: int, gpus: int, gpu: str) -> str:
@@ -85,7 +86,7 @@ def plan_explorer(
         },
         value=value,
         caption=(
-            "The planner's answer (cpbook.costmodel.plan): every layout vLLM v0.33 accepts for "
+            "The planner's answer (cpbook.planner.plan): every deployment vLLM v0.33 accepts for "
             "the model on at most this many GPUs, the ones that hold the requests (prompt plus "
             f"{tokens_label(OUTPUT_TOKENS)} output tokens, 16-bit KV) ranked by output tokens "
             "per second per GPU, no TTFT or TPOT target. Times and rates are modelled (prefill "

@@ -28,7 +28,7 @@ def decode_readout(
     break-evens."""
     m, g, nvl = cm.MODELS[model], cm.GPUS[gpu], cm.LINKS["NVLink4"]
     link = cm.LinkSpec(nvl.name, alpha_us * 1e-6, nvl.bw_bytes_per_s, nvl.source)
-    kw = dict(num_reqs=batch, link=link)
+    kw = dict(num_reqs=batch, knobs=cm.CostKnobs(link=link))
     times = {mode: cm.decode_layer_time(m, g, context, mode, **kw) for mode in cm.DECODE_MODES}
     rows = [
         (

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 
+from cpbook.core.errors import RuleError
 from cpbook.costmodel.decode import decode_layer_time
 from cpbook.costmodel.specs import GPUSpec, ModelSpec
 
@@ -45,9 +46,11 @@ def expected_accepted_tokens(acceptance_rate: float, num_speculative_tokens: int
     independently, given its predecessors were: ``Σ_{j=0..k} a^j``."""
     a, k = acceptance_rate, num_speculative_tokens
     if not 0.0 <= a <= 1.0 or k < 0:
-        raise ValueError(
-            f"[acceptance-rate] requires 0 <= acceptance_rate <= 1 and num_speculative_tokens "
-            f">= 0; got acceptance_rate={a}, num_speculative_tokens={k}"
+        raise RuleError(
+            "acceptance-rate",
+            "0 <= acceptance_rate <= 1 and num_speculative_tokens >= 0",
+            acceptance_rate=a,
+            num_speculative_tokens=k,
         )
     return float(k + 1) if a == 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
 
@@ -66,7 +69,7 @@ def spec_step_time(
     ``num_reqs`` requests plus the collectives of ``num_reqs·(k + 1)`` rows (``mode``:
     ``no_cp`` or ``dcp``; ``kwargs`` to :func:`decode_layer_time`)."""
     if mode not in ("no_cp", "dcp"):
-        raise ValueError(f"[spec-mode] requires mode in ('no_cp', 'dcp'); got mode={mode!r}")
+        raise RuleError("spec-mode", "mode in ('no_cp', 'dcp')", mode=mode)
     one = decode_layer_time(model, gpu, context_tokens, mode, num_reqs=num_reqs, **kwargs)
     rows = num_reqs * (num_speculative_tokens + 1)
     wide = decode_layer_time(model, gpu, context_tokens, mode, num_reqs=rows, **kwargs)
@@ -84,9 +87,11 @@ def per_token_time(
 ) -> float:
     """:func:`spec_step_time` divided by the tokens each step emits (``m >= 1``)."""
     if mean_accepted_tokens < 1.0 or mean_accepted_tokens > num_speculative_tokens + 1:
-        raise ValueError(
-            f"[mean-accepted-tokens] requires 1 <= mean_accepted_tokens <= k + 1; got "
-            f"mean_accepted_tokens={mean_accepted_tokens}, k={num_speculative_tokens}"
+        raise RuleError(
+            "mean-accepted-tokens",
+            "1 <= mean_accepted_tokens <= k + 1",
+            mean_accepted_tokens=mean_accepted_tokens,
+            k=num_speculative_tokens,
         )
     step = spec_step_time(model, gpu, context_tokens, mode, num_speculative_tokens, **kwargs)
     return step / mean_accepted_tokens

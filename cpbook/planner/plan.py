@@ -1,10 +1,10 @@
-"""The deployment planner: which layout, and which ``vllm serve`` flags, for a workload.
+"""The deployment planner: which deployment, and which ``vllm serve`` flags, for a workload.
 
 :func:`plan` prices every deployment vLLM v0.33.0 accepts for the model on at most ``num_gpus``
-GPUs (:mod:`cpbook.costmodel.plan_space`), drops those that cannot hold ``concurrency``
+GPUs (:mod:`cpbook.planner.plan_space`), drops those that cannot hold ``concurrency``
 requests of the workload's length or miss a target, ranks the rest by the objective and says
 why in one line per runner-up; where nothing fits it says what would
-(:mod:`cpbook.costmodel.plan_advice`).  Every number is the cost model's (modelled, with its
+(:mod:`cpbook.planner.plan_advice`).  Every number is the cost model's (modelled, with its
 parameters: the GPU-side terms of :mod:`~cpbook.costmodel.gpu_terms`, HBM efficiency, link
 α–β), so the planner improves when it does.
 """
@@ -15,20 +15,21 @@ import math
 from collections import Counter
 from dataclasses import dataclass, replace
 
-from cpbook.costmodel.memory import Layout
-from cpbook.costmodel.plan_advice import WouldFit, fmt_rate, fmt_s, plural, why_lost, would_fit
-from cpbook.costmodel.plan_space import (
+from cpbook.core.errors import RuleError
+from cpbook.costmodel.memory import Deployment
+from cpbook.costmodel.specs import GB, GPUSpec, ModelSpec, get_gpu, get_model
+from cpbook.planner.plan_advice import WouldFit, fmt_rate, fmt_s, plural, why_lost, would_fit
+from cpbook.planner.plan_space import (
     Estimate,
-    ServingWorkload,
     estimate,
     objective_value,
     pareto,
     rank_key,
     search,
 )
-from cpbook.costmodel.serve_flags import serve_command
-from cpbook.costmodel.specs import GB, GPUSpec, ModelSpec, get_gpu, get_model
-from cpbook.costmodel.vllm_rules import check_deployment
+from cpbook.planner.search_space import ServingWorkload
+from cpbook.planner.serve_flags import serve_command
+from cpbook.planner.vllm_rules import check_deployment
 
 RUNNERS_UP = 4
 
@@ -40,7 +41,10 @@ class Plan:
     their ``drop`` rule; ``rejected``: how many candidates each vLLM rule rejected;
     ``frontier_ttft`` / ``frontier_tpot``: the Pareto frontiers of TTFT and TPOT against
     output tokens/s per GPU; ``reasons``: the winner's case and one line per runner-up;
-    ``would_fit``: what would serve the workload when nothing does."""
+    ``would_fit``: what would serve the workload when nothing does.
+
+    More than eight parameters: a frozen record of one :func:`plan` answer, built by it only.
+    """
 
     model: ModelSpec
     gpu: GPUSpec
@@ -65,14 +69,14 @@ class Plan:
         e = e or self.winner
         if e is None:
             why = self.would_fit.lines[0] if self.would_fit else "no deployment serves it"
-            raise ValueError(f"[plan-fits] requires a winning layout; {why}")
+            raise RuleError("plan-fits", "a winning deployment", why=why)
         w = self.workload
         return serve_command(
             self.model,
-            e.layout,
+            e.deployment,
             e.kv_dtype,
             max_model_len=w.request_tokens,
-            max_num_seqs=math.ceil(w.concurrency / e.layout.dp),
+            max_num_seqs=math.ceil(w.concurrency / e.deployment.dp),
             gpu_memory_utilization=w.gpu_memory_utilization,
         )
 
@@ -80,12 +84,12 @@ class Plan:
 def _variant(model: ModelSpec, gpu: GPUSpec, e: Estimate, w: ServingWorkload, **sizes):
     """``e``'s deployment with ``sizes`` changed, priced with times, or ``None`` if vLLM
     rejects it."""
-    layout = replace(e.layout, **sizes)
+    deployment = replace(e.deployment, **sizes)
     try:
-        check_deployment(model, layout, e.kv_dtype, model_runner_v2=w.model_runner_v2)
+        check_deployment(model, deployment, e.kv_dtype, model_runner_v2=w.model_runner_v2)
     except ValueError:
         return None
-    return estimate(model, gpu, layout, e.kv_dtype, w)
+    return estimate(model, gpu, deployment, e.kv_dtype, w)
 
 
 def headline(p: Plan) -> str:
@@ -98,7 +102,7 @@ def headline(p: Plan) -> str:
             return "nothing fits"
         more = f"{f.num_gpus} GPUs would" if f.num_gpus else "no deployment would"
         return f"nothing fits [{f.rule}]: {more}"
-    lay, parts = best.layout, []
+    lay, parts = best.deployment, []
     if lay.dcp > 1:
         plain = _variant(p.model, p.gpu, best, w, dcp=1, tpa=False)
         if plain is not None and plain.capacity < w.concurrency:
@@ -125,10 +129,10 @@ def headline(p: Plan) -> str:
 
 
 def _winner_reasons(p: Plan) -> list[str]:
-    """Why the winner: what it holds and its times, what CP buys over the same layout without
+    """Why the winner: what it holds and its times, what CP buys over the same deployment without
     it, GPUs left idle, and the TTFT trade-off on the frontier."""
     model, gpu, w, best = p.model, p.gpu, p.workload, p.winner
-    lay = best.layout
+    lay = best.deployment
     lines = [
         f"{best.label} on {best.num_gpus} of {p.num_gpus} x {gpu.name}: holds "
         f"{plural(best.capacity, 'request')} of {w.request_tokens:,} tokens "
@@ -208,12 +212,12 @@ def plan(
 ) -> Plan:
     """The best deployment of ``model`` on at most ``num_gpus`` GPUs of ``gpu`` for
     ``workload`` by ``objective``: ``"throughput"`` (steady-state output tokens/s per GPU, see
-    :func:`~cpbook.costmodel.plan_space.estimate`), ``"ttft"`` or ``"tpot"``.
+    :func:`~cpbook.planner.plan_space.estimate`), ``"ttft"`` or ``"tpot"``.
 
     Guarantees: every ranked deployment passes vLLM's rules (``ParallelConfig`` and
-    :func:`~cpbook.costmodel.vllm_rules.check_deployment`), holds ``concurrency`` requests of
+    :func:`~cpbook.planner.vllm_rules.check_deployment`), holds ``concurrency`` requests of
     ``prompt_tokens + output_tokens`` tokens and meets the targets; the ranking equals
-    :func:`~cpbook.costmodel.plan_space.brute_force`'s; the best objective never worsens with
+    :func:`~cpbook.planner.plan_space.brute_force`'s; the best objective never worsens with
     more GPUs or looser targets.  Raises ``ValueError`` for an unknown model, GPU or objective
     or a bad GPU count.  ``advise=False`` leaves ``reasons`` and ``would_fit`` empty (for
     callers that need only the ranking: the property tests, sweeps).
@@ -254,9 +258,9 @@ def plan(
 
 def estimate_record(e: Estimate, rank: int | None = None) -> dict[str, object]:
     """One deployment as a JSON-ready row (sizes, memory in GB, times in seconds)."""
-    lay: Layout = e.layout
+    lay: Deployment = e.deployment
     return {
-        "name": "layout",
+        "name": "deployment",
         "rank": rank,
         "label": e.label,
         "tp": lay.tp,

@@ -6,9 +6,9 @@ The article (§7) decides in turn: (1) does one request exceed what a GPU holds?
 the three questions literally, on the smallest TP whose weights fit, with the cost model's
 memory and TTFT and only the sizes ``ParallelConfig`` admits: it knows neither the requested
 concurrency nor the rules vLLM v0.33 adds for a model.  It is not the algorithm
-(:func:`~cpbook.costmodel.plan.plan` is); :func:`path_vs_plan` sets its answer beside the
+(:func:`~cpbook.planner.plan.plan` is); :func:`path_vs_plan` sets its answer beside the
 planner's and, where they differ, says why from the planner's own verdict on the path's
-layout: a rule vLLM applies, a drop rule it fails, or the cost it loses on.
+deployment: a rule vLLM applies, a drop rule it fails, or the cost it loses on.
 """
 
 from __future__ import annotations
@@ -17,12 +17,13 @@ from dataclasses import dataclass, replace
 
 from cpbook.core.config import ConfigError
 from cpbook.costmodel.latency import ttft
-from cpbook.costmodel.memory import Layout, layout_max_context
-from cpbook.costmodel.plan import Plan, plan
-from cpbook.costmodel.plan_advice import fmt_s, plural, why_lost
-from cpbook.costmodel.plan_space import ServingWorkload, check_num_gpus, estimate
+from cpbook.costmodel.memory import Deployment, deployment_max_context
 from cpbook.costmodel.specs import GPUSpec, ModelSpec, get_gpu, get_model
-from cpbook.costmodel.vllm_rules import check_deployment
+from cpbook.planner.plan import Plan, plan
+from cpbook.planner.plan_advice import fmt_s, plural, why_lost
+from cpbook.planner.plan_space import estimate
+from cpbook.planner.search_space import ServingWorkload, check_num_gpus
+from cpbook.planner.vllm_rules import check_deployment
 
 #: the article's "short" requests, and the requests per GPU this module calls "very concurrent"
 SHORT_CONTEXT_TOKENS = 32 * 1024
@@ -31,20 +32,20 @@ CROWDED_PER_GPU = 16
 
 @dataclass(frozen=True)
 class PathAnswer:
-    """The layout the decision path ends on (DP over the GPUs TP x PCP leaves), and the
+    """The deployment the decision path ends on (DP over the GPUs TP x PCP leaves), and the
     answer to each question in words."""
 
-    layout: Layout
+    deployment: Deployment
     steps: tuple[str, ...]
 
 
-def _room(model: ModelSpec, gpu: GPUSpec, layout: Layout, w: ServingWorkload) -> int | None:
-    """The longest request one replica of ``layout`` holds; ``None`` if ``ParallelConfig``
+def _room(model: ModelSpec, gpu: GPUSpec, deployment: Deployment, w: ServingWorkload) -> int | None:
+    """The longest request one replica of ``deployment`` holds; ``None`` if ``ParallelConfig``
     rejects the sizes or the weights do not fit."""
     try:
-        layout.config(model)
+        deployment.config(model)
         mem = {"gpu_memory_utilization": w.gpu_memory_utilization}
-        return layout_max_context(model, gpu, layout, w.kv_dtypes[0], **mem)
+        return deployment_max_context(model, gpu, deployment, w.kv_dtypes[0], **mem)
     except ValueError:
         return None
 
@@ -68,18 +69,18 @@ def decision_path(
     model, gpu = get_model(model), get_gpu(gpu)
     check_num_gpus(num_gpus)
     tokens, target = w.request_tokens, w.ttft_target_s
-    rooms = {t: _room(model, gpu, Layout(tp=t), w) for t in _divisors(num_gpus)}
+    rooms = {t: _room(model, gpu, Deployment(tp=t), w) for t in _divisors(num_gpus)}
     tps = [t for t, room in rooms.items() if room is not None]
     if not tps:
         raise ConfigError("model-fits", "the weights to fit at some TP", num_gpus=num_gpus)
-    lay = Layout(tp=tps[0])
+    lay = Deployment(tp=tps[0])
     steps = [f"TP{lay.tp}: the smallest TP whose weights fit on one {gpu.name}."]
     if rooms[lay.tp] < tokens:
         fits = [
-            Layout(tp=t, dcp=d)
+            Deployment(tp=t, dcp=d)
             for t in tps
             for d in _divisors(t)[1:]
-            if (_room(model, gpu, Layout(tp=t, dcp=d), w) or 0) >= tokens
+            if (_room(model, gpu, Deployment(tp=t, dcp=d), w) or 0) >= tokens
         ]
         if not fits:
             raise ConfigError(
@@ -122,7 +123,9 @@ def decision_path(
                 f"no context parallelism."
             )
     else:
-        steps.append("2./3. Neither a TTFT problem nor short, crowded traffic: keep the layout.")
+        steps.append(
+            "2./3. Neither a TTFT problem nor short, crowded traffic: keep the deployment."
+        )
     dp = num_gpus // (lay.tp * lay.pcp)
     return PathAnswer(replace(lay, dp=dp), tuple(steps))
 
@@ -130,7 +133,7 @@ def decision_path(
 @dataclass(frozen=True)
 class PathCheck:
     """The decision path beside the planner on one question: ``path`` (``None`` if it finds no
-    layout), ``plan``, whether both end on the same deployment (or both on none), and
+    deployment), ``plan``, whether both end on the same deployment (or both on none), and
     ``reason``: why they do not, in one line (empty when they agree)."""
 
     path: PathAnswer | None
@@ -141,10 +144,10 @@ class PathCheck:
     @property
     def same_cp(self) -> bool | None:
         """Whether both turn DCP and PCP on or off alike (``None``: one of them has no
-        layout)."""
+        deployment)."""
         if self.path is None or self.plan.winner is None:
             return None
-        a, b = self.path.layout, self.plan.winner.layout
+        a, b = self.path.deployment, self.plan.winner.deployment
         return (a.dcp > 1, a.pcp > 1) == (b.dcp > 1, b.pcp > 1)
 
 
@@ -155,17 +158,17 @@ def path_vs_plan(
     w: ServingWorkload,
     objective: str = "throughput",
 ) -> PathCheck:
-    """:func:`decision_path` against :func:`~cpbook.costmodel.plan.plan` on the same question.
-    The reason is the planner's verdict on the path's layout: the vLLM v0.33 rule that rejects
+    """:func:`decision_path` against :func:`~cpbook.planner.plan.plan` on the same question.
+    The reason is the planner's verdict on the path's deployment: the vLLM v0.33 rule that rejects
     it, the drop rule it fails (capacity, a target), or, when it serves the workload, its rank
-    and :func:`~cpbook.costmodel.plan_advice.why_lost`'s line."""
+    and :func:`~cpbook.planner.plan_advice.why_lost`'s line."""
     p = plan(model, gpu, num_gpus, w, objective=objective)
     try:
         path = decision_path(p.model, p.gpu, num_gpus, w)
     except ConfigError as e:
         return PathCheck(None, p, p.winner is None, "" if p.winner is None else str(e))
-    lay, kv, best = path.layout, w.kv_dtypes[0], p.winner
-    if best is not None and (best.layout, best.kv_dtype) == (lay, kv):
+    lay, kv, best = path.deployment, w.kv_dtypes[0], p.winner
+    if best is not None and (best.deployment, best.kv_dtype) == (lay, kv):
         return PathCheck(path, p, True, "")
     try:
         check_deployment(p.model, lay, kv, model_runner_v2=w.model_runner_v2)
@@ -179,6 +182,8 @@ def path_vs_plan(
     elif e.drop is not None:
         why = f"{e.label} fails [{e.drop}]."
     else:
-        rank = 1 + next(i for i, x in enumerate(p.ranked) if (x.layout, x.kv_dtype) == (lay, kv))
+        rank = 1 + next(
+            i for i, x in enumerate(p.ranked) if (x.deployment, x.kv_dtype) == (lay, kv)
+        )
         why = f"{why_lost(e, best, w, objective)} Ranked {rank} of {len(p.ranked)}."
     return PathCheck(path, p, False, why)

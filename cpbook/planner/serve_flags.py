@@ -8,7 +8,7 @@ fields of ``vllm/config/parallel.py`` and ``vllm/config/cache.py``):
 query replication, ``ParallelConfig.dcp_q_replicate``, a ``BooleanOptionalAction``),
 ``--dcp-comm-backend``, ``--cp-kv-cache-interleave-size``, ``--kv-cache-dtype``,
 ``--max-model-len``, ``--max-num-seqs`` and ``--gpu-memory-utilization``.
-:func:`parse_serve_command` reads those flags (long or short) back into the layout.
+:func:`parse_serve_command` reads those flags (long or short) back into the deployment.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import argparse
 import shlex
 from collections.abc import Sequence
 
-from cpbook.costmodel.memory import Layout
+from cpbook.core.errors import RuleError
+from cpbook.costmodel.memory import Deployment
 from cpbook.costmodel.specs import ModelSpec
 
 #: Hugging Face repositories of the built-in models (book/references.bib, ``hf_*``)
@@ -52,7 +53,7 @@ def vllm_kv_cache_dtype(model: ModelSpec, kv_dtype: str) -> str:
 
 def serve_args(
     model: ModelSpec,
-    layout: Layout,
+    deployment: Deployment,
     kv_dtype: str,
     *,
     max_model_len: int,
@@ -60,26 +61,26 @@ def serve_args(
     gpu_memory_utilization: float,
     cp_kv_cache_interleave_size: int = 1,
 ) -> list[str]:
-    """``vllm serve``'s arguments for ``layout``: sizes above 1, the DCP options when DCP is on
+    """``vllm serve``'s arguments for ``deployment``: sizes above 1, the DCP options when DCP is on
     (``ag_rs``, the backend the cost model prices and PCP x DCP requires; query replication on
     or off explicitly, as some models default it on), the interleave size (1: token-level
     balance; a P/D decode instance sets it to its block size, chapter 2), and the memory
     settings the plan assumed (vLLM's own ``gpu_memory_utilization`` default differs)."""
-    args = ["--tensor-parallel-size", str(layout.tp)]
+    args = ["--tensor-parallel-size", str(deployment.tp)]
     for flag, size in (
-        ("--prefill-context-parallel-size", layout.pcp),
-        ("--decode-context-parallel-size", layout.dcp),
-        ("--data-parallel-size", layout.dp),
+        ("--prefill-context-parallel-size", deployment.pcp),
+        ("--decode-context-parallel-size", deployment.dcp),
+        ("--data-parallel-size", deployment.dp),
     ):
         if size > 1:
             args += [flag, str(size)]
-    if layout.dcp > 1:
+    if deployment.dcp > 1:
         args += ["--dcp-comm-backend", "ag_rs"]
-        if model.use_mla and layout.pcp == 1:
-            args.append("--dcp-q-replicate" if layout.tpa else "--no-dcp-q-replicate")
-    if layout.dcp > 1 or layout.pcp > 1:
+        if model.use_mla and deployment.pcp == 1:
+            args.append("--dcp-q-replicate" if deployment.tpa else "--no-dcp-q-replicate")
+    if deployment.dcp > 1 or deployment.pcp > 1:
         args += ["--cp-kv-cache-interleave-size", str(cp_kv_cache_interleave_size)]
-    if layout.ep:
+    if deployment.ep:
         args.append("--enable-expert-parallel")
     return args + [
         "--kv-cache-dtype",
@@ -103,12 +104,12 @@ SHORT_FLAGS = {
 }
 
 
-def layout_flags(model: ModelSpec, layout: Layout, kv_dtype: str) -> str:
-    """The layout alone in vLLM's short forms, e.g. ``-tp 8 -dcp 8 --dcp-q-replicate``: the
+def deployment_flags(model: ModelSpec, deployment: Deployment, kv_dtype: str) -> str:
+    """The deployment alone in vLLM's short forms, e.g. ``-tp 8 -dcp 8 --dcp-q-replicate``: the
     parallel sizes, query replication when on, and the KV dtype when it is FP8 (no memory
     settings; :func:`parse_serve_command` reads it back)."""
     args = serve_args(
-        model, layout, kv_dtype, max_model_len=1, max_num_seqs=1, gpu_memory_utilization=1.0
+        model, deployment, kv_dtype, max_model_len=1, max_num_seqs=1, gpu_memory_utilization=1.0
     )
     keep, i = [], 0
     while i < len(args):
@@ -122,10 +123,10 @@ def layout_flags(model: ModelSpec, layout: Layout, kv_dtype: str) -> str:
     return " ".join(keep)
 
 
-def serve_command(model: ModelSpec, layout: Layout, kv_dtype: str, **kwargs) -> str:
+def serve_command(model: ModelSpec, deployment: Deployment, kv_dtype: str, **kwargs) -> str:
     """The shell line ``vllm serve REPO ARGS`` (``kwargs``: those of :func:`serve_args`)."""
     repo = HF_REPOS.get(model.name, model.name)
-    return shlex.join(["vllm", "serve", repo, *serve_args(model, layout, kv_dtype, **kwargs)])
+    return shlex.join(["vllm", "serve", repo, *serve_args(model, deployment, kv_dtype, **kwargs)])
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -148,8 +149,8 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_serve_command(command: str | Sequence[str]) -> tuple[Layout, str]:
-    """``(layout, kv_dtype)`` of a ``vllm serve`` line written with the flags above (the
+def parse_serve_command(command: str | Sequence[str]) -> tuple[Deployment, str]:
+    """``(deployment, kv_dtype)`` of a ``vllm serve`` line written with the flags above (the
     ``vllm serve`` prefix optional); ValueError naming any other argument."""
     argv = shlex.split(command) if isinstance(command, str) else list(command)
     if argv[:2] == ["vllm", "serve"]:
@@ -157,10 +158,10 @@ def parse_serve_command(command: str | Sequence[str]) -> tuple[Layout, str]:
     try:
         a, rest = _parser().parse_known_args(argv)
     except (SystemExit, argparse.ArgumentError) as e:  # argparse's error paths
-        raise ValueError(f"[serve-command] requires vllm serve MODEL [FLAGS]; got {argv}") from e
+        raise RuleError("serve-command", "vllm serve MODEL [FLAGS]", argv=argv) from e
     if rest:
-        raise ValueError(f"[serve-command] requires only the planner's flags; got {rest}")
-    layout = Layout(
+        raise RuleError("serve-command", "only the planner's flags", rest=rest)
+    deployment = Deployment(
         tp=a.tensor_parallel_size,
         dcp=a.decode_context_parallel_size,
         pcp=a.prefill_context_parallel_size,
@@ -168,4 +169,4 @@ def parse_serve_command(command: str | Sequence[str]) -> tuple[Layout, str]:
         ep=bool(a.enable_expert_parallel),
         tpa=bool(a.dcp_q_replicate),
     )
-    return layout, KV_FROM_VLLM[a.kv_cache_dtype]
+    return deployment, KV_FROM_VLLM[a.kv_cache_dtype]

@@ -4,7 +4,7 @@
 steady-state rate) into its prefill and decode parts and names the larger difference.
 :func:`would_fit` answers "nothing fits" with numbers: the fewest GPUs that serve the workload,
 FP8 KV, the longest prompt and the most requests that fit on these GPUs, and the loosest TTFT /
-TPOT target that any layout holding the requests meets.
+TPOT target that any deployment holding the requests meets.
 """
 
 from __future__ import annotations
@@ -15,20 +15,20 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from cpbook.core.config import ConfigError
-from cpbook.costmodel.memory import Layout, layout_max_context
-from cpbook.costmodel.plan_space import (
+from cpbook.costmodel.memory import Deployment, deployment_max_context
+from cpbook.costmodel.specs import GPUSpec, ModelSpec
+from cpbook.planner.plan_space import (
     DROP_RULES,
     Cache,
     Estimate,
-    ServingWorkload,
     estimate,
     gpu_seconds_per_token,
     objective_value,
     rank_key,
     search,
 )
-from cpbook.costmodel.specs import GPUSpec, ModelSpec
-from cpbook.costmodel.vllm_rules import check_deployment
+from cpbook.planner.search_space import ServingWorkload
+from cpbook.planner.vllm_rules import check_deployment
 
 #: the largest replica (TP x PCP GPUs) and deployment :func:`would_fit` sizes
 MAX_REPLICA_GPUS = 64
@@ -56,7 +56,7 @@ def fmt_s(seconds: float) -> str:
 
 def _tie(e: Estimate, best: Estimate, objective: str) -> str:
     """Why ``e`` ranks below ``best`` when their objectives round alike: the first tie-break
-    of :func:`~cpbook.costmodel.plan_space.rank_key` that differs."""
+    of :func:`~cpbook.planner.plan_space.rank_key` that differs."""
     order = {"throughput": ("ttft", "tpot", "rate"), "ttft": ("rate", "tpot", "ttft")}
     shown = {
         "ttft": lambda x: f"TTFT {fmt_s(x.ttft_s)}",
@@ -93,7 +93,7 @@ def why_lost(e: Estimate, best: Estimate, w: ServingWorkload, objective: str) ->
 
 
 def _replica(e: Estimate) -> str:
-    n = e.layout.tp * e.layout.pcp
+    n = e.deployment.tp * e.deployment.pcp
     return f"{plural(n, 'GPU')} per replica"
 
 
@@ -114,16 +114,19 @@ def _step(e: Estimate, best: Estimate) -> str:
 @dataclass(frozen=True)
 class WouldFit:
     """What would serve a workload that no deployment of ``num_gpus`` serves.  ``rule``: the
-    last drop rule every deployment failed (:data:`~cpbook.costmodel.plan_space.DROP_RULES`);
+    last drop rule every deployment failed (:data:`~cpbook.planner.plan_space.DROP_RULES`);
     ``num_gpus``: the fewest GPUs that would (``None`` beyond :data:`MAX_GPUS`), with
-    ``gpus_layout``; ``fp8_kv``: the best deployment once FP8 KV is allowed (``None`` if it is
+    ``gpus_deployment``; ``fp8_kv``: the best deployment once FP8 KV is allowed (``None`` if it is
     already or it does not help); ``prompt_tokens`` / ``concurrency``: the longest prompt and
     the most requests that fit on these GPUs (``None``: not even one); ``ttft_target_s`` /
-    ``tpot_target_s``: the loosest target a deployment holding the requests meets."""
+    ``tpot_target_s``: the loosest target a deployment holding the requests meets.
+
+    More than eight parameters: a frozen record of the advice, built by :func:`would_fit` only.
+    """
 
     rule: str
     num_gpus: int | None
-    gpus_layout: Estimate | None
+    gpus_deployment: Estimate | None
     fp8_kv: Estimate | None
     prompt_tokens: int | None
     concurrency: int | None
@@ -181,7 +184,7 @@ def _fewest_gpus(
         for dcp, ep, kv in itertools.product(sorted(dcps), eps, w.kv_dtypes):
             for tpa in (False, True) if model.use_mla and dcp > 1 else (False,):
                 low = 2 if ep and tp * pcp == 1 else 1
-                base = Layout(tp=tp, dcp=dcp, pcp=pcp, dp=low, ep=ep, tpa=tpa)
+                base = Deployment(tp=tp, dcp=dcp, pcp=pcp, dp=low, ep=ep, tpa=tpa)
                 try:
                     check_deployment(model, base, kv, model_runner_v2=w.model_runner_v2)
                 except ConfigError:
@@ -189,8 +192,8 @@ def _fewest_gpus(
                 limit = (best.num_gpus if best else MAX_GPUS) // (tp * pcp)
 
                 def serves(dp: int) -> Estimate:
-                    layout = replace(base, dp=dp)
-                    return estimate(model, gpu, layout, kv, w, time_dropped=False, cache=cache)
+                    deployment = replace(base, dp=dp)
+                    return estimate(model, gpu, deployment, kv, w, time_dropped=False, cache=cache)
 
                 lo, hi = low, low
                 e = serves(hi) if hi <= limit else None
@@ -243,8 +246,8 @@ def would_fit(
 
     roomy = [e for e in rows if e.drop != "model-fits"]
     longest = [
-        layout_max_context(model, gpu, e.layout, e.kv_dtype, **_memory(w))
-        // math.ceil(w.concurrency / e.layout.dp)
+        deployment_max_context(model, gpu, e.deployment, e.kv_dtype, **_memory(w))
+        // math.ceil(w.concurrency / e.deployment.dp)
         for e in roomy
     ]
     guess = max(longest, default=0) - w.output_tokens

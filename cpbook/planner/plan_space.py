@@ -1,13 +1,13 @@
-"""The deployment planner's search space, and one deployment's numbers.
+"""The deployment planner's numbers: one deployment priced, the ranking, the search.
 
-A *deployment* is a :class:`~cpbook.costmodel.memory.Layout` (DP x TP x PCP GPUs, DCP, EP,
-query replication) plus a KV cache dtype.  :func:`deployments` enumerates every one that uses at
-most ``num_gpus`` GPUs and that vLLM v0.33.0 serves for the model
-(:func:`~cpbook.costmodel.vllm_rules.check_deployment`); :func:`estimate` prices one with the cost
-model's own functions (memory, :func:`~cpbook.costmodel.latency.ttft`,
+A *deployment* is a :class:`~cpbook.costmodel.memory.Deployment` (DP x TP x PCP GPUs, DCP, EP,
+query replication) plus a KV cache dtype.  :func:`~cpbook.planner.search_space.deployments`
+enumerates every one that uses at most ``num_gpus`` GPUs and that vLLM v0.33.0 serves for the
+model (:func:`~cpbook.planner.vllm_rules.check_deployment`); :func:`estimate` prices one with
+the cost model's own functions (memory, :func:`~cpbook.costmodel.latency.ttft`,
 :func:`~cpbook.costmodel.latency.tpot`, :func:`~cpbook.costmodel.latency.decode_throughput`);
 :func:`brute_force` ranks the unpruned product of every size, the reference
-:func:`cpbook.costmodel.plan.plan` must equal.
+:func:`cpbook.planner.plan.plan` must equal.
 
 A deployment may leave GPUs idle: at a fixed concurrency, more replicas only split the same
 batch, so the best use of 16 GPUs can be 8 of them.  Output tokens per second are counted per
@@ -19,73 +19,27 @@ from __future__ import annotations
 import itertools
 import math
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from cpbook.core.config import ConfigError
-from cpbook.costmodel.latency import DecodeTime, PrefillTime, tpot, ttft
+from cpbook.core.errors import RuleError
+from cpbook.costmodel.knobs import CostKnobs
+from cpbook.costmodel.latency import ContinuousBatching, DecodeTime, PrefillTime, tpot, ttft
 from cpbook.costmodel.memory import (
-    Layout,
-    layout_kv_budget,
-    layout_kv_bytes_per_token,
-    layout_weight_bytes,
+    Deployment,
+    deployment_kv_budget,
+    deployment_kv_bytes_per_token,
+    deployment_weight_bytes,
     max_concurrency,
 )
-from cpbook.costmodel.specs import (
-    DEFAULT_GPU_MEMORY_UTILIZATION,
-    GPUSpec,
-    ModelSpec,
-    check_tokens,
-)
-from cpbook.costmodel.vllm_rules import check_deployment, check_kv_dtype
+from cpbook.costmodel.specs import GPUSpec, ModelSpec
+from cpbook.planner.search_space import ServingWorkload, check_num_gpus, deployments
+from cpbook.planner.vllm_rules import check_deployment
 
 OBJECTIVES = ("throughput", "ttft", "tpot")
 #: why an evaluated deployment is dropped, in the order they are tested
 DROP_RULES = ("model-fits", "holds-concurrency", "ttft-target", "tpot-target")
-
-
-@dataclass(frozen=True)
-class ServingWorkload:
-    """What a deployment must serve: ``concurrency`` requests in flight, each a prompt of
-    ``prompt_tokens`` tokens followed by ``output_tokens`` generated ones; optional targets on
-    time to first token and time per output token; the KV cache dtypes allowed (cpbook's
-    names, ``bf16`` and ``fp8``); vLLM's ``gpu_memory_utilization``; and whether Model Runner V2
-    (vLLM v0.33's default, the only one that runs PCP) is on."""
-
-    prompt_tokens: int
-    output_tokens: int = 1
-    concurrency: int = 1
-    ttft_target_s: float | None = None
-    tpot_target_s: float | None = None
-    kv_dtypes: tuple[str, ...] = ("bf16",)
-    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
-    model_runner_v2: bool = True
-
-    def __post_init__(self) -> None:
-        check_tokens("prompt_tokens", self.prompt_tokens, minimum=1)
-        check_tokens("output_tokens", self.output_tokens, minimum=1)
-        check_tokens("concurrency", self.concurrency, minimum=1)
-        for name in ("ttft_target_s", "tpot_target_s"):
-            v = getattr(self, name)
-            if v is not None and not v > 0:
-                raise ValueError(f"[positive-target] requires {name} > 0; got {name}={v!r}")
-        if not self.kv_dtypes or len(set(self.kv_dtypes)) != len(self.kv_dtypes):
-            raise ValueError(
-                f"[kv-dtype-choices] requires distinct KV dtypes, at least one; "
-                f"got kv_dtypes={self.kv_dtypes!r}"
-            )
-        for kv in self.kv_dtypes:
-            check_kv_dtype(kv)
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(
-                f"[gpu-memory-utilization] requires 0 < gpu_memory_utilization <= 1; "
-                f"got gpu_memory_utilization={self.gpu_memory_utilization}"
-            )
-
-    @property
-    def request_tokens(self) -> int:
-        """Tokens one request caches by its last output token: what capacity and TPOT use."""
-        return self.prompt_tokens + self.output_tokens
 
 
 @dataclass(frozen=True)
@@ -98,9 +52,13 @@ class Estimate:
     continuous batching (its ``prefill_s``: the prefill chunks each step carries; ``None`` when
     not even one request fits, or when not timed); output tokens per second per
     GPU in steady state and in decode alone (see :func:`estimate`).  ``drop``: the first of
-    :data:`DROP_RULES` it fails, or ``None`` if it serves the workload."""
+    :data:`DROP_RULES` it fails, or ``None`` if it serves the workload.
 
-    layout: Layout
+    More than eight parameters: a frozen record of one priced deployment, built by
+    :func:`estimate` only.
+    """
+
+    deployment: Deployment
     kv_dtype: str
     weight_bytes: float
     kv_budget_bytes: float
@@ -115,7 +73,7 @@ class Estimate:
 
     @property
     def num_gpus(self) -> int:
-        return self.layout.num_gpus
+        return self.deployment.num_gpus
 
     @property
     def ttft_s(self) -> float:
@@ -128,12 +86,12 @@ class Estimate:
     @property
     def label(self) -> str:
         """``"TP8+DCP8"`` with ``+QR`` for MLA's query replication and ``/fp8`` for FP8 KV."""
-        name = self.layout.label.replace("+TPA", "+QR")
+        name = self.deployment.label.replace("+TPA", "+QR")
         return name + ("/fp8" if self.kv_dtype == "fp8" else "")
 
     def key(self) -> tuple:
         """A total order on deployments, fewest GPUs and smallest sizes first."""
-        lay = self.layout
+        lay = self.deployment
         return (lay.num_gpus, lay.tp, lay.pcp, lay.dcp, lay.dp, lay.ep, lay.tpa, self.kv_dtype)
 
 
@@ -159,7 +117,7 @@ def rank_key(objective: str) -> Callable[[Estimate], tuple]:
     TPOT for throughput: the user waits for the first token), the exact objective, and
     :meth:`Estimate.key`; ValueError for an unknown objective."""
     if objective not in OBJECTIVES:
-        raise ValueError(f"[plan-objective] requires objective in {OBJECTIVES}; got {objective!r}")
+        raise RuleError("plan-objective", f"objective in {OBJECTIVES}", objective=objective)
     if objective == "throughput":
         return lambda e: (
             objective_value(e, objective),
@@ -185,53 +143,6 @@ def rank_key(objective: str) -> Callable[[Estimate], tuple]:
     )
 
 
-def check_num_gpus(num_gpus: object) -> None:
-    """Rule ``positive-gpus``: a GPU count is a positive ``int``."""
-    if isinstance(num_gpus, bool) or not isinstance(num_gpus, int) or num_gpus < 1:
-        raise ValueError(f"[positive-gpus] requires num_gpus >= 1; got num_gpus={num_gpus!r}")
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def deployments(
-    model: ModelSpec, num_gpus: int, w: ServingWorkload, rejected: Counter | None = None
-) -> Iterator[tuple[Layout, str]]:
-    """Every ``(layout, kv_dtype)`` on at most ``num_gpus`` GPUs that vLLM serves for
-    ``model``.  DCP sizes tried: divisors of TP (PCP = 1), or ``{1, pcp, tp * pcp}`` (the only
-    ones ``ParallelConfig`` admits with PCP); EP for MoE models, query replication for MLA with
-    DCP.  Each replica shape goes through :func:`check_deployment` once (its rules do not read
-    DP), each EP layout again; ``rejected`` counts the candidates each rule rejects."""
-    eps = (False, True) if model.expert_params else (False,)
-    for tp, pcp in itertools.product(range(1, num_gpus + 1), repeat=2):
-        if tp * pcp > num_gpus:
-            continue
-        dps = range(1, num_gpus // (tp * pcp) + 1)
-        for dcp in _divisors(tp) if pcp == 1 else sorted({1, pcp, tp * pcp}):
-            for tpa in (False, True) if model.use_mla and dcp > 1 else (False,):
-                shape = Layout(tp=tp, dcp=dcp, pcp=pcp, tpa=tpa)
-                try:
-                    check_deployment(
-                        model, shape, w.kv_dtypes[0], model_runner_v2=w.model_runner_v2
-                    )
-                except ConfigError as e:
-                    if rejected is not None:
-                        rejected[e.rule] += len(dps) * len(eps) * len(w.kv_dtypes)
-                    continue
-                for dp, ep in itertools.product(dps, eps):
-                    layout = replace(shape, dp=dp, ep=ep)
-                    if ep:
-                        try:
-                            check_deployment(model, layout, w.kv_dtypes[0])
-                        except ConfigError as e:
-                            if rejected is not None:
-                                rejected[e.rule] += len(w.kv_dtypes)
-                            continue
-                    for kv in w.kv_dtypes:
-                        yield layout, kv
-
-
 Cache = dict[tuple, object]
 
 
@@ -243,9 +154,11 @@ def _cached(cache: Cache | None, key: tuple, compute: Callable[[], object]) -> o
     return cache[key]
 
 
-def _budget(model: ModelSpec, gpu: GPUSpec, layout: Layout, w: ServingWorkload) -> float | None:
+def _budget(
+    model: ModelSpec, gpu: GPUSpec, deployment: Deployment, w: ServingWorkload
+) -> float | None:
     try:
-        return layout_kv_budget(model, gpu, layout, w.gpu_memory_utilization)
+        return deployment_kv_budget(model, gpu, deployment, w.gpu_memory_utilization)
     except ValueError:  # [model-fits]
         return None
 
@@ -253,52 +166,64 @@ def _budget(model: ModelSpec, gpu: GPUSpec, layout: Layout, w: ServingWorkload) 
 def estimate(
     model: ModelSpec,
     gpu: GPUSpec,
-    layout: Layout,
+    deployment: Deployment,
     kv_dtype: str,
     w: ServingWorkload,
     *,
     time_dropped: bool = True,
     cache: Cache | None = None,
 ) -> Estimate:
-    """Price one deployment with the cost model's functions: ``layout_weight_bytes``,
-    ``layout_kv_budget``, ``layout_kv_bytes_per_token``, ``max_concurrency``, ``ttft`` of one
-    prompt and ``tpot`` of the last output token at ``batch``.
+    """Price one deployment with the cost model's functions: ``deployment_weight_bytes``,
+    ``deployment_kv_budget``, ``deployment_kv_bytes_per_token``, ``max_concurrency``, ``ttft`` of
+    one prompt and ``tpot`` of the last output token at ``batch``.
 
     ``tokens_per_s_per_gpu`` is the steady state of continuous batching at that batch, the
     inverse of the sum of :func:`gpu_seconds_per_token`; without its prefill term it is
     ``decode_throughput``'s ``batch / TPOT / num_gpus`` (``decode_tokens_per_s_per_gpu``).
     ``time_dropped=False`` skips the times of a deployment
     already dropped (for the planner's speed); ``cache`` (one per model and GPU) keeps what
-    depends only on the arguments of the call it caches: the layout's weights, its KV budget
+    depends only on the arguments of the call it caches: the deployment's weights, its KV budget
     (and ``gpu_memory_utilization``), and ``ttft`` per prompt and replica (a replica's prefill
-    does not depend on DP or the KV dtype)."""
-    weights = _cached(cache, ("weights", layout), lambda: layout_weight_bytes(model, layout))
-    per_request = layout_kv_bytes_per_token(model, layout, kv_dtype) * w.request_tokens
+    does not depend on the KV dtype, nor on DP without EP)."""
+    weights = _cached(
+        cache, ("weights", deployment), lambda: deployment_weight_bytes(model, deployment)
+    )
+    per_request = deployment_kv_bytes_per_token(model, deployment, kv_dtype) * w.request_tokens
     budget = _cached(
-        cache, ("budget", layout, w.gpu_memory_utilization), lambda: _budget(model, gpu, layout, w)
+        cache,
+        ("budget", deployment, w.gpu_memory_utilization),
+        lambda: _budget(model, gpu, deployment, w),
     )
 
     def dropped(rule: str, capacity: int = 0, b: float = 0.0) -> Estimate:
         return Estimate(
-            layout, kv_dtype, weights, b, per_request, capacity, 0, None, None, 0.0, 0.0, rule
+            deployment, kv_dtype, weights, b, per_request, capacity, 0, None, None, 0.0, 0.0, rule
         )
 
     if budget is None:
         return dropped("model-fits")
     mem = {"gpu_memory_utilization": w.gpu_memory_utilization}
-    capacity = max_concurrency(model, gpu, layout, w.request_tokens, kv_dtype, **mem)
+    capacity = max_concurrency(model, gpu, deployment, w.request_tokens, kv_dtype, **mem)
     batch = min(w.concurrency, capacity)
     if batch == 0 or (capacity < w.concurrency and not time_dropped):
         return dropped("holds-concurrency", capacity, budget)
-    shape = ("ttft", w.prompt_tokens, layout.tp, layout.pcp, layout.dcp, layout.ep, layout.tpa)
-    first = _cached(cache, shape, lambda: ttft(model, gpu, layout, w.prompt_tokens))
+    # EP spreads the experts over every GPU, so its prefill depends on DP too
+    dp = deployment.dp if deployment.ep else 1
+    shape = ("ttft", w.prompt_tokens, deployment.tp, deployment.pcp, deployment.dcp, dp)
+    shape += (deployment.ep, deployment.tpa)
+    first = _cached(cache, shape, lambda: ttft(model, gpu, deployment, w.prompt_tokens))
     late = w.ttft_target_s is not None and first.total_s > w.ttft_target_s
     step = None
     if time_dropped or not late:
         step = tpot(
-            model, gpu, layout, w.request_tokens, batch, kv_dtype=kv_dtype,
-            prompt_len=w.prompt_tokens, output_len=w.output_tokens,
-        )  # fmt: skip
+            model,
+            gpu,
+            deployment,
+            w.request_tokens,
+            batch,
+            knobs=CostKnobs(kv_dtype=kv_dtype),
+            batching=ContinuousBatching(w.prompt_tokens, w.output_tokens),
+        )
     drop = None
     if capacity < w.concurrency:
         drop = "holds-concurrency"
@@ -307,7 +232,18 @@ def estimate(
     elif w.tpot_target_s is not None and step.total_s > w.tpot_target_s:
         drop = "tpot-target"
     e = Estimate(
-        layout, kv_dtype, weights, budget, per_request, capacity, batch, first, step, 0.0, 0.0, drop
+        deployment,
+        kv_dtype,
+        weights,
+        budget,
+        per_request,
+        capacity,
+        batch,
+        first,
+        step,
+        0.0,
+        0.0,
+        drop,
     )
     if step is None:
         return e
@@ -315,7 +251,7 @@ def estimate(
     return replace(
         e,
         tokens_per_s_per_gpu=1 / (prefill + decode),
-        decode_tokens_per_s_per_gpu=batch / step.step_s / layout.num_gpus,
+        decode_tokens_per_s_per_gpu=batch / step.step_s / deployment.num_gpus,
     )
 
 
@@ -326,7 +262,7 @@ def gpu_seconds_per_token(e: Estimate, output_tokens: int) -> tuple[float, float
     step`` yields ``batch * output_tokens`` tokens on ``num_gpus`` GPUs (``step``: the decode
     step alone; the aggregated TPOT, :attr:`Estimate.tpot_s`, spreads the same prefill work
     over the steps)."""
-    r = math.ceil(e.batch / e.layout.dp)
+    r = math.ceil(e.batch / e.deployment.dp)
     per = e.num_gpus / (e.batch * output_tokens)
     return r * e.ttft_s * per, output_tokens * e.decode.step_s * per
 
@@ -346,8 +282,8 @@ def search(
     rejected: Counter = Counter()
     cache = {} if cache is None else cache
     rows = [
-        estimate(model, gpu, layout, kv, w, time_dropped=time_dropped, cache=cache)
-        for layout, kv in deployments(model, num_gpus, w, rejected)
+        estimate(model, gpu, deployment, kv, w, time_dropped=time_dropped, cache=cache)
+        for deployment, kv in deployments(model, num_gpus, w, rejected)
     ]
     return rows, rejected
 
@@ -367,12 +303,12 @@ def brute_force(
         if dp * tp * pcp > num_gpus:
             continue
         for ep, tpa, kv in itertools.product((False, True), (False, True), w.kv_dtypes):
-            layout = Layout(tp=tp, dcp=dcp, pcp=pcp, dp=dp, ep=ep, tpa=tpa)
+            deployment = Deployment(tp=tp, dcp=dcp, pcp=pcp, dp=dp, ep=ep, tpa=tpa)
             try:
-                check_deployment(model, layout, kv, model_runner_v2=w.model_runner_v2)
+                check_deployment(model, deployment, kv, model_runner_v2=w.model_runner_v2)
             except ConfigError:
                 continue
-            e = estimate(model, gpu, layout, kv, w)
+            e = estimate(model, gpu, deployment, kv, w)
             if e.drop is None:
                 found.append(e)
     return sorted(found, key=key)

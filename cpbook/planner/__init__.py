@@ -1,0 +1,63 @@
+"""cpbook's deployment planner, on top of the cost model: which deployment, and which
+``vllm serve`` flags, for a workload.
+
+Modules: :mod:`.hf_config` (a :class:`~cpbook.costmodel.specs.ModelSpec` from a ``config.json``,
+through :mod:`cpbook.core.hf_config`), :mod:`.vllm_rules` (what vLLM v0.33 serves),
+:mod:`.serve_flags` (the ``vllm serve`` line and its parser), :mod:`.search_space` (the
+workload and every deployment vLLM serves), :mod:`.plan_space` (one deployment's numbers, the
+ranking), :mod:`.plan_advice` (the reasons, and what would fit),
+:mod:`.plan` (:func:`plan`), and :mod:`.decision_path` (the article's three questions, kept as a
+check on the planner).  Its public names are re-exported here
+(``from cpbook import planner; planner.plan(...)``).
+"""
+
+from cpbook.planner.decision_path import PathAnswer, PathCheck, decision_path, path_vs_plan
+from cpbook.planner.hf_config import SUPPORTED_MODEL_TYPES, model_from_hf_config
+from cpbook.planner.plan import Plan, estimate_record, headline, plan
+from cpbook.planner.plan_advice import MAX_REPLICA_GPUS, WouldFit
+from cpbook.planner.plan_space import (
+    OBJECTIVES,
+    Estimate,
+    brute_force,
+    estimate,
+    objective_value,
+    pareto,
+)
+from cpbook.planner.search_space import ServingWorkload, deployments
+from cpbook.planner.serve_flags import (
+    HF_REPOS,
+    deployment_flags,
+    parse_serve_command,
+    serve_command,
+)
+from cpbook.planner.vllm_rules import PLAN_KV_DTYPES, check_deployment, rule_probes
+
+__all__ = [
+    "Estimate",
+    "HF_REPOS",
+    "MAX_REPLICA_GPUS",
+    "OBJECTIVES",
+    "PLAN_KV_DTYPES",
+    "PathAnswer",
+    "PathCheck",
+    "Plan",
+    "SUPPORTED_MODEL_TYPES",
+    "ServingWorkload",
+    "WouldFit",
+    "brute_force",
+    "check_deployment",
+    "decision_path",
+    "deployment_flags",
+    "deployments",
+    "estimate",
+    "estimate_record",
+    "headline",
+    "model_from_hf_config",
+    "objective_value",
+    "pareto",
+    "parse_serve_command",
+    "path_vs_plan",
+    "plan",
+    "rule_probes",
+    "serve_command",
+]
