@@ -9,7 +9,7 @@ import torch
 from cpbook.core.attention import dense_attention
 from cpbook.core.config import ConfigError
 from cpbook.core.launch import run
-from cpbook.dcp.mla import TinyMLA, crossover_context_len, kv_move_bytes, q_move_bytes
+from cpbook.dcp.mla import MLAWeights, crossover_context_len, kv_move_bytes, q_move_bytes
 from cpbook.demos.ch03_decode import mla_context_rank, mla_decode_rank
 from cpbook.kv.gather import context_chunk_len, context_gather_comm_bytes, reorg_kvcache
 from tests.rank_fns import in_sequence
@@ -23,7 +23,7 @@ def _check(res):
 
 
 def test_absorbed_form_equals_mha_form():
-    mla = TinyMLA.random(num_heads=4, seed=3)
+    mla = MLAWeights.random(num_q_heads=4, seed=3)
     g = torch.Generator().manual_seed(4)
     qn = torch.randn(2, 4, 16, generator=g, dtype=torch.float64)
     qp = torch.randn(2, 4, 8, generator=g, dtype=torch.float64)

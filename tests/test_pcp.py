@@ -18,7 +18,7 @@ from cpbook.pcp.prefill import (
     pcp_shard,
 )
 from cpbook.pcp.zigzag import (
-    PARTITION_LAYOUTS,
+    PARTITIONS,
     PCPPartition,
     causal_pairs,
     causal_work,
@@ -56,7 +56,7 @@ lens_st = st.lists(st.integers(1, 96), min_size=1, max_size=3)
 
 
 @settings(max_examples=600, deadline=None)
-@given(lens=lens_st, pcp=st.integers(1, 8), layout=st.sampled_from(PARTITION_LAYOUTS))
+@given(lens=lens_st, pcp=st.integers(1, 8), layout=st.sampled_from(PARTITIONS))
 def test_partition_properties(lens, pcp, layout):
     part = pcp_partition(lens, pcp, layout)
     offs = [0]
@@ -125,7 +125,7 @@ def test_bad_inputs():
         pcp_partition([8, 0], 2)
     with pytest.raises(ValueError, match="pcp-size"):
         pcp_partition(8, 0)
-    with pytest.raises(ValueError, match="pcp-layout"):
+    with pytest.raises(ValueError, match="pcp-partition"):
         pcp_partition(8, 2, "ring")
     with pytest.raises(ValueError, match="pcp-rank"):
         pcp_partition(8, 2).metadata(2)
@@ -134,7 +134,7 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="pcp-local-rows"):
         m = pcp_partition(8, 2).metadata(0)
         pcp_local_attention(torch.zeros(3, 2, 4), torch.zeros(8, 2, 4), torch.zeros(8, 2, 4), m)
-    assert PCPPartition((5,), 2).layout == "zigzag"
+    assert PCPPartition((5,), 2).partition == "zigzag"
 
 
 # ------------------------------------------------------------------ RoPE and local attention
@@ -158,7 +158,7 @@ def test_rope_depends_on_relative_position_only():
     )
 
 
-@pytest.mark.parametrize("layout", PARTITION_LAYOUTS)
+@pytest.mark.parametrize("layout", PARTITIONS)
 @pytest.mark.parametrize("lens,pcp", [((37, 64), 2), ((13,), 3), ((1, 9, 30), 4)])
 def test_local_attention_matches_dense(layout, lens, pcp):
     """All ranks' attention to the full, ordered keys vs dense."""
@@ -187,7 +187,7 @@ def _check(res):
         assert r["comm"] == r["expected"] and r["restore_comm"] == r["restore_expected"]
 
 
-@pytest.mark.parametrize("layout", PARTITION_LAYOUTS)
+@pytest.mark.parametrize("layout", PARTITIONS)
 @pytest.mark.parametrize(
     "world,tp,lens",
     [(2, 1, (37, 64)), (3, 1, (50, 7, 1)), (4, 1, (1, 23)), (4, 2, (45, 16)), (8, 2, (31, 5))],

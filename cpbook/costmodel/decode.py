@@ -96,7 +96,7 @@ def _decode_config(model: ModelSpec, mode: str, tp: int, dcp: int) -> ParallelCo
             model, tensor_parallel_size=tp, decode_context_parallel_size=dcp
         )
     return tpa_config(
-        "tpa",
+        True,
         tensor_parallel_size=tp,
         decode_context_parallel_size=dcp,
         **model.attention_shape,
@@ -120,19 +120,9 @@ def decode_attention_calls(
         q_dim, out_dim = model.kv_lora_rank + model.qk_rope_head_dim, model.kv_lora_rank
     else:
         q_dim = out_dim = model.head_dim
-    calls = tpa_comm_bytes(
-        "tpa" if tpa else "standard",
-        num_reqs,
-        cfg.q_heads_per_rank,
-        q_dim,
-        out_dim,
-        cfg.dcp,
-        cfg.tp,
-        model.hidden_size,
-        dcp_comm_backend,
-        act_bytes,
-        LSE_BYTES,
-    )
+    if cfg.dcp_comm_backend != dcp_comm_backend:  # the formula reads the config's backend
+        cfg = replace(cfg, dcp_comm_backend=dcp_comm_backend)
+    calls = tpa_comm_bytes(cfg, num_reqs, q_dim, out_dim, model.hidden_size, act_bytes, LSE_BYTES)
     return tuple((op, cfg.tp if op == "all_reduce" else cfg.dcp, b) for op, b in calls)
 
 

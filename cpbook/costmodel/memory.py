@@ -218,7 +218,7 @@ class Layout:
         if self.dp < 1:
             raise ValueError(f"[positive-sizes] requires dp >= 1; got dp={self.dp}")
         return tpa_config(
-            "tpa" if self.tpa else "standard",
+            self.tpa,
             tensor_parallel_size=self.tp,
             decode_context_parallel_size=self.dcp,
             prefill_context_parallel_size=self.pcp,

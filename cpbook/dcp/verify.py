@@ -29,7 +29,7 @@ from cpbook.core.attention import attention_with_lse, merge_attn_states
 from cpbook.core.comm import Group
 from cpbook.core.config import ConfigError
 from cpbook.dcp.decode import dcp_combine, decode_comm_bytes
-from cpbook.dcp.mla import TinyMLA
+from cpbook.dcp.mla import MLAWeights
 from cpbook.kv.layout import local_seq_len
 
 __all__ = [
@@ -71,7 +71,11 @@ def local_verify_attention(
     num_rows[i])`` (the new rows already written).  Row ``j`` sees the first
     ``verify_key_counts(...)[j]`` keys.  The keys every row sees are attended in one call (the
     request's KV is read once, as one decode query would), the at most ``num_rows − 1`` keys
-    written by the step's own rows one row at a time, and the two merged exactly."""
+    written by the step's own rows one row at a time, and the two merged exactly.
+
+    More than eight parameters: the tensors and per-request positions of one attention call,
+    plus the rank's place in the interleaved layout (``dcp``, ``dcp_rank``, ``interleave``) that
+    decides which keys each row sees."""
     if not len(ks) == len(vs) == len(starts) == len(num_rows) or q.shape[0] != sum(num_rows):
         raise ConfigError(
             "verify-per-request",
@@ -125,7 +129,10 @@ def dcp_verify_attention(
     ``q [Σ num_rows, h, D]``: this rank's heads of every query row, request by request;
     ``ks[i] [n_i, ·, D]`` / ``vs[i]``: this rank's keys of request ``i`` (see
     :func:`local_verify_attention`), KV heads laid out to match the gathered query heads.
-    The collectives are chapter 3's: AllGather Q, then :func:`~cpbook.dcp.decode.dcp_combine`."""
+    The collectives are chapter 3's: AllGather Q, then :func:`~cpbook.dcp.decode.dcp_combine`.
+
+    More than eight parameters: :func:`local_verify_attention`'s inputs with the group in place of
+    the rank's coordinates, and the combine's backend."""
     q_all = group.all_gather(q, dim=1)  # [R, N·h, D]
     out, lse = local_verify_attention(
         q_all, ks, vs, starts, num_rows, group.size, group.rank, interleave, scale
@@ -147,7 +154,7 @@ def mla_verify_attention(
     latents: Sequence[torch.Tensor],
     starts: Sequence[int],
     num_rows: Sequence[int],
-    mla: TinyMLA,
+    mla: MLAWeights,
     heads: slice,
     group: Group,
     interleave: int,
@@ -157,7 +164,10 @@ def mla_verify_attention(
 
     ``latents[i] [n_i, C+R]``: this rank's cached rows of request ``i`` in position order.  As
     :func:`cpbook.dcp.mla.mla_decode_attention`: absorb, AllGather the latent queries, attend
-    the latent shard (MQA), combine, ``W_UV`` on local heads."""
+    the latent shard (MQA), combine, ``W_UV`` on local heads.
+
+    More than eight parameters: :func:`dcp_verify_attention`'s inputs with MLA's two query
+    parts, weights and heads in place of the keys and values."""
     q_all = group.all_gather(mla.absorb_q(q_nope, q_pe, heads), dim=1)  # [R, N·h, C+R]
     c = mla.kv_lora_rank
     o, lse = local_verify_attention(

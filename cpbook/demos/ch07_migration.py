@@ -13,7 +13,7 @@ from cpbook.core.config import ConfigError, check_positive
 from cpbook.core.context import RankContext
 from cpbook.dcp.decode import dcp_decode_attention, decode_comm_bytes
 from cpbook.dynamic.migration import migrate_kv, migration_bytes, migration_comm_bytes
-from cpbook.kv.layout import check_layout, local_seq_len
+from cpbook.kv.layout import DCPShard, check_layout, local_seq_len
 from cpbook.kv.manager import KVCacheManager
 from cpbook.kv.paged import PagedKVCache
 
@@ -53,9 +53,7 @@ def _cache(
         block_size,
         kv[0],
         kv[1],
-        dcp=size,
-        dcp_rank=rank,
-        interleave=inter,
+        shard=DCPShard(size, rank, inter),
         dtype=dtype,
         device=device,
     )

@@ -42,8 +42,10 @@ from cpbook.dcp.verify import dcp_verify_attention, local_verify_attention
 from cpbook.engine.models import TinyModel
 from cpbook.engine.scheduler import ScheduledChunk, SchedulerOutput
 from cpbook.kv.context import ContextShard
+from cpbook.kv.layout import DCPShard
 from cpbook.kv.paged import PagedKVCache
 from cpbook.pcp.chunked import chunked_prefill_attention
+from cpbook.pcp.chunked_plan import ChunkedPrefillConfig
 from cpbook.pcp.prefill import pcp_restore, pcp_shard
 from cpbook.pcp.zigzag import PCPMetadata, zigzag_partition
 
@@ -81,9 +83,7 @@ class ModelRunner:
                 nkv,
                 mc.kv_cache_dim,
                 0 if mc.use_mla else None,
-                dcp=config.dcp,
-                dcp_rank=c.dcp_rank,
-                interleave=config.interleave,
+                shard=DCPShard(config.dcp, c.dcp_rank, config.interleave),
                 dtype=model.embed.dtype,
                 device=model.device,
             )
@@ -176,13 +176,15 @@ class ModelRunner:
             context,
             meta,
             self.groups,
-            strategy=self.strategy,
-            workspace_size=self.workspace_size,
-            dcp_comm_backend=cfg.dcp_comm_backend,
-            alpha=self.alpha,
-            beta=self.beta,
-            scale=self.model.attn_scale(layer),
-            stats=stats,
+            ChunkedPrefillConfig(
+                strategy=self.strategy,
+                workspace_size=self.workspace_size,
+                dcp_comm_backend=cfg.dcp_comm_backend,
+                alpha=self.alpha,
+                beta=self.beta,
+                scale=self.model.attn_scale(layer),
+            ),
+            stats,
         )
         self.strategies[stats["strategy"]] += 1
         d = k.shape[-1]

@@ -185,7 +185,7 @@ def pcp_prefill_attention(
         else (torch.cat([o for o, _ in local]), torch.cat([l for _, l in local]))
     )
     k_all, v_all = k_all.wait(), v_all.wait()
-    part = pcp_partition(meta.seq_lens, meta.pcp, meta.layout)
+    part = pcp_partition(meta.seq_lens, meta.pcp, meta.partition)
     for ours, blocks in _remote_blocks(meta, part):
         keys = [
             (_rows(k_all[src], rows.start, rows.stop), _rows(v_all[src], rows.start, rows.stop))
