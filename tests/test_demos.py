@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import os
 import subprocess
 import sys
@@ -57,8 +59,11 @@ def test_debug_shows_the_traceback():
 
 def test_params_are_parsed_against_the_signature():
     fn = get_demo("pcp")
-    kw = parse_params(fn, ["seq_lens=8,3", "tensor_parallel_size=2", "layout=striped"])
-    assert kw == {"seq_lens": (8, 3), "tensor_parallel_size": 2, "layout": "striped"}
+    kw = parse_params(fn, ["seq_lens=8,3", "tensor_parallel_size=2", "partition=striped"])
+    default = inspect.signature(fn).parameters["parallel_config"].default
+    config = dataclasses.replace(default, tensor_parallel_size=2)  # the config's fields, flat
+    assert demo_params(fn)["tensor_parallel_size"] == (int, 1)
+    assert kw == {"seq_lens": (8, 3), "parallel_config": config, "partition": "striped"}
     assert parse_params(get_demo("merge"), ["seed=-1"]) == {"seed": -1}
 
 

@@ -4,7 +4,6 @@ the one-device float64 block (:func:`cpbook.core.reference.tpa_block_reference`)
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Sequence
 
 import torch
@@ -12,7 +11,7 @@ import torch
 from cpbook.core.config import ParallelConfig
 from cpbook.core.context import RankContext
 from cpbook.core.groups import make_groups
-from cpbook.core.heads import attention_kv_heads, q_proj_heads, tpa_config, uses_tpa
+from cpbook.core.heads import attention_kv_heads, q_proj_heads, uses_tpa
 from cpbook.core.reference import tpa_block_reference
 from cpbook.dcp.mla import MLAWeights
 from cpbook.dcp.tpa import TPABlock, attention_block, tpa_comm_bytes, tpa_costs
@@ -20,9 +19,10 @@ from cpbook.kv.paged import shard_kv_cache
 
 __all__ = ["TPA_CONFIG", "tpa_problem", "tpa_rank"]
 
-#: chapter 6's layout: TP 4 = DCP 4, 8 query heads, 2 KV heads, with TPA (GQA; ``use_mla=True``
-#: with ``num_kv_heads=1`` for MLA, whose ``head_dim`` is then ``qk_nope_head_dim =
-#: v_head_dim``)
+#: chapter 6's layout: TP 4 = DCP 4, 8 query heads, 2 KV heads, with TPA
+#: (``tensor_parallel_size_attention = tp / dcp``).  Without TPA: ``None`` (GQA needs
+#: ``num_kv_heads <= tp / dcp`` then).  MLA: ``use_mla=True``, ``num_kv_heads=1``, TPA by
+#: ``dcp_q_replicate``; its ``head_dim`` is ``qk_nope_head_dim = v_head_dim``.
 TPA_CONFIG = ParallelConfig(
     tensor_parallel_size=4,
     decode_context_parallel_size=4,
@@ -32,9 +32,6 @@ TPA_CONFIG = ParallelConfig(
     block_size=8,
     tensor_parallel_size_attention=1,
 )
-
-_TPA_FIELDS = ("tensor_parallel_size_attention", "dcp_q_replicate")
-
 
 def tpa_problem(
     config: ParallelConfig,
@@ -72,7 +69,6 @@ def tpa_rank(
     ctx: RankContext,
     *,
     parallel_config: ParallelConfig = TPA_CONFIG,
-    tpa: bool = True,
     hidden_size: int = 64,
     seq_lens: Sequence[int] = (40, 7, 1),
     seed: int = 0,
@@ -80,20 +76,16 @@ def tpa_rank(
 ) -> dict[str, Any]:
     """Chapter 6: one decode step of an attention block on this rank, vs one device.
 
-    ``tpa`` says whether TPA runs: ``parallel_config``'s own TPA fields
-    (``tensor_parallel_size_attention``, ``dcp_q_replicate``) are replaced by :func:`tpa_config`'s
-    and the result validated before any collective.  Draws the block and the cache
+    TPA runs where ``parallel_config`` says so (:func:`~cpbook.core.heads.uses_tpa`:
+    ``tensor_parallel_size_attention`` for GQA, ``dcp_q_replicate`` for MLA; the config was
+    validated as it was built, before any collective).  Draws the block and the cache
     (:func:`tpa_problem`), writes this rank's DCP shard of its KV heads into its paged cache,
-    runs :func:`attention_block` and compares the ``[B, hidden]`` output with :func:`tpa_block_reference`.  Returns
-    ``max_abs_err``, shapes, the traced ``comm``, the formula's ``expected``
+    runs :func:`attention_block` and compares the ``[B, hidden]`` output with
+    :func:`tpa_block_reference`.  Returns ``max_abs_err``, shapes, the traced ``comm``, the
+    formula's ``expected``
     (:func:`tpa_comm_bytes`) and the ``q_proj`` costs (:func:`tpa_costs`).
     """
-    base = {
-        f.name: getattr(parallel_config, f.name)
-        for f in dataclasses.fields(parallel_config)
-        if f.name not in _TPA_FIELDS
-    }
-    cfg = tpa_config(tpa, **base)
+    cfg = parallel_config
     mla = cfg.use_mla
     groups = make_groups(ctx, cfg)
     block, x, ks, vs = tpa_problem(cfg, hidden_size, seq_lens, seed)
