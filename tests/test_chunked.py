@@ -22,8 +22,8 @@ from cpbook.pcp.chunked import (
 )
 from cpbook.pcp.chunked_plan import (
     STRATEGIES,
-    choose_strategy,
     ChunkedPrefillConfig,
+    choose_strategy,
     chunked_comm_bytes,
     select_strategy,
 )

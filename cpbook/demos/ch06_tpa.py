@@ -33,6 +33,7 @@ TPA_CONFIG = ParallelConfig(
     tensor_parallel_size_attention=1,
 )
 
+
 def tpa_problem(
     config: ParallelConfig,
     hidden_size: int,
