@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from cpbook.core.attention import dense_attention
+from cpbook.core.comm import comm_bytes
 from cpbook.core.config import ConfigError
 from cpbook.core.launch import run
 from cpbook.dcp.mla import MLAWeights, crossover_context_len, kv_move_bytes, q_move_bytes
@@ -124,23 +125,14 @@ def test_measured_crossover_matches_formula():
         fn_kwargs=demo_kwargs(mla_decode_rank, dict(seq_lens=(64,), **kw)),
         report=False,
     )
-    q_bytes = sum(b for _, b in dec[0]["comm"])
+    q_bytes = comm_bytes(dec[0]["comm"])
     assert q_bytes == q_move_bytes(1, 2, 32, 8, 4, elem_bytes=8, lse_bytes=8)
     measured = None
     for ctx_len in range(1, 40):
-        kv = sum(
-            b
-            for _, b in run(
-                mla_context_rank,
-                4,
-                fn_kwargs=demo_kwargs(
-                    mla_context_rank,
-                    dict(context_lens=(ctx_len,), query_lens=(1,), workspace_size=256, **kw),
-                ),
-                report=False,
-            )[0]["comm"]
-        )
-        assert kv == sum(b for _, b in context_gather_comm_bytes((ctx_len,), 256, 4, 1, 40))
+        flat = dict(context_lens=(ctx_len,), query_lens=(1,), workspace_size=256, **kw)
+        res = run(mla_context_rank, 4, fn_kwargs=demo_kwargs(mla_context_rank, flat), report=False)
+        kv = comm_bytes(res[0]["comm"])
+        assert kv == comm_bytes(context_gather_comm_bytes((ctx_len,), 256, 4, 1, 40))
         if kv > q_bytes:
             measured = ctx_len
             break

@@ -22,7 +22,17 @@ from cpbook.dcp.mla import MLAShape, MLAWeights, mla_context_attention, mla_deco
 from cpbook.kv.gather import context_gather_comm_bytes
 from cpbook.kv.paged import shard_kv_cache
 
-__all__ = ["gqa_decode_rank", "mla_decode_rank", "mla_context_rank", "MLA_CONFIG"]
+__all__ = ["GQA_CONFIG", "MLA_CONFIG", "gqa_decode_rank", "mla_decode_rank", "mla_context_rank"]
+
+#: chapter 3's GQA layout (the article's example): TP 6, DCP 3, 12 query heads, 2 KV heads
+GQA_CONFIG = ParallelConfig(
+    tensor_parallel_size=6,
+    decode_context_parallel_size=3,
+    num_q_heads=12,
+    num_kv_heads=2,
+    head_dim=16,
+    block_size=8,
+)
 
 #: chapter 3's MLA layout: TP 4 = DCP 4, 8 query heads over one latent (``head_dim`` is
 #: ``qk_nope_head_dim + qk_rope_head_dim`` of the :class:`~cpbook.dcp.mla.MLAShape`)
@@ -43,14 +53,7 @@ MLA_CONFIG = ParallelConfig(
 def gqa_decode_rank(
     ctx: RankContext,
     *,
-    parallel_config: ParallelConfig = ParallelConfig(
-        tensor_parallel_size=6,
-        decode_context_parallel_size=3,
-        num_q_heads=12,
-        num_kv_heads=2,
-        head_dim=16,
-        block_size=8,
-    ),
+    parallel_config: ParallelConfig = GQA_CONFIG,
     seq_lens: Sequence[int] = (48,),
     dtype: str = "float64",
     seed: int = 0,
