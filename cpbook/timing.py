@@ -30,6 +30,7 @@ from cpbook.dcp.tpa import TPABlock, attention_block
 from cpbook.dcp.verify import dcp_verify_attention, local_verify_attention
 from cpbook.engine.engine import serve_rank
 from cpbook.kv.context import context_shard
+from cpbook.kv.layout import DCPShard
 from cpbook.pcp.chunked import chunked_prefill_attention
 from cpbook.pcp.chunked_plan import STRATEGIES, ChunkedPrefillConfig
 from cpbook.pcp.prefill import pcp_prefill_attention, pcp_shard
@@ -456,7 +457,7 @@ def spec_decode_timing(
             name = "" if j == 0 else f"_spec{j}"
             start = c - j - 1  # the step's rows are the last j + 1 positions
             methods["no_cp" + name] = functools.partial(
-                local_verify_attention, q[j], [k], [v], [start], [j + 1], 1, 0, 1
+                local_verify_attention, q[j], [k], [v], [start], [j + 1], DCPShard()
             )
             methods["dcp" + name] = functools.partial(
                 dcp_verify_attention, q[j], [ks], [vs], [start], [j + 1], ctx.world, 1

@@ -124,7 +124,7 @@ class ModelRunner:
         grp, scale = self.groups.dcp, self.model.attn_scale(layer)
         starts, rows = [c.start for c in chunks], [c.num_tokens for c in chunks]
         if grp.size == 1:
-            return local_verify_attention(q, ks, vs, starts, rows, 1, 0, 1, scale)[0]
+            return local_verify_attention(q, ks, vs, starts, rows, DCPShard(), scale)[0]
         if ks[0].shape[1] > 1:  # gathered heads come in DCP blocks: tile the KV heads to match
             ks = [x.repeat(1, grp.size, 1) for x in ks]
             vs = [x.repeat(1, grp.size, 1) for x in vs]
