@@ -85,8 +85,9 @@ def demo_params(fn: Callable[..., Any]) -> dict[str, tuple[Any, Any]]:
 def demo_kwargs(fn: Callable[..., Any], flat: Mapping[str, Any]) -> dict[str, Any]:
     """``fn``'s keyword arguments from flat ones (:func:`demo_params`' names): the fields of a
     config object are collected into a copy of its default (validated as it is built), the rest
-    pass through.  ``demo_kwargs(gqa_decode_rank, {"tensor_parallel_size": 2})`` gives
-    ``{"parallel_config": ParallelConfig(tensor_parallel_size=2, ...)}``."""
+    pass through; a field two configs share sets both.  ``demo_kwargs(gqa_decode_rank,
+    {"dcp_comm_backend": "a2a", "seq_lens": (9,)})`` gives ``{"parallel_config":
+    replace(GQA_CONFIG, dcp_comm_backend="a2a"), "seq_lens": (9,)}``."""
     groups, out, used = _groups(fn), {}, set()
     for name, cfg in groups.items():
         names = {f.name for f in dataclasses.fields(cfg) if f.init}
