@@ -100,6 +100,13 @@ def _gather(ctx, mine: dict) -> list[dict] | None:
     return every if ctx.rank == 0 else None
 
 
+def _config():
+    """The layout the selector prices (AllGather-Q combines by a2a, as the timed runs)."""
+    from cpbook.core.config import ParallelConfig
+
+    return ParallelConfig(**SHAPE, **GRID, dcp_comm_backend="a2a")
+
+
 def _crossover(chunk: int, a: argparse.Namespace) -> int | None:
     """Smallest context at which the selector prefers AllGather-Q (bisection), or None."""
     from cpbook.pcp.chunked_plan import choose_strategy
@@ -107,7 +114,7 @@ def _crossover(chunk: int, a: argparse.Namespace) -> int | None:
     def q_wins(c: int) -> bool:
         return (
             choose_strategy(
-                chunk, c, elem_bytes=4, pcp=2, dcp=2, workspace_size=a.workspace_size, **SHAPE
+                chunk, c, _config(), elem_bytes=4, workspace_size=a.workspace_size
             ).strategy
             == "allgather_q"
         )
@@ -174,7 +181,7 @@ def _grid(ctx, a: argparse.Namespace) -> None:
             if every is None:
                 continue
             choice = choose_strategy(
-                chunk, context, elem_bytes=4, pcp=2, dcp=2, workspace_size=a.workspace_size, **SHAPE
+                chunk, context, _config(), elem_bytes=4, workspace_size=a.workspace_size
             )
             ms = {st: 1e3 * max(r[st] for r in every) for st in STRATEGIES}
             cpu_ms = {st: 1e3 * max(r[f"{st}_cpu"] for r in every) for st in STRATEGIES}

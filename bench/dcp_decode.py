@@ -25,9 +25,11 @@ import time
 
 import torch
 
+from cpbook.core.config import ParallelConfig
 from cpbook.core.launch import run
+from cpbook.core.problems import gqa_decode_problem
 from cpbook.dcp.decode import local_attention
-from cpbook.demos.ch03_decode import gqa_decode_problem, gqa_decode_rank
+from cpbook.demos.ch03_decode import gqa_decode_rank
 from cpbook.kv.paged import shard_kv_cache
 
 CONTEXT, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 65536, 8, 1, 64, 16
@@ -70,13 +72,15 @@ def main() -> None:
             gqa_decode_rank,
             dcp,
             fn_kwargs=dict(
-                tensor_parallel_size=dcp,
-                decode_context_parallel_size=dcp,
-                num_q_heads=HEADS,
-                num_kv_heads=KV_HEADS,
-                head_dim=HEAD_DIM,
+                parallel_config=ParallelConfig(
+                    tensor_parallel_size=dcp,
+                    decode_context_parallel_size=dcp,
+                    num_q_heads=HEADS,
+                    num_kv_heads=KV_HEADS,
+                    head_dim=HEAD_DIM,
+                    block_size=BLOCK,
+                ),
                 seq_lens=(CONTEXT,),
-                block_size=BLOCK,
                 dtype="float32",
             ),
             report=False,

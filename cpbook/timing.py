@@ -25,13 +25,14 @@ from cpbook.core.config import ParallelConfig
 from cpbook.core.context import RankContext
 from cpbook.core.groups import make_groups
 from cpbook.core.heads import attention_kv_heads, kv_heads_of, q_heads_of, tpa_config
+from cpbook.core.problems import chunked_prefill_problem
 from cpbook.dcp.tpa import TPABlock, attention_block
 from cpbook.dcp.verify import dcp_verify_attention, local_verify_attention
-from cpbook.demos.ch05_chunked import chunked_prefill_problem
 from cpbook.engine.engine import serve_rank
 from cpbook.kv.context import context_shard
+from cpbook.kv.layout import DCPShard
 from cpbook.pcp.chunked import chunked_prefill_attention
-from cpbook.pcp.chunked_plan import STRATEGIES
+from cpbook.pcp.chunked_plan import STRATEGIES, ChunkedPrefillConfig
 from cpbook.pcp.prefill import pcp_prefill_attention, pcp_shard
 from cpbook.pcp.ring import RingLayout, ring_attention
 from cpbook.pcp.zigzag import pcp_partition, zigzag_partition
@@ -212,13 +213,7 @@ def chunked_prefill_timing(
     tp_rank = groups.coords.tp_rank
     qh, kvh = q_heads_of(cfg, tp_rank), kv_heads_of(cfg, tp_rank)
     (q,), (k,), (v,) = chunked_prefill_problem(
-        [context_len],
-        [chunk_len],
-        num_q_heads,
-        num_kv_heads,
-        head_dim,
-        seed=seed,
-        dtype=torch.float32,
+        cfg, [context_len], [chunk_len], seed=seed, dtype=torch.float32
     )
     c = context_len
     context = context_shard(
@@ -246,8 +241,7 @@ def chunked_prefill_timing(
                     context,
                     meta,
                     groups,
-                    strategy=strategy,
-                    workspace_size=workspace_size,
+                    ChunkedPrefillConfig(strategy=strategy, workspace_size=workspace_size),
                 )
             sent[strategy] = sum(b for _, b in comm)
             ctx.world.barrier()
@@ -384,9 +378,9 @@ def decode_step_timing(
         block_size=16,
     )
     cfgs = {
-        "no_cp": tpa_config("standard", **kw),
-        "dcp": tpa_config("standard", **kw, decode_context_parallel_size=n),
-        "dcp_tpa": tpa_config("tpa", **kw, decode_context_parallel_size=n),
+        "no_cp": tpa_config(False, **kw),
+        "dcp": tpa_config(False, **kw, decode_context_parallel_size=n),
+        "dcp_tpa": tpa_config(True, **kw, decode_context_parallel_size=n),
     }
     groups = {m: make_groups(ctx, c) for m, c in cfgs.items()}
     gen = torch.Generator().manual_seed(seed)
@@ -463,7 +457,7 @@ def spec_decode_timing(
             name = "" if j == 0 else f"_spec{j}"
             start = c - j - 1  # the step's rows are the last j + 1 positions
             methods["no_cp" + name] = functools.partial(
-                local_verify_attention, q[j], [k], [v], [start], [j + 1], 1, 0, 1
+                local_verify_attention, q[j], [k], [v], [start], [j + 1], DCPShard()
             )
             methods["dcp" + name] = functools.partial(
                 dcp_verify_attention, q[j], [ks], [vs], [start], [j + 1], ctx.world, 1

@@ -7,6 +7,7 @@ import torch
 from cpbook.core.context import RankContext
 from cpbook.core.groups import RankGrid, make_groups
 from cpbook.dcp.decode import dcp_combine
+from cpbook.demos import demo_kwargs
 
 
 def every_collective(ctx: RankContext) -> dict:
@@ -106,6 +107,7 @@ def in_sequence(ctx: RankContext, calls: list[tuple[str, dict]]) -> list:
 
     out = []
     for path, kwargs in calls:
-        mod, fn = path.split(":")
-        out.append(getattr(importlib.import_module(mod), fn)(ctx, **kwargs))
+        mod, name = path.split(":")
+        fn = getattr(importlib.import_module(mod), name)
+        out.append(fn(ctx, **demo_kwargs(fn, kwargs)))
     return out

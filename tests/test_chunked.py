@@ -7,10 +7,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cpbook.core.comm import comm_bytes
 from cpbook.core.config import ConfigError, ParallelConfig
 from cpbook.core.context import RankContext
 from cpbook.core.groups import make_groups
 from cpbook.core.launch import run
+from cpbook.demos import demo_kwargs
 from cpbook.demos.ch05_chunked import chunked_prefill_rank
 from cpbook.kv.context import context_shard
 from cpbook.pcp.chunked import (
@@ -20,11 +22,26 @@ from cpbook.pcp.chunked import (
 )
 from cpbook.pcp.chunked_plan import (
     STRATEGIES,
+    ChunkedPrefillConfig,
     choose_strategy,
     chunked_comm_bytes,
     select_strategy,
 )
 from cpbook.pcp.zigzag import zigzag_partition
+
+
+def _cfg(q: int, kv: int, d: int, pcp: int = 1, dcp: int = 1, tp: int = 1) -> ParallelConfig:
+    """A chunked-prefill layout (AllGather-Q combines by ``a2a``, chapter 5's default)."""
+    return ParallelConfig(
+        tensor_parallel_size=tp,
+        prefill_context_parallel_size=pcp,
+        decode_context_parallel_size=dcp,
+        num_q_heads=q,
+        num_kv_heads=kv,
+        head_dim=d,
+        dcp_comm_backend="a2a",
+    )
+
 
 # (tp, pcp, dcp, num_q_heads, num_kv_heads, use_mla): every PCP × DCP pairing vLLM accepts with
 # pcp in {1..4}, dcp in {1, 2, 4} (and dcp = pcp = 3), GQA with several KV heads, MQA, MLA
@@ -105,7 +122,9 @@ def _cases(n: int, seed: int = 0):
 )
 def test_exact_and_bytes_match_formula(kw):
     world = kw["tensor_parallel_size"] * kw["prefill_context_parallel_size"]
-    res = run(chunked_prefill_rank, world, fn_kwargs=kw, report=False)
+    res = run(
+        chunked_prefill_rank, world, fn_kwargs=demo_kwargs(chunked_prefill_rank, kw), report=False
+    )
     _check(res, kw)
     assert {r["strategy"] for r in res} == {kw["strategy"]}
 
@@ -118,7 +137,15 @@ def test_exact_and_bytes_match_formula(kw):
 )
 def test_exact_on_random_batches(grid, strategy, seed):
     kw = _kwargs(grid, random.Random(seed), strategy)
-    _check(run(chunked_prefill_rank, grid[0] * grid[1], fn_kwargs=kw, report=False), kw)
+    _check(
+        run(
+            chunked_prefill_rank,
+            grid[0] * grid[1],
+            fn_kwargs=demo_kwargs(chunked_prefill_rank, kw),
+            report=False,
+        ),
+        kw,
+    )
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -153,7 +180,12 @@ def test_edge_cases(strategy):
         ),
     ]:
         kw = _kwargs(grid, rng, strategy, **over)
-        res = run(chunked_prefill_rank, grid[0] * grid[1], fn_kwargs=kw, report=False)
+        res = run(
+            chunked_prefill_rank,
+            grid[0] * grid[1],
+            fn_kwargs=demo_kwargs(chunked_prefill_rank, kw),
+            report=False,
+        )
         _check(res, kw)
         if strategy == "allgather_kv":  # the gathered context never exceeds the workspace
             assert all(r["stats"]["workspace_rows"] <= kw["workspace_size"] for r in res)
@@ -169,15 +201,15 @@ def test_degenerate_grids_move_nothing_they_need_not():
         workspace_size=64,
     )
     for st_ in STRATEGIES:  # one rank: nothing to move
-        assert (
-            chunked_comm_bytes(
-                st_, (40, 9), (10, 3), num_q_heads=4, num_kv_heads=1, head_dim=8, workspace_size=64
-            )
-            == []
-        )
+        assert chunked_comm_bytes(st_, (40, 9), (10, 3), _cfg(4, 1, 8), workspace_size=64) == []
     # dcp = 1 under PCP: the context is everywhere; AllGather-KV moves only the chunk's K/V
     kw = base | dict(prefill_context_parallel_size=2, decode_context_parallel_size=1)
-    res = run(chunked_prefill_rank, 2, fn_kwargs=kw | dict(strategy="allgather_kv"), report=False)
+    res = run(
+        chunked_prefill_rank,
+        2,
+        fn_kwargs=demo_kwargs(chunked_prefill_rank, kw | dict(strategy="allgather_kv")),
+        report=False,
+    )
     rows = sum(-(-t // 4) * 4 for t in base["query_lens"]) // 2  # zigzag pads to 2·pcp
     assert res[0]["comm"] == [("all_gather", rows * 1 * (8 + 8) * 8)]
     assert res[0]["context_rows"] == [40, 9]
@@ -188,7 +220,9 @@ def test_degenerate_grids_move_nothing_they_need_not():
         decode_context_parallel_size=2,
         strategy="allgather_kv",
     )
-    res = run(chunked_prefill_rank, 2, fn_kwargs=kw, report=False)
+    res = run(
+        chunked_prefill_rank, 2, fn_kwargs=demo_kwargs(chunked_prefill_rank, kw), report=False
+    )
     assert [(c.op, c.group) for c in res.traces[0]] == [("all_gather", "dcp")] * 2  # 2 pieces
     assert res[0]["stats"]["num_pieces"] == 2 and res[0]["max_abs_err"] <= 1e-10
 
@@ -196,32 +230,24 @@ def test_degenerate_grids_move_nothing_they_need_not():
 def test_bytes_scale_as_the_article_says():
     """Q-side bytes never grow with the context; KV-side bytes grow with it; the selector
     gathers KV for long chunks on short contexts and Q for short chunks on long contexts."""
-    kw = dict(
-        num_q_heads=8,
-        num_kv_heads=1,
-        head_dim=64,
-        workspace_size=16384,
-        prefill_context_parallel_size=2,
-        decode_context_parallel_size=2,
-        elem_bytes=2,
-    )
+    cfg, kw = _cfg(8, 1, 64, pcp=2, dcp=2), dict(workspace_size=16384, elem_bytes=2)
     q = [
-        sum(b for _, b in chunked_comm_bytes("allgather_q", [c], [1024], **kw))
+        comm_bytes(chunked_comm_bytes("allgather_q", [c], [1024], cfg, **kw))
         for c in (0, 4096, 65536)
     ]
     kv = [
-        sum(b for _, b in chunked_comm_bytes("allgather_kv", [c], [1024], **kw))
+        comm_bytes(chunked_comm_bytes("allgather_kv", [c], [1024], cfg, **kw))
         for c in (0, 4096, 65536)
     ]
     assert q[0] == q[1] == q[2] and kv[0] < kv[1] < kv[2]
     grid = [(t, c) for t in (256, 1024, 4096) for c in (0, 4096, 16384, 65536)]
-    pick = {(t, c): choose_strategy(t, c, 8, 1, 64, 2, 2, 2).strategy for t, c in grid}
+    pick = {(t, c): choose_strategy(t, c, cfg).strategy for t, c in grid}
     assert pick[4096, 0] == "allgather_kv" and pick[256, 65536] == "allgather_q"
     for t, c in grid:  # monotone: more context favours Q, a longer chunk favours KV
         if pick[t, c] == "allgather_q":
             assert all(pick[t, c2] == "allgather_q" for c2 in (4096, 16384, 65536) if c2 > c)
             assert all(pick[t2, c] == "allgather_q" for t2 in (256, 1024) if t2 < t)
-    choice = choose_strategy([256, 256], [0, 65536], 8, 1, 64, 2, 2, 2, alpha=1e-5, beta=1e-10)
+    choice = choose_strategy([256, 256], [0, 65536], cfg, alpha=1e-5, beta=1e-10)
     assert choice.seconds["allgather_q"] == pytest.approx(
         1e-5 * choice.calls["allgather_q"] + 1e-10 * choice.bytes["allgather_q"]
     )
@@ -243,14 +269,14 @@ def test_selector_ties_go_to_allgather_kv():
     # chapter 5's exercise 2: 8 query heads, 1 KV head, D = Dv = 128, bf16, PCP = DCP = 2, a
     # chunk of 2,048 tokens after 14,400 cached: both send 4,210,688 B in 2 calls; one more
     # cached token and AllGather-Q sends less
-    tie = choose_strategy(2048, 14400, 8, 1, 128, 2, 2, 2, workspace_size=16384)
+    ex2 = _cfg(8, 1, 128, pcp=2, dcp=2)
+    tie = choose_strategy(2048, 14400, ex2, workspace_size=16384)
     assert tie.bytes == {"allgather_q": 4210688, "allgather_kv": 4210688}
     assert tie.calls == {"allgather_q": 2, "allgather_kv": 2}
     assert tie.strategy == "allgather_kv"
-    assert choose_strategy(2048, 14401, 8, 1, 128, 2, 2, 2, workspace_size=16384).strategy == (
-        "allgather_q"
-    )
-    assert choose_strategy(64, 100, 8, 2, 16, 8, 1, 1).strategy == "allgather_kv"  # 0 s = 0 s
+    assert choose_strategy(2048, 14401, ex2, workspace_size=16384).strategy == "allgather_q"
+    one = _cfg(8, 2, 16)
+    assert choose_strategy(64, 100, one, elem_bytes=8).strategy == "allgather_kv"  # 0 s = 0 s
 
 
 def test_auto_runs_what_the_selector_picks():
@@ -265,8 +291,11 @@ def test_auto_runs_what_the_selector_picks():
             workspace_size=64,
             strategy="auto",
         )
-        res = run(chunked_prefill_rank, 2, fn_kwargs=kw, report=False)
-        want = choose_strategy(chunk, ctx_len, 8, 1, 8, 8, 2, 2, workspace_size=64).strategy
+        res = run(
+            chunked_prefill_rank, 2, fn_kwargs=demo_kwargs(chunked_prefill_rank, kw), report=False
+        )
+        cfg = _cfg(8, 1, 8, pcp=2, dcp=2)
+        want = choose_strategy(chunk, ctx_len, cfg, workspace_size=64, elem_bytes=8).strategy
         assert res[0]["strategy"] == res[1]["strategy"] == want
         assert res[0]["max_abs_err"] <= 1e-10 and res[0]["comm"] == res[0]["expected"]
         ran.add(want)
@@ -311,7 +340,7 @@ def test_bad_input_rejected_before_any_collective(bad, rule):
     ctx = RankContext(0, 4, "inline", torch.device("cpu"))  # no world: a collective would fail
     kw = dict(prefill_context_parallel_size=2, decode_context_parallel_size=2) | bad
     with pytest.raises(ValueError, match=rf"\[{rule}\]"):
-        chunked_prefill_rank(ctx, **kw)
+        chunked_prefill_rank(ctx, **demo_kwargs(chunked_prefill_rank, kw))
     assert len(ctx.trace) == 0
 
 
@@ -350,13 +379,14 @@ def _mismatch(ctx, case: str) -> tuple[str, int]:
         "strategy": chunked_prefill_attention,
         "layout": allgather_q_attention,
     }[case]
-    extra = {
+    configs = {
         "allgather_kv_attention": dict(workspace_size=1 if case == "workspace" else 64),
         "chunked_prefill_attention": dict(strategy="pass_q", workspace_size=64),
     }
     first = len(ctx.trace)
     try:
-        fn(q, k, k.clone(), context, meta, groups, **extra.get(fn.__name__, {}))
+        config = ChunkedPrefillConfig(**configs.get(fn.__name__, {}))
+        fn(q, k, k.clone(), context, meta, groups, config)
     except ConfigError as e:
         return e.rule, len(ctx.trace) - first
     return "", len(ctx.trace) - first
@@ -402,7 +432,12 @@ def test_inconsistent_inputs_rejected_before_any_collective(case, rule):
 def test_under_torchrun(strategy, grid):
     kw = dict(strategy=strategy) | grid
     res = run(
-        chunked_prefill_rank, 2, backend="torchrun", fn_kwargs=kw, dist_backend="gloo", report=False
+        chunked_prefill_rank,
+        2,
+        backend="torchrun",
+        fn_kwargs=demo_kwargs(chunked_prefill_rank, kw),
+        dist_backend="gloo",
+        report=False,
     )
     assert res.dist_backend == "gloo"
     assert all(r["max_abs_err"] <= 1e-10 for r in res)

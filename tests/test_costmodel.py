@@ -493,15 +493,15 @@ def test_every_model_has_its_projection_widths():
 
 
 def test_decode_collectives_are_the_tpa_formula():
+    from cpbook.core.heads import tpa_config
     from cpbook.dcp.tpa import tpa_comm_bytes
 
-    for mode, tpa_mode, n in (
-        ("no_cp", "standard", 1),
-        ("dcp", "standard", 8),
-        ("dcp_tpa", "tpa", 8),
-    ):
+    for mode, tpa, n in (("no_cp", False, 1), ("dcp", False, 8), ("dcp_tpa", True, 8)):
         t = cm.decode_layer_time(DSV3, H200, 4096, mode, num_reqs=3)
-        expected = tpa_comm_bytes(tpa_mode, 3, 16, 576, 512, n, 8, 7168, "ag_rs", 2, 4)
+        cfg = tpa_config(
+            tpa, tensor_parallel_size=8, decode_context_parallel_size=n, **DSV3.attention_shape
+        )
+        expected = tpa_comm_bytes(cfg, 3, 576, 512, 7168, 2, 4)
         assert [(op, b) for op, _, b in t.calls] == expected
         assert [g for op, g, _ in t.calls] == [8 if op == "all_reduce" else n for op, _ in expected]
         graph = dataclasses.replace(NVL, alpha_s=cm.gpu_terms.DECODE_ALLREDUCE_ALPHA_S)

@@ -12,6 +12,7 @@ from cpbook.core.context import RankContext
 from cpbook.core.groups import RankGrid
 from cpbook.core.launch import run
 from cpbook.dcp.decode import correct_attn_out, decode_comm_bytes
+from cpbook.demos import demo_kwargs
 from cpbook.demos.ch03_decode import gqa_decode_rank
 from cpbook.kv.paged import shard_kv_cache
 from tests.rank_fns import combine_rank, in_sequence
@@ -73,7 +74,12 @@ def _cases(n: int, seed: int = 0):
     ),
 )
 def test_gqa_decode_exact_and_bytes_match_formula(case):
-    res = run(gqa_decode_rank, case["tensor_parallel_size"], fn_kwargs=case, report=False)
+    res = run(
+        gqa_decode_rank,
+        case["tensor_parallel_size"],
+        fn_kwargs=demo_kwargs(gqa_decode_rank, case),
+        report=False,
+    )
     _check(res)
     n = case["decode_context_parallel_size"]
     for i, L in enumerate(case["seq_lens"]):  # each token is stored once in its DCP group
@@ -88,7 +94,9 @@ def test_article_example_shapes_and_empty_shards():
         res = run(
             gqa_decode_rank,
             6,
-            fn_kwargs=dict(seq_lens=(48, 2), dcp_comm_backend=backend),
+            fn_kwargs=demo_kwargs(
+                gqa_decode_rank, dict(seq_lens=(48, 2), dcp_comm_backend=backend)
+            ),
             report=False,
         )
         _check(res)
@@ -107,7 +115,12 @@ def test_article_example_shapes_and_empty_shards():
 def test_bytes_do_not_grow_with_context():
     sent = []
     for L in (8, 64, 512):
-        res = run(gqa_decode_rank, 6, fn_kwargs=dict(seq_lens=(L, L)), report=False)
+        res = run(
+            gqa_decode_rank,
+            6,
+            fn_kwargs=demo_kwargs(gqa_decode_rank, dict(seq_lens=(L, L))),
+            report=False,
+        )
         _check(res)
         sent.append([c.bytes_sent for c in res.traces[0]])
     assert sent[0] == sent[1] == sent[2]
@@ -119,13 +132,16 @@ def test_float32_inputs():
     res = run(
         gqa_decode_rank,
         4,
-        fn_kwargs=dict(
-            tensor_parallel_size=4,
-            decode_context_parallel_size=4,
-            num_q_heads=8,
-            num_kv_heads=1,
-            seq_lens=(300, 3),
-            dtype="float32",
+        fn_kwargs=demo_kwargs(
+            gqa_decode_rank,
+            dict(
+                tensor_parallel_size=4,
+                decode_context_parallel_size=4,
+                num_q_heads=8,
+                num_kv_heads=1,
+                seq_lens=(300, 3),
+                dtype="float32",
+            ),
         ),
         report=False,
     )
@@ -307,7 +323,7 @@ def test_invalid_layouts_rejected_before_any_collective():
     ]
     for kwargs, rule in zip(bad, rules):
         with pytest.raises(ConfigError) as e:
-            gqa_decode_rank(ctx, **kwargs)
+            gqa_decode_rank(ctx, **demo_kwargs(gqa_decode_rank, kwargs))
         assert e.value.rule == rule
     assert len(ctx.trace) == 0
 
@@ -324,11 +340,8 @@ def test_dcp_group_must_share_one_kv_head():
         )
     ctx = RankContext(0, 12, "inline", torch.device("cpu"))
     with pytest.raises(ConfigError, match="gqa-dcp-group-shares-kv-head"):
-        gqa_decode_rank(
-            ctx,
-            tensor_parallel_size=12,
-            decode_context_parallel_size=4,
-            num_q_heads=24,
-            num_kv_heads=2,
+        flat = dict(
+            tensor_parallel_size=12, decode_context_parallel_size=4, num_q_heads=24, num_kv_heads=2
         )
+        gqa_decode_rank(ctx, **demo_kwargs(gqa_decode_rank, flat))
     assert len(ctx.trace) == 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 import subprocess
 import sys
@@ -10,7 +11,7 @@ import sys
 import pytest
 
 from cpbook.__main__ import main
-from cpbook.demos import DEMOS, demo_params, get_demo, parse_params
+from cpbook.demos import DEMOS, demo_kwargs, demo_params, get_demo, parse_params
 from cpbook.demos.ch09_engine import vllm_runs_layout
 from cpbook.engine.config import RunnerConfig
 
@@ -61,8 +62,11 @@ def test_debug_shows_the_traceback():
 
 def test_params_are_parsed_against_the_signature():
     fn = get_demo("pcp")
-    kw = parse_params(fn, ["seq_lens=8,3", "tensor_parallel_size=2", "layout=striped"])
-    assert kw == {"seq_lens": (8, 3), "tensor_parallel_size": 2, "layout": "striped"}
+    kw = parse_params(fn, ["seq_lens=8,3", "tensor_parallel_size=2", "partition=striped"])
+    default = inspect.signature(fn).parameters["parallel_config"].default
+    config = dataclasses.replace(default, tensor_parallel_size=2)  # the config's fields, flat
+    assert demo_params(fn)["tensor_parallel_size"] == (int, 1)
+    assert kw == {"seq_lens": (8, 3), "parallel_config": config, "partition": "striped"}
     assert parse_params(get_demo("merge"), ["seed=-1"]) == {"seed": -1}
 
 
@@ -126,3 +130,15 @@ def test_vllm_runs_layout_follows_pcp_managers_model_rules():
     assert not vllm_runs_layout("tiny-gqa", 1, 2)  # GQA under PCP
     assert vllm_runs_layout("tiny-mla", 1, 2)  # dense MLA, PCP alone
     assert not vllm_runs_layout("tiny-mla", 2, 2)  # dense MLA, PCP x DCP
+
+
+def test_flat_parameters_build_the_config_objects():
+    """The CLI's flat vLLM names land in the rank function's config objects; a field two
+    configs share (``dcp_comm_backend``) sets both; an invalid config fails as it is built."""
+    fn = get_demo("chunked")
+    kw = demo_kwargs(fn, {"dcp_comm_backend": "ag_rs", "strategy": "allgather_q", "seed": 3})
+    assert kw["parallel_config"].dcp_comm_backend == kw["prefill_config"].dcp_comm_backend
+    assert kw["prefill_config"].strategy == "allgather_q" and kw["seed"] == 3
+    assert demo_kwargs(fn, {}) == {}
+    with pytest.raises(ValueError, match=r"^\[pcp-dcp-combination\]"):
+        demo_kwargs(fn, {"prefill_context_parallel_size": 3})

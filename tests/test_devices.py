@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from cpbook.core.launch import run
-from cpbook.demos import get_demo
+from cpbook.demos import demo_kwargs, get_demo
 from cpbook.demos.ch09_engine import grid_runs, run_world, serve_grid_rank
 from cpbook.engine.engine import serve_rank
 from tests.device_sim import DEVICE, DeviceLog, simulated_devices, tagged
@@ -46,8 +46,21 @@ DEMO_CASES = [
     ("ring", 3, {}),
     ("ring", 3, {"mode": "pass_q"}),
     ("tpa", 4, {}),
-    ("tpa", 4, {"mode": "standard", "attention": "mla"}),
-    ("tpa", 4, {"attention": "mla"}),
+    (
+        "tpa",
+        4,
+        {"use_mla": True, "num_kv_heads": 1, "tensor_parallel_size_attention": None},
+    ),  # MLA without TPA
+    (
+        "tpa",
+        4,
+        {
+            "use_mla": True,
+            "num_kv_heads": 1,
+            "tensor_parallel_size_attention": None,
+            "dcp_q_replicate": True,
+        },
+    ),
     ("migrate", 4, {}),
     ("migrate", 4, {"src_context_parallel_size": 4, "decode_context_parallel_size": 2}),
     ("engine", 1, {"workload": {"num_requests": 3, "max_new_tokens": 3}}),
@@ -69,7 +82,8 @@ def on_device(fn, world: int, **kwargs):
 
 @pytest.mark.parametrize(("name", "world", "params"), DEMO_CASES)
 def test_demo_runs_on_the_device(name, world, params):
-    res, log = on_device(get_demo(name), world, **params)
+    fn = get_demo(name)
+    res, log = on_device(fn, world, **demo_kwargs(fn, params))
     assert not rejected(log), f"{name} {params} on {world} ranks:\n{rejected(log)}"
     bound = 1e-4 if params.get("dtype") == "float32" else 1e-10
     assert all(r.get("max_abs_err", 0.0) <= bound for r in res)

@@ -57,7 +57,7 @@ def test_tp_and_pcp_groups_and_coords():
 def test_bad_grids():
     with pytest.raises(ConfigError, match="grid-dcp-divides-world"):
         RankGrid(3, 1, 2)
-    with pytest.raises(ConfigError, match="grid-layout"):
+    with pytest.raises(ConfigError, match="group-order"):
         RankGrid(2, 1, 1, "v9")
     with pytest.raises(ValueError, match="group-kind"):
         RankGrid(2).groups("ep")

@@ -8,9 +8,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cpbook.core.launch import run
+from cpbook.demos import demo_kwargs
 from cpbook.demos.ch02_kvcache import kvcache_rank
 from cpbook.kv.layout import (
     PAD_SLOT_ID,
+    DCPShard,
     block_fill,
     local_positions,
     local_seq_len,
@@ -129,9 +131,7 @@ def test_slots_unique_dense_and_inside_request_blocks(layout):
     mine = slots[slots != PAD_SLOT_ID]
     assert mine.unique().numel() == mine.numel()
     assert torch.isin(torch.div(mine, bs, rounding_mode="floor"), table).all()
-    cache = PagedKVCache(
-        int(table.max()) + 1 if n else 1, bs, 1, 1, dcp=dcp, dcp_rank=r, interleave=inter
-    )
+    cache = PagedKVCache(int(table.max()) + 1 if n else 1, bs, 1, 1, shard=DCPShard(dcp, r, inter))
     assert torch.equal(
         mine, cache.local_slots(table, n)
     )  # position order == slot order, blocks filled densely
@@ -157,7 +157,7 @@ def test_write_then_read_reconstructs_exactly(layout, mla):
     )
     for r in range(dcp):
         cache = PagedKVCache(
-            num_blocks, bs, heads, dim, 0 if mla else 4, dcp=dcp, dcp_rank=r, interleave=inter
+            num_blocks, bs, heads, dim, 0 if mla else 4, shard=DCPShard(dcp, r, inter)
         )
         assert cache.write(k, v, cache.slot_mapping(torch.arange(n), table)) == local_seq_len(
             n, dcp, r, inter
@@ -221,7 +221,14 @@ def test_bad_input_names_the_rule(call, rule):
     ],
 )
 def test_reconstruction_on_ranks(backend, world, kwargs):
-    res = run(kvcache_rank, world, backend, kwargs, dist_backend="gloo", report=False)
+    res = run(
+        kvcache_rank,
+        world,
+        backend,
+        demo_kwargs(kvcache_rank, kwargs),
+        dist_backend="gloo",
+        report=False,
+    )
     n = kwargs["seq_len"]
     assert all(r["each_once"] and r["max_abs_err"] == 0.0 for r in res)
     assert sum(r["tokens"] for r in res) == n

@@ -7,9 +7,11 @@ import pytest
 import torch
 
 from cpbook.core.attention import dense_attention
+from cpbook.core.comm import comm_bytes
 from cpbook.core.config import ConfigError
 from cpbook.core.launch import run
-from cpbook.dcp.mla import TinyMLA, crossover_context_len, kv_move_bytes, q_move_bytes
+from cpbook.dcp.mla import MLAWeights, crossover_context_len, kv_move_bytes, q_move_bytes
+from cpbook.demos import demo_kwargs
 from cpbook.demos.ch03_decode import mla_context_rank, mla_decode_rank
 from cpbook.kv.gather import context_chunk_len, context_gather_comm_bytes, reorg_kvcache
 from tests.rank_fns import in_sequence
@@ -23,7 +25,7 @@ def _check(res):
 
 
 def test_absorbed_form_equals_mha_form():
-    mla = TinyMLA.random(num_heads=4, seed=3)
+    mla = MLAWeights.random(num_q_heads=4, seed=3)
     g = torch.Generator().manual_seed(4)
     qn = torch.randn(2, 4, 16, generator=g, dtype=torch.float64)
     qp = torch.randn(2, 4, 8, generator=g, dtype=torch.float64)
@@ -60,7 +62,7 @@ def _cases(n, seed=0):
         yield dict(
             tensor_parallel_size=tp,
             decode_context_parallel_size=dcp,
-            num_heads=tp * rng.choice([1, 2]),
+            num_q_heads=tp * rng.choice([1, 2]),
             block_size=block,
             cp_kv_cache_interleave_size=interleave,
             seed=rng.randint(0, 2**31),
@@ -92,7 +94,9 @@ def test_decode_and_context_exact_and_bytes_match_formula(case):
         run(
             mla_decode_rank,
             world,
-            fn_kwargs=dict(seq_lens=tuple(lens), dcp_comm_backend=backend, **case),
+            fn_kwargs=demo_kwargs(
+                mla_decode_rank, dict(seq_lens=tuple(lens), dcp_comm_backend=backend, **case)
+            ),
             report=False,
         )
     )
@@ -100,7 +104,7 @@ def test_decode_and_context_exact_and_bytes_match_formula(case):
         x - 1 if i % 2 else x for i, x in enumerate(lens)
     )  # some requests without context
     kw = dict(context_lens=ctx_lens, query_lens=tuple(qlens), workspace_size=ws, **case)
-    res = run(mla_context_rank, world, fn_kwargs=kw, report=False)
+    res = run(mla_context_rank, world, fn_kwargs=demo_kwargs(mla_context_rank, kw), report=False)
     _check(res)
     assert all(rows <= ws for rows in res[0]["stats"]["rows_per_chunk"])
 
@@ -114,22 +118,21 @@ def test_workspace_too_small_is_rejected():
 def test_measured_crossover_matches_formula():
     """Per rank, one decode token: moving Q costs a fixed amount; moving the latent context KV
     grows with L.  The first context length where KV costs more is the analytic crossover."""
-    kw = dict(tensor_parallel_size=4, decode_context_parallel_size=4, num_heads=8)
-    dec = run(mla_decode_rank, 4, fn_kwargs=dict(seq_lens=(64,), **kw), report=False)
-    q_bytes = sum(b for _, b in dec[0]["comm"])
+    kw = dict(tensor_parallel_size=4, decode_context_parallel_size=4, num_q_heads=8)
+    dec = run(
+        mla_decode_rank,
+        4,
+        fn_kwargs=demo_kwargs(mla_decode_rank, dict(seq_lens=(64,), **kw)),
+        report=False,
+    )
+    q_bytes = comm_bytes(dec[0]["comm"])
     assert q_bytes == q_move_bytes(1, 2, 32, 8, 4, elem_bytes=8, lse_bytes=8)
     measured = None
     for ctx_len in range(1, 40):
-        kv = sum(
-            b
-            for _, b in run(
-                mla_context_rank,
-                4,
-                fn_kwargs=dict(context_lens=(ctx_len,), query_lens=(1,), workspace_size=256, **kw),
-                report=False,
-            )[0]["comm"]
-        )
-        assert kv == sum(b for _, b in context_gather_comm_bytes((ctx_len,), 256, 4, 1, 40))
+        flat = dict(context_lens=(ctx_len,), query_lens=(1,), workspace_size=256, **kw)
+        res = run(mla_context_rank, 4, fn_kwargs=demo_kwargs(mla_context_rank, flat), report=False)
+        kv = comm_bytes(res[0]["comm"])
+        assert kv == comm_bytes(context_gather_comm_bytes((ctx_len,), 256, 4, 1, 40))
         if kv > q_bytes:
             measured = ctx_len
             break

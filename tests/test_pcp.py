@@ -8,8 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cpbook.core.attention import dense_attention, rope
+from cpbook.core.comm import comm_bytes
 from cpbook.core.groups import RankGrid
 from cpbook.core.launch import run
+from cpbook.demos import demo_kwargs
 from cpbook.demos.ch04_pcp import pcp_prefill_rank
 from cpbook.pcp.prefill import (
     pcp_comm_bytes,
@@ -18,7 +20,7 @@ from cpbook.pcp.prefill import (
     pcp_shard,
 )
 from cpbook.pcp.zigzag import (
-    PARTITION_LAYOUTS,
+    PARTITIONS,
     PCPPartition,
     causal_pairs,
     causal_work,
@@ -56,9 +58,9 @@ lens_st = st.lists(st.integers(1, 96), min_size=1, max_size=3)
 
 
 @settings(max_examples=600, deadline=None)
-@given(lens=lens_st, pcp=st.integers(1, 8), layout=st.sampled_from(PARTITION_LAYOUTS))
-def test_partition_properties(lens, pcp, layout):
-    part = pcp_partition(lens, pcp, layout)
+@given(lens=lens_st, pcp=st.integers(1, 8), partition=st.sampled_from(PARTITIONS))
+def test_partition_properties(lens, pcp, partition):
+    part = pcp_partition(lens, pcp, partition)
     offs = [0]
     for n in part.padded_lens:
         offs.append(offs[-1] + n)
@@ -90,7 +92,7 @@ def test_partition_properties(lens, pcp, layout):
     # causal work: totals are the full triangle; zigzag balanced up to the padding rows
     work = part.work()
     assert sum(work) == sum(n * (n + 1) // 2 for n in lens)
-    if layout == "zigzag":
+    if partition == "zigzag":
         pad_rows = sum(
             causal_pairs(n, n + pad, n + pad) for n, pad in zip(part.seq_lens, part.pads)
         )
@@ -125,7 +127,7 @@ def test_bad_inputs():
         pcp_partition([8, 0], 2)
     with pytest.raises(ValueError, match="pcp-size"):
         pcp_partition(8, 0)
-    with pytest.raises(ValueError, match="pcp-layout"):
+    with pytest.raises(ValueError, match="pcp-partition"):
         pcp_partition(8, 2, "ring")
     with pytest.raises(ValueError, match="pcp-rank"):
         pcp_partition(8, 2).metadata(2)
@@ -134,7 +136,7 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="pcp-local-rows"):
         m = pcp_partition(8, 2).metadata(0)
         pcp_local_attention(torch.zeros(3, 2, 4), torch.zeros(8, 2, 4), torch.zeros(8, 2, 4), m)
-    assert PCPPartition((5,), 2).layout == "zigzag"
+    assert PCPPartition((5,), 2).partition == "zigzag"
 
 
 # ------------------------------------------------------------------ RoPE and local attention
@@ -158,15 +160,15 @@ def test_rope_depends_on_relative_position_only():
     )
 
 
-@pytest.mark.parametrize("layout", PARTITION_LAYOUTS)
+@pytest.mark.parametrize("partition", PARTITIONS)
 @pytest.mark.parametrize("lens,pcp", [((37, 64), 2), ((13,), 3), ((1, 9, 30), 4)])
-def test_local_attention_matches_dense(layout, lens, pcp):
+def test_local_attention_matches_dense(partition, lens, pcp):
     """All ranks' attention to the full, ordered keys vs dense."""
     g = torch.Generator().manual_seed(2)
     n = sum(lens)
     q = torch.randn(n, 4, 8, generator=g, dtype=torch.float64)
     k, v = (torch.randn(n, 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
-    part = pcp_partition(lens, pcp, layout)
+    part = pcp_partition(lens, pcp, partition)
     cu = part.metadata(0).cu_seq_lens
     ref = torch.cat(
         [dense_attention(q[a:b], k[a:b], v[a:b], causal=True)[0] for a, b in zip(cu, cu[1:])]
@@ -187,18 +189,18 @@ def _check(res):
         assert r["comm"] == r["expected"] and r["restore_comm"] == r["restore_expected"]
 
 
-@pytest.mark.parametrize("layout", PARTITION_LAYOUTS)
+@pytest.mark.parametrize("partition", PARTITIONS)
 @pytest.mark.parametrize(
     "world,tp,lens",
     [(2, 1, (37, 64)), (3, 1, (50, 7, 1)), (4, 1, (1, 23)), (4, 2, (45, 16)), (8, 2, (31, 5))],
 )
-def test_pcp_prefill_inline(world, tp, lens, layout):
-    kw = dict(seq_lens=lens, tensor_parallel_size=tp, layout=layout)
-    res = run(pcp_prefill_rank, world, fn_kwargs=kw, report=False)
+def test_pcp_prefill_inline(world, tp, lens, partition):
+    kw = dict(seq_lens=lens, tensor_parallel_size=tp, partition=partition)
+    res = run(pcp_prefill_rank, world, fn_kwargs=demo_kwargs(pcp_prefill_rank, kw), report=False)
     _check(res)
     pcp = world // tp
     assert [r["work"] for r in res] == [
-        w for w in causal_work(lens, pcp, layout) for _ in range(tp)
+        w for w in causal_work(lens, pcp, partition) for _ in range(tp)
     ]
     # every collective is an all-gather in a PCP group: K and V per layer, the output once (restore)
     assert {(op, g) for op, g in res.traces[0].summary()} == {("all_gather", "pcp")}
@@ -218,20 +220,16 @@ def test_pcp_prefill_random_shapes(lens, pcp, kv, seed):
     kw = dict(
         seq_lens=tuple(lens), num_q_heads=4, num_kv_heads=kv, head_dim=8, hidden_size=16, seed=seed
     )
-    _check(run(pcp_prefill_rank, pcp, fn_kwargs=kw, report=False))
+    _check(run(pcp_prefill_rank, pcp, fn_kwargs=demo_kwargs(pcp_prefill_rank, kw), report=False))
 
 
 def test_all_gather_bytes():
     kw = dict(seq_lens=(10,), num_q_heads=4, num_kv_heads=2, head_dim=8, hidden_size=16)
-    res = run(pcp_prefill_rank, 2, fn_kwargs=kw, report=False)
+    res = run(pcp_prefill_rank, 2, fn_kwargs=demo_kwargs(pcp_prefill_rank, kw), report=False)
     rows = padded_len(10, 2) // 2
     kv_bytes = rows * 2 * (8 + 8) * 8  # rows x kv heads x (k dim + v dim) x float64, per layer
     out_bytes = rows * 4 * 8 * 8  # rows x q heads x v dim, once per forward (restore)
-    assert (
-        sum(b for _, b in res[0]["comm"])
-        == kv_bytes
-        == sum(b for _, b in pcp_comm_bytes(rows, 2, 8, 2))
-    )
+    assert comm_bytes(res[0]["comm"]) == kv_bytes == comm_bytes(pcp_comm_bytes(rows, 2, 8, 2))
     assert (
         pcp_restore_bytes(rows, 4 * 8 * 8, 2)
         == res[0]["restore_comm"]
@@ -242,14 +240,23 @@ def test_all_gather_bytes():
 
 @pytest.mark.torchrun
 def test_pcp_prefill_torchrun():
-    kw = dict(seq_lens=(45, 16, 1), tensor_parallel_size=2, layout="contiguous")
-    _check(run(pcp_prefill_rank, 4, "torchrun", kw, dist_backend="gloo", report=False))
+    kw = dict(seq_lens=(45, 16, 1), tensor_parallel_size=2, partition="contiguous")
+    _check(
+        run(
+            pcp_prefill_rank,
+            4,
+            "torchrun",
+            demo_kwargs(pcp_prefill_rank, kw),
+            dist_backend="gloo",
+            report=False,
+        )
+    )
     _check(
         run(
             pcp_prefill_rank,
             3,
             "torchrun",
-            dict(seq_lens=(50, 7)),
+            demo_kwargs(pcp_prefill_rank, dict(seq_lens=(50, 7))),
             dist_backend="gloo",
             report=False,
         )

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from cpbook.core.launch import run
+from cpbook.demos import demo_kwargs
 from cpbook.demos.ch05_chunked import ring_prefill_rank
 from cpbook.pcp.ring import ring_attention
 from cpbook.pcp.ring_plan import RingLayout, choose_ring_mode
@@ -37,15 +38,18 @@ def test_exact_bytes_and_work(case, mode):
         ring_prefill_rank,
         pcp * tp,
         report=False,
-        fn_kwargs=dict(
-            seq_lens=lens,
-            context_lens=ctx,
-            tensor_parallel_size=tp,
-            num_q_heads=hq,
-            num_kv_heads=hkv,
-            mode=mode,
-            cp_kv_cache_interleave_size=inter,
-            seed=pcp + len(lens),
+        fn_kwargs=demo_kwargs(
+            ring_prefill_rank,
+            dict(
+                seq_lens=lens,
+                context_lens=ctx,
+                tensor_parallel_size=tp,
+                num_q_heads=hq,
+                num_kv_heads=hkv,
+                mode=mode,
+                cp_kv_cache_interleave_size=inter,
+                seed=pcp + len(lens),
+            ),
         ),
     )
     for r in res:
@@ -86,7 +90,9 @@ def test_random_batches(seed):
             cp_kv_cache_interleave_size=[1, 2, 4][draw(0, 2)],
             seed=seed,
         )
-        res = run(ring_prefill_rank, pcp, report=False, fn_kwargs=kw)
+        res = run(
+            ring_prefill_rank, pcp, report=False, fn_kwargs=demo_kwargs(ring_prefill_rank, kw)
+        )
         assert all(r["max_abs_err"] <= 1e-10 and r["comm"] == r["expected"] for r in res)
         assert sum(r["work"] for r in res) == _pairs(lens, ctx)
 
@@ -100,7 +106,9 @@ def test_zigzag_needs_one_call_per_step(pcp):
             ring_prefill_rank,
             pcp,
             report=False,
-            fn_kwargs=dict(seq_lens=(16 * pcp,), context_lens=(0,), mode=mode),
+            fn_kwargs=demo_kwargs(
+                ring_prefill_rank, dict(seq_lens=(16 * pcp,), context_lens=(0,), mode=mode)
+            ),
         )
         assert [r["kernel_calls"] for r in res] == [pcp] * pcp
         assert len({r["work"] for r in res}) == 1  # balanced
@@ -116,7 +124,12 @@ def test_pass_q_moves_less_with_a_high_hit_rate_and_few_kv_heads():
     sent = {
         m: sum(
             r["bytes_sent"]
-            for r in run(ring_prefill_rank, 4, report=False, fn_kwargs=dict(kw, mode=m))
+            for r in run(
+                ring_prefill_rank,
+                4,
+                report=False,
+                fn_kwargs=demo_kwargs(ring_prefill_rank, dict(kw, mode=m)),
+            )
         )
         for m in ("pass_kv", "pass_q")
     }
@@ -127,7 +140,9 @@ def test_pass_q_moves_less_with_a_high_hit_rate_and_few_kv_heads():
             ring_prefill_rank,
             4,
             report=False,
-            fn_kwargs=dict(kw, context_lens=(0,), seq_lens=(256,), mode=m),
+            fn_kwargs=demo_kwargs(
+                ring_prefill_rank, dict(kw, context_lens=(0,), seq_lens=(256,), mode=m)
+            ),
         )
         for m in ("pass_kv", "pass_q")
     }
@@ -143,7 +158,10 @@ def test_ring_holds_less_than_an_all_gather():
         ring_prefill_rank,
         4,
         report=False,
-        fn_kwargs=dict(seq_lens=(256,), context_lens=(0,), num_q_heads=4, num_kv_heads=4),
+        fn_kwargs=demo_kwargs(
+            ring_prefill_rank,
+            dict(seq_lens=(256,), context_lens=(0,), num_q_heads=4, num_kv_heads=4),
+        ),
     )
     block = 2 * 4 * 16 * 8 * 64  # K and V, 4 heads, D 16, float64, 64 rows per rank
     for r in res:
@@ -206,12 +224,13 @@ def test_bad_input_fails_before_any_collective(case, rule):
         (dict(context_lens=(-1, 0)), "ring-context-lens"),
         (dict(mode="ring"), "ring-mode"),
         (dict(seq_lens=(0, 3)), "pcp-seq-lens"),
-        (dict(tensor_parallel_size=3), "world-divisible-by-tp"),
+        (dict(tensor_parallel_size=3, num_q_heads=12, num_kv_heads=3), "world-divisible-by-tp"),
     ],
 )
 def test_bad_config_names_the_rule(kwargs, rule):
-    with pytest.raises(RuntimeError, match=rf"\[{rule}\] requires"):
-        run(ring_prefill_rank, 2, report=False, fn_kwargs=kwargs)
+    """Rejected as the config is built (ValueError) or on the ranks before any collective."""
+    with pytest.raises((RuntimeError, ValueError), match=rf"\[{rule}\] requires"):
+        run(ring_prefill_rank, 2, report=False, fn_kwargs=demo_kwargs(ring_prefill_rank, kwargs))
 
 
 def test_meta_rule_boundaries():

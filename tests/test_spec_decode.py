@@ -24,7 +24,7 @@ from cpbook.engine.spec_decode import (
     first_layer_drafter,
     greedy_accept,
 )
-from cpbook.kv.layout import local_seq_len
+from cpbook.kv.layout import DCPShard, local_seq_len
 from cpbook.kv.manager import KVCacheManager
 from cpbook.kv.paged import PagedKVCache
 from tests.test_engine import references, sizes
@@ -91,10 +91,7 @@ def test_rollback_leaves_exactly_the_accepted_tokens(dcp, interleave, steps):
     every prefix-cache entry names a block whose tokens are all accepted."""
     bs = 2
     kv = KVCacheManager(64, bs, dcp, interleave, enable_prefix_caching=True)
-    caches = [
-        PagedKVCache(64, bs, 1, 1, 0, dcp=dcp, dcp_rank=r, interleave=interleave)
-        for r in range(dcp)
-    ]
+    caches = [PagedKVCache(64, bs, 1, 1, 0, shard=DCPShard(dcp, r, interleave)) for r in range(dcp)]
     tokens = {"x": [1, 2, 3], "y": [4, 5, 6, 7, 8]}  # no shared prefix: ids unshared
 
     def value(pos: int, tok: int) -> float:

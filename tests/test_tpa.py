@@ -8,6 +8,7 @@ from cpbook.core.config import ConfigError, ParallelConfig
 from cpbook.core.heads import attention_kv_heads, q_proj_heads, tpa_config
 from cpbook.core.launch import run
 from cpbook.dcp.tpa import tpa_costs
+from cpbook.demos import demo_kwargs
 from cpbook.demos.ch06_tpa import tpa_rank
 from tests.rank_fns import in_sequence
 
@@ -25,9 +26,13 @@ CASES = [(a, tp, dcp, q, kv, m) for a, tp, dcp, q, kv, modes in LAYOUTS for m in
 
 
 def _kw(attention, tp, dcp, q, kv, mode, **extra):
+    """``tpa_rank``'s flat (CLI) parameters: TPA is the config's ``tensor_parallel_size_attention``
+    (GQA) or ``dcp_q_replicate`` (MLA)."""
+    tpa, mla = mode == "tpa", attention == "mla"
     return dict(
-        mode=mode,
-        attention=attention,
+        use_mla=mla,
+        tensor_parallel_size_attention=tp // dcp if tpa and not mla else None,
+        dcp_q_replicate=tpa and mla,
         tensor_parallel_size=tp,
         decode_context_parallel_size=dcp,
         num_q_heads=q,
@@ -52,22 +57,16 @@ def test_block_is_exact_and_bytes_match(attention, tp, dcp, q, kv, mode, backend
         cp_kv_cache_interleave_size=2,
         dcp_comm_backend=backend,
     )
-    res = run(tpa_rank, tp, fn_kwargs=kw, report=False)
+    res = run(tpa_rank, tp, fn_kwargs=demo_kwargs(tpa_rank, kw), report=False)
     assert max(r["max_abs_err"] for r in res) <= 1e-10
     assert all(r["comm"] == r["expected"] for r in res)
 
 
 @pytest.mark.parametrize("attention", ["gqa", "mla"])
 def test_tpa_has_exactly_one_all_gather_fewer(attention):
-    kw = dict(
-        attention=attention,
-        tensor_parallel_size=4,
-        decode_context_parallel_size=2,
-        num_q_heads=8,
-        num_kv_heads=2 if attention == "gqa" else 1,
-    )
-    std = run(tpa_rank, 4, fn_kwargs=dict(mode="standard", **kw), report=False)
-    tpa = run(tpa_rank, 4, fn_kwargs=dict(mode="tpa", **kw), report=False)
+    kv = 2 if attention == "gqa" else 1
+    std = run(tpa_rank, 4, fn_kwargs=demo_kwargs(tpa_rank, _kw(attention, 4, 2, 8, kv, "no")))
+    tpa = run(tpa_rank, 4, fn_kwargs=demo_kwargs(tpa_rank, _kw(attention, 4, 2, 8, kv, "tpa")))
     for s, t in zip(std.traces, tpa.traces):
         assert s.count("all_gather") - t.count("all_gather") == 1
         assert [r.op for r in s][1:] == [r.op for r in t]  # the query all-gather is the first
@@ -79,7 +78,7 @@ def test_heads_and_costs():
         tensor_parallel_size=4, decode_context_parallel_size=2, num_q_heads=8, num_kv_heads=2
     )
     tpa = tpa_config(
-        "tpa", tensor_parallel_size=4, decode_context_parallel_size=2, num_q_heads=8, num_kv_heads=2
+        True, tensor_parallel_size=4, decode_context_parallel_size=2, num_q_heads=8, num_kv_heads=2
     )
     assert tpa.tensor_parallel_size_attention == 2
     assert [q_proj_heads(std, r) for r in range(4)] == [slice(2 * r, 2 * r + 2) for r in range(4)]
@@ -234,11 +233,11 @@ def test_vllm_tpa_examples_are_valid():
     )
 
 
-def test_bad_mode_before_any_collective():
-    with pytest.raises(RuntimeError, match=r"\[tpa-mode\]"):
+def test_bad_tpa_config_before_any_collective():
+    with pytest.raises(ConfigError, match=r"\[tpa-divides-tp\]"):
+        flat = dict(tensor_parallel_size=2, decode_context_parallel_size=2)
         run(
             tpa_rank,
             2,
-            fn_kwargs=dict(mode="fast", tensor_parallel_size=2, decode_context_parallel_size=2),
-            report=False,
+            fn_kwargs=demo_kwargs(tpa_rank, {**flat, "tensor_parallel_size_attention": 3}),
         )

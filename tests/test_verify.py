@@ -6,10 +6,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cpbook.core.config import ConfigError
+from cpbook.core.config import ConfigError, ParallelConfig
 from cpbook.core.launch import run
 from cpbook.dcp.draft_placement import draft_comm_bytes, draft_kv_rows
 from cpbook.dcp.verify import verify_comm_bytes, verify_key_counts
+from cpbook.demos import demo_kwargs
 from cpbook.demos.ch10_spec import draft_placement_rank, spec_verify_rank
 from cpbook.kv.layout import local_seq_len, token_owner
 from tests.rank_fns import in_sequence
@@ -38,15 +39,18 @@ def test_verification_equals_dense_attention(mla, backend, interleave, dcp, reqs
     res = run(
         spec_verify_rank,
         4,
-        fn_kwargs=dict(
-            use_mla=mla,
-            num_kv_heads=1 if mla or dcp == 4 else 2,
-            decode_context_parallel_size=dcp,
-            context_lens=[c for c, _ in reqs],
-            num_speculative_tokens=[k for _, k in reqs],
-            block_size=4,
-            cp_kv_cache_interleave_size=interleave,
-            dcp_comm_backend=backend,
+        fn_kwargs=demo_kwargs(
+            spec_verify_rank,
+            dict(
+                use_mla=mla,
+                num_kv_heads=1 if mla or dcp == 4 else 2,
+                decode_context_parallel_size=dcp,
+                context_lens=[c for c, _ in reqs],
+                num_speculative_tokens=[k for _, k in reqs],
+                block_size=4,
+                cp_kv_cache_interleave_size=interleave,
+                dcp_comm_backend=backend,
+            ),
         ),
         report=False,
     )
@@ -75,8 +79,18 @@ def test_bytes_grow_with_k_plus_1_not_with_context():
     four = verify_comm_bytes([3], 2, 16, 16, 4)
     assert [b for _, b in four] == [4 * b for _, b in one]
     assert verify_comm_bytes([3, 1], 2, 16, 16, 4, "a2a")[1] == ("all_to_all", 6 * 2 * 17 * 8 * 3)
-    a = run(spec_verify_rank, 4, fn_kwargs=dict(context_lens=(5, 5, 5)), report=False)
-    b = run(spec_verify_rank, 4, fn_kwargs=dict(context_lens=(90, 40, 61)), report=False)
+    a = run(
+        spec_verify_rank,
+        4,
+        fn_kwargs=demo_kwargs(spec_verify_rank, dict(context_lens=(5, 5, 5))),
+        report=False,
+    )
+    b = run(
+        spec_verify_rank,
+        4,
+        fn_kwargs=demo_kwargs(spec_verify_rank, dict(context_lens=(90, 40, 61))),
+        report=False,
+    )
     assert a[0]["comm"] == b[0]["comm"]
 
 
@@ -87,7 +101,12 @@ def test_verify_errors_name_the_rule():
 
 @pytest.mark.parametrize("placement", ["replicated", "sharded"])
 def test_draft_placement_traced_equals_formula(placement):
-    res = run(draft_placement_rank, 2, fn_kwargs=dict(placement=placement), report=False)
+    res = run(
+        draft_placement_rank,
+        2,
+        fn_kwargs=demo_kwargs(draft_placement_rank, dict(placement=placement)),
+        report=False,
+    )
     _check(res)
     held = [r["rows_held"] for r in res]
     if placement == "replicated":
@@ -100,8 +119,11 @@ def test_draft_placement_traced_equals_formula(placement):
 def test_draft_placement_formulas():
     assert draft_kv_rows("replicated", 1000, 8, 3) == 1000
     assert draft_kv_rows("sharded", 1000, 8, 3) == 125
-    assert draft_comm_bytes("replicated", 4, 3, 2, 16, 16, 8) == []
-    assert len(draft_comm_bytes("sharded", 4, 3, 2, 16, 16, 8, num_layers=2)) == 18
+    cfg = ParallelConfig(
+        tensor_parallel_size=8, decode_context_parallel_size=8, num_q_heads=16, num_kv_heads=1
+    )  # 2 query heads per rank, DCP 8
+    assert draft_comm_bytes("replicated", 4, 3, cfg, 16, 16) == []
+    assert len(draft_comm_bytes("sharded", 4, 3, cfg, 16, 16, num_layers=2)) == 18
     with pytest.raises(ConfigError, match=r"\[draft-placement\]"):
         draft_kv_rows("mirrored", 10, 2, 0)
 

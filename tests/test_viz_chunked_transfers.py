@@ -12,6 +12,7 @@ import pytest  # noqa: E402
 from matplotlib.patches import FancyArrowPatch  # noqa: E402
 
 from cpbook.core.launch import run  # noqa: E402
+from cpbook.demos import demo_kwargs
 from cpbook.demos.ch05_chunked import chunked_prefill_rank  # noqa: E402
 from cpbook.pcp.chunked_plan import STRATEGIES, chunked_comm_bytes  # noqa: E402
 from cpbook.viz.chunked_transfers import transfer_steps, transfers_figure  # noqa: E402
@@ -37,7 +38,10 @@ def traces():
         st: [
             x["comm"]
             for x in run(
-                chunked_prefill_rank, 2, report=False, fn_kwargs=dict(EXAMPLE, strategy=st)
+                chunked_prefill_rank,
+                2,
+                report=False,
+                fn_kwargs=demo_kwargs(chunked_prefill_rank, dict(EXAMPLE, strategy=st)),
             )
         ]
         for st in STRATEGIES
@@ -58,9 +62,9 @@ def test_steps_name_every_collective_of_the_trace(traces):
     ]
     # the bytes are the trace's, which equal the formula
     for st, steps in (("allgather_q", q), ("allgather_kv", kv)):
-        kw = {k: v for k, v in EXAMPLE.items() if k not in ("context_lens", "query_lens")}
-        kw.pop("block_size")
-        expected = chunked_comm_bytes(st, (12,), (8,), **kw)
+        kw = demo_kwargs(chunked_prefill_rank, dict(EXAMPLE, strategy=st))
+        ws = kw["prefill_config"].workspace_size
+        expected = chunked_comm_bytes(st, (12,), (8,), kw["parallel_config"], workspace_size=ws)
         assert [(s.op, s.bytes) for s in steps] == expected
 
 

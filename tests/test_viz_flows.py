@@ -15,6 +15,7 @@ import pytest  # noqa: E402
 from cpbook.core.config import ParallelConfig  # noqa: E402
 from cpbook.core.launch import run  # noqa: E402
 from cpbook.costmodel import MODELS  # noqa: E402
+from cpbook.demos import demo_kwargs
 from cpbook.demos.ch03_decode import mla_decode_rank  # noqa: E402
 from cpbook.demos.ch09_engine import engine_step_rank  # noqa: E402
 from cpbook.viz.engine_step import comm_totals, engine_step_figure  # noqa: E402
@@ -30,7 +31,12 @@ def _texts(fig) -> list[str]:
 
 def test_mla_decode_flow_prints_the_runs_shapes_and_traced_bytes():
     seq_lens = (40, 5, 2)
-    res = run(mla_decode_rank, 4, report=False, fn_kwargs=dict(seq_lens=seq_lens))
+    res = run(
+        mla_decode_rank,
+        4,
+        report=False,
+        fn_kwargs=demo_kwargs(mla_decode_rank, dict(seq_lens=seq_lens)),
+    )
     fig = mla_decode_flow(list(res), res.traces, seq_lens)
     texts = "\n".join(_texts(fig))
     for stage in STAGES:

@@ -22,12 +22,15 @@ from typing import Sequence
 
 import torch
 
+from cpbook.core.errors import RuleError
+
 __all__ = [
     "dense_attention",
     "attention_with_lse",
     "merge_attn_states",
     "merge_attn_states_",
     "empty_attention",
+    "clean_lse",
     "rope",
     "merge_comm_bytes",
 ]
@@ -35,15 +38,21 @@ __all__ = [
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
-        raise ValueError(
-            f"[attention-shapes] requires 3-D [tokens, heads, dim] tensors; got "
-            f"q{tuple(q.shape)}, k{tuple(k.shape)}, v{tuple(v.shape)}"
+        raise RuleError(
+            "attention-shapes",
+            "3-D [tokens, heads, dim] tensors",
+            q=tuple(q.shape),
+            k=tuple(k.shape),
+            v=tuple(v.shape),
         )
     if k.shape[:2] != v.shape[:2] or q.shape[2] != k.shape[2] or q.shape[1] % k.shape[1]:
-        raise ValueError(
-            f"[attention-shapes] requires k, v with equal [tokens, heads], q/k equal "
-            f"head_dim and num_q_heads % num_kv_heads == 0; got q{tuple(q.shape)}, "
-            f"k{tuple(k.shape)}, v{tuple(v.shape)}"
+        raise RuleError(
+            "attention-shapes",
+            "k, v with equal [tokens, heads], q/k equal head_dim and "
+            "num_q_heads % num_kv_heads == 0",
+            q=tuple(q.shape),
+            k=tuple(k.shape),
+            v=tuple(v.shape),
         )
     return q.shape[1] // k.shape[1]
 
@@ -79,14 +88,14 @@ def dense_attention(
 
 
 def empty_attention(
-    q: torch.Tensor, num_heads: int, v_dim: int
+    q: torch.Tensor, num_q_heads: int, v_dim: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The result of attending ``q``'s rows to no key: output 0 ``[Tq, num_heads, v_dim]`` and
-    LSE ``-inf`` ``[Tq, num_heads]`` (float64 for float64 ``q``, else float32).  Also the
+    """The result of attending ``q``'s rows to no key: output 0 ``[Tq, num_q_heads, v_dim]`` and
+    LSE ``-inf`` ``[Tq, num_q_heads]`` (float64 for float64 ``q``, else float32).  Also the
     starting accumulator for :func:`merge_attn_states_`."""
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    lse = torch.full((q.shape[0], num_heads), float("-inf"), dtype=lse_dtype, device=q.device)
-    return q.new_zeros(q.shape[0], num_heads, v_dim), lse
+    lse = torch.full((q.shape[0], num_q_heads), float("-inf"), dtype=lse_dtype, device=q.device)
+    return q.new_zeros(q.shape[0], num_q_heads, v_dim), lse
 
 
 def _kernel(
@@ -178,8 +187,9 @@ def attention_with_lse(
     return merge_attn_states([prefix[0], diag[0]], [prefix[1].to(lse_dtype), diag[1].to(lse_dtype)])
 
 
-def _clean(lse: torch.Tensor) -> torch.Tensor:
-    """NaN and ``+inf`` LSEs mean "no valid keys" (vLLM's guard): map them to ``-inf``."""
+def clean_lse(lse: torch.Tensor) -> torch.Tensor:
+    """NaN and ``+inf`` LSEs mean "no valid keys" (vLLM's guard): map them to ``-inf``.  The one
+    copy of the guard: every combine (here and in :mod:`cpbook.dcp.decode`) applies it."""
     return torch.where(torch.isnan(lse) | (lse == float("inf")), float("-inf"), lse)
 
 
@@ -196,7 +206,7 @@ def merge_attn_states_(
     Host-wait free (no data-dependent branch, so it stays asynchronous on a GPU); one
     output-sized temporary, the weighted ``part_out``.
     """
-    part_lse = _clean(part_lse)
+    part_lse = clean_lse(part_lse)
     new = torch.logaddexp(lse, part_lse)  # -inf only where both sides are empty
     base = torch.where(torch.isfinite(new), new, torch.zeros_like(new))
     keep = torch.exp(lse - base).unsqueeze(-1).to(out.dtype)
@@ -221,11 +231,13 @@ def merge_attn_states(
     a NaN output would give NaN there; cpbook follows the DCP combines.)
     """
     if len(outs) != len(lses) or not outs:
-        raise ValueError(
-            f"[merge-parts] requires as many outputs as LSEs (at least one); "
-            f"got {len(outs)} outputs and {len(lses)} LSEs"
+        raise RuleError(
+            "merge-parts",
+            "as many outputs as LSEs (at least one)",
+            outputs=len(outs),
+            lses=len(lses),
         )
-    lse = _clean(lses[0]).clone()
+    lse = clean_lse(lses[0]).clone()
     out = outs[0].to(lse.dtype, copy=True)
     out.masked_fill_(torch.isneginf(lse)[..., None], 0)  # an empty first part leaks nothing
     for o, l in zip(outs[1:], lses[1:]):
@@ -242,9 +254,11 @@ def rope(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> tor
     """
     d = x.shape[-1]
     if x.dim() != 3 or d % 2 or positions.shape != x.shape[:1]:
-        raise ValueError(
-            f"[rope-shapes] requires x [T, H, D] with even D and positions [T]; "
-            f"got x{tuple(x.shape)}, positions{tuple(positions.shape)}"
+        raise RuleError(
+            "rope-shapes",
+            "x [T, H, D] with even D and positions [T]",
+            x=tuple(x.shape),
+            positions=tuple(positions.shape),
         )
     half = d // 2
     inv = base ** (-torch.arange(half, dtype=torch.float64, device=x.device) / half)
@@ -255,13 +269,13 @@ def rope(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> tor
 
 
 def merge_comm_bytes(
-    num_queries: int, num_heads: int, head_dim: int, world_size: int, elem_bytes: int = 8
+    num_queries: int, num_q_heads: int, head_dim: int, world_size: int, elem_bytes: int = 8
 ) -> list[tuple[str, int]]:
     """Bytes one rank sends: all-gather of its output ``[Tq, H, D]``, then of its LSE ``[Tq, H]``.
 
     Neither depends on ``num_keys``: splitting the keys moves results, never keys.
     """
-    n, t, h = world_size, num_queries, num_heads
+    n, t, h = world_size, num_queries, num_q_heads
     return [
         ("all_gather", t * h * head_dim * elem_bytes * (n - 1)),
         ("all_gather", t * h * 8 * (n - 1)),

@@ -19,6 +19,7 @@ from typing import Sequence
 import torch
 
 from cpbook.core.comm import DEFAULT_TIMEOUT_S, CommAborted, CommTimeout, Group, Pending, Trace
+from cpbook.core.errors import RuleError
 
 __all__ = ["SimGroup", "SimWorld", "TorchGroup", "new_process_group", "new_group_keeps_order"]
 
@@ -134,9 +135,11 @@ class SimGroup(Group):
                         f"after {self.timeout:g} s"
                     ) from None
         if got.shape != buf.shape or got.dtype != buf.dtype:
-            raise ValueError(
-                f"[recv-shape] requires the sent tensor to match the receive buffer; "
-                f"got {tuple(got.shape)} {got.dtype}, expected {tuple(buf.shape)} {buf.dtype}"
+            raise RuleError(
+                "recv-shape",
+                "the sent tensor to match the receive buffer",
+                got=(tuple(got.shape), got.dtype),
+                expected=(tuple(buf.shape), buf.dtype),
             )
         return buf.copy_(got)
 

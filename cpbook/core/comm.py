@@ -34,6 +34,8 @@ from typing import Sequence
 
 import torch
 
+from cpbook.core.errors import RuleError
+
 __all__ = [
     "CommRecord",
     "Trace",
@@ -158,9 +160,12 @@ class Group(ABC):
 
     def _divisible(self, op: str, t: torch.Tensor, dim: int) -> None:
         if t.shape[dim] % self.size:
-            raise ValueError(
-                f"[{op}-divisible] requires tensor.shape[{dim}] % group size == 0; "
-                f"got shape={tuple(t.shape)}, group={self.name!r} size={self.size}"
+            raise RuleError(
+                f"{op}-divisible",
+                f"tensor.shape[{dim}] % group size == 0",
+                shape=tuple(t.shape),
+                group=self.name,
+                size=self.size,
             )
 
     # -- collectives ------------------------------------------------------------------------

@@ -16,6 +16,7 @@ import torch
 
 from cpbook.core.backends import SimGroup, SimWorld, TorchGroup, new_process_group
 from cpbook.core.comm import DEFAULT_TIMEOUT_S, Group, Trace, process_group_timeout_s
+from cpbook.core.errors import RuleError
 
 __all__ = ["RankContext"]
 
@@ -59,9 +60,10 @@ class RankContext:
         lists = [tuple(int(r) for r in g) for g in group_ranks]
         flat = sorted(r for g in lists for r in g)
         if flat != list(range(self.world_size)):
-            raise ValueError(
-                f"[group-partition] requires the groups of {name!r} to partition ranks "
-                f"0..{self.world_size - 1} exactly once; got {[list(g) for g in lists]}"
+            raise RuleError(
+                "group-partition",
+                f"the groups of {name!r} to partition ranks 0..{self.world_size - 1} exactly once",
+                groups=[list(g) for g in lists],
             )
         key = (name, tuple(lists))
         if key not in self._cache:

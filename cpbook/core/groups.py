@@ -5,7 +5,7 @@ vLLM builds every group from one tensor of global ranks (``initialize_model_para
 
 * TP groups are the rows: ranks ``[p*tp, ..., p*tp + tp - 1]`` for each PCP slice ``p``.
 * PCP groups are the columns: one TP rank across all PCP slices (stride ``tp``).
-* DCP groups depend on the vLLM version (``layout``):
+* DCP groups depend on the vLLM version (``order``, one of :data:`GROUP_ORDERS`):
 
   - ``"v0.14"`` (v0.11 and v0.14): ``all_ranks.reshape(-1, dcp)``, contiguous chunks of each
     TP group, ``dcp_rank = tp_rank % dcp``.  TP=8, DCP=4 → ``[0,1,2,3], [4,5,6,7]``.
@@ -26,9 +26,10 @@ import torch
 from cpbook.core.comm import Group
 from cpbook.core.config import ConfigError, ParallelConfig, check_positive
 from cpbook.core.context import RankContext
+from cpbook.core.errors import RuleError
 
 __all__ = [
-    "GRID_LAYOUTS",
+    "GROUP_ORDERS",
     "RankCoords",
     "RankGrid",
     "ParallelGroups",
@@ -38,7 +39,7 @@ __all__ = [
 ]
 
 
-GRID_LAYOUTS = ("v0.14", "current")
+GROUP_ORDERS = ("v0.14", "current")
 
 
 @dataclass(frozen=True)
@@ -53,16 +54,17 @@ class RankCoords:
 
 @dataclass(frozen=True)
 class RankGrid:
-    """Rank lists of every group for a (tp, pcp, dcp) layout; no communication involved."""
+    """Rank lists of every group of a (tp, pcp, dcp) grid in a vLLM group ``order`` (one of
+    :data:`GROUP_ORDERS`); no communication involved."""
 
     tensor_parallel_size: int
     prefill_context_parallel_size: int = 1
     decode_context_parallel_size: int = 1
-    layout: str = "current"
+    order: str = "current"
 
     @classmethod
-    def from_config(cls, config: ParallelConfig, layout: str = "current") -> "RankGrid":
-        return cls(config.tp, config.pcp, config.dcp, layout)
+    def from_config(cls, config: ParallelConfig, order: str = "current") -> "RankGrid":
+        return cls(config.tp, config.pcp, config.dcp, order)
 
     def __post_init__(self) -> None:
         tp, pcp, dcp = (
@@ -75,8 +77,8 @@ class RankGrid:
             prefill_context_parallel_size=pcp,
             decode_context_parallel_size=dcp,
         )
-        if self.layout not in GRID_LAYOUTS:
-            raise ConfigError("grid-layout", f"layout in {GRID_LAYOUTS}", layout=self.layout)
+        if self.order not in GROUP_ORDERS:
+            raise ConfigError("group-order", f"order in {GROUP_ORDERS}", order=self.order)
         if (tp * pcp) % dcp:
             raise ConfigError(
                 "grid-dcp-divides-world",
@@ -85,7 +87,7 @@ class RankGrid:
                 prefill_context_parallel_size=pcp,
                 decode_context_parallel_size=dcp,
             )
-        if self.layout == "v0.14" and tp % dcp:
+        if self.order == "v0.14" and tp % dcp:
             raise ConfigError(
                 "tp-divisible-by-dcp",
                 "tp % dcp == 0 (v0.14 keeps DCP inside TP)",
@@ -110,7 +112,7 @@ class RankGrid:
 
     def dcp_groups(self) -> list[list[int]]:
         g = self._grid()
-        if self.layout == "current" and self.decode_context_parallel_size > 1:
+        if self.order == "current" and self.decode_context_parallel_size > 1:
             g = g.T  # vLLM transposes only for DCP > 1
         return g.reshape(-1, self.decode_context_parallel_size).tolist()
 
@@ -120,17 +122,13 @@ class RankGrid:
             return [list(range(self.world_size))]
         table = {"tp": self.tp_groups, "pcp": self.pcp_groups, "dcp": self.dcp_groups}
         if kind not in table:
-            raise ValueError(
-                f"[group-kind] requires kind in ('tp', 'pcp', 'dcp', 'world'); got kind={kind!r}"
-            )
+            raise RuleError("group-kind", "kind in ('tp', 'pcp', 'dcp', 'world')", kind=kind)
         return table[kind]()
 
     def group_of(self, kind: str, rank: int) -> list[int]:
         """The rank list of the ``kind`` group that contains global ``rank``."""
         if not 0 <= rank < self.world_size:
-            raise ValueError(
-                f"[rank-in-world] requires 0 <= rank < {self.world_size}; got rank={rank}"
-            )
+            raise RuleError("rank-in-world", f"0 <= rank < {self.world_size}", rank=rank)
         return next(g for g in self.groups(kind) if rank in g)
 
     def coords(self, rank: int) -> RankCoords:
@@ -177,11 +175,11 @@ def pcp_of_world(world_size: int, tensor_parallel_size: int) -> int:
 
 
 def make_groups(
-    ctx: "RankContext", grid: RankGrid | ParallelConfig, layout: str = "current"
+    ctx: "RankContext", grid: RankGrid | ParallelConfig, order: str = "current"
 ) -> ParallelGroups:
     """Create every group of ``grid`` on all ranks (collective: every rank must call it)."""
     if isinstance(grid, ParallelConfig):
-        grid = RankGrid.from_config(grid, layout)
+        grid = RankGrid.from_config(grid, order)
     check_grid_world(grid.world_size, ctx.world_size)
     made = {kind: ctx.new_group(grid.groups(kind), kind) for kind in ("tp", "pcp", "dcp")}
     return ParallelGroups(

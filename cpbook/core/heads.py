@@ -6,8 +6,8 @@
 * :func:`q_proj_heads` / :func:`attention_kv_heads` — the same under TPA, where ``q_proj`` is
   sharded over ``tp / dcp`` attention ranks (GQA ``tensor_parallel_size_attention``, MLA
   ``dcp_q_replicate``; rules in :mod:`cpbook.core.config`).
-* :func:`tpa_config` — the :class:`~cpbook.core.config.ParallelConfig` of a TPA mode
-  (:data:`TPA_MODES`: ``standard`` or ``tpa``).
+* :func:`tpa_config` — the :class:`~cpbook.core.config.ParallelConfig` with TPA (``tpa=True``)
+  or without; :func:`uses_tpa` reads it back from a config.
 
 These are configuration, not the TPA algorithm (:mod:`cpbook.dcp.tpa`): the cost model, the
 engine and the mechanisms all place heads through them."""
@@ -21,8 +21,8 @@ from cpbook.core.config import ParallelConfig
 __all__ = [
     "q_heads_of",
     "kv_heads_of",
-    "TPA_MODES",
     "tpa_config",
+    "uses_tpa",
     "q_proj_heads",
     "attention_kv_heads",
 ]
@@ -46,19 +46,11 @@ def kv_heads_of(config: ParallelConfig, tp_rank: int) -> slice:
     return slice(head, head + 1)
 
 
-TPA_MODES = ("standard", "tpa")
-
-
-def check_tpa_mode(mode: str) -> None:
-    if mode not in TPA_MODES:
-        raise ValueError(f"[tpa-mode] requires mode in {TPA_MODES}; got mode={mode!r}")
-
-
-def tpa_config(mode: str, **kwargs: Any) -> ParallelConfig:
-    """The :class:`ParallelConfig` of ``mode``: ``tpa`` sets ``tensor_parallel_size_attention =
-    tp / dcp`` (GQA) or ``dcp_q_replicate`` (MLA); ``standard`` sets neither."""
-    check_tpa_mode(mode)
-    if mode == "standard":
+def tpa_config(tpa: bool, **kwargs: Any) -> ParallelConfig:
+    """The :class:`ParallelConfig` of ``kwargs`` with or without TPA: ``tpa=True`` sets
+    ``tensor_parallel_size_attention = tp / dcp`` (GQA) or ``dcp_q_replicate`` (MLA);
+    ``tpa=False`` sets neither."""
+    if not tpa:
         return ParallelConfig(**kwargs)
     if kwargs.get("use_mla"):
         return ParallelConfig(**kwargs, dcp_q_replicate=True)
@@ -67,6 +59,7 @@ def tpa_config(mode: str, **kwargs: Any) -> ParallelConfig:
 
 
 def uses_tpa(config: ParallelConfig) -> bool:
+    """Whether ``config`` runs TPA (``tensor_parallel_size_attention`` or ``dcp_q_replicate``)."""
     return config.tensor_parallel_size_attention is not None or config.dcp_q_replicate
 
 

@@ -37,6 +37,7 @@ import torch
 from cpbook.core.backends import SimWorld
 from cpbook.core.comm import DEFAULT_TIMEOUT_S, CommAborted, Trace, process_group_timeout_s
 from cpbook.core.context import RankContext
+from cpbook.core.errors import RuleError
 
 __all__ = ["run", "RankResults", "pick_backend", "format_report"]
 
@@ -109,17 +110,22 @@ def run(
     configure a rendezvous.  With ``report=True`` the deterministic report is printed.
     ``device`` is the simulated ranks' device (``"cuda:0"``: every thread on one GPU); under
     torchrun each rank uses ``cuda:LOCAL_RANK`` with NCCL and the CPU with gloo.
+
+    More than eight parameters: the launcher's own options (timeouts, threads, torchrun flags,
+    device, report) are keyword-only and kept apart from ``fn_kwargs``, so notebooks and the CLI
+    call ``run(fn, world_size, backend, fn_kwargs)`` and name only the option they change.
     """
     kwargs = dict(fn_kwargs or {})
     if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"[world-size] requires a positive integer world_size; got {world_size!r}")
+        raise RuleError("world-size", "a positive integer world_size", world_size=world_size)
     if backend == "inline":
         res = _run_inline(fn, world_size, timeout, kwargs, torch.device(device))
     elif backend == "torchrun":
         if torch.device(device).type != "cpu":
-            raise ValueError(
-                f"[launch-device] requires device='cpu' under torchrun (each rank's device "
-                f"follows its dist backend); got device={device!r}"
+            raise RuleError(
+                "launch-device",
+                "device='cpu' under torchrun (each rank's device follows its dist backend)",
+                device=device,
             )
         res = _run_torchrun(
             fn,
@@ -132,9 +138,7 @@ def run(
             kwargs,
         )
     else:
-        raise ValueError(
-            f"[launch-backend] requires backend in ('inline', 'torchrun'); got {backend!r}"
-        )
+        raise RuleError("launch-backend", "backend in ('inline', 'torchrun')", backend=backend)
     if report:
         print(res.report())
     return res
@@ -211,10 +215,13 @@ def _run_inline(
 def _fn_path(fn) -> str:
     mod, qual = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
     if not mod or mod == "__main__" or "<locals>" in qual:
-        raise ValueError(
-            f"[importable-fn] torchrun workers import fn by module path; "
-            f"{getattr(fn, '__name__', fn)!r} lives in {mod!r} ({qual}). "
-            "Define it in a module (e.g. cpbook) instead of a notebook cell."
+        raise RuleError(
+            "importable-fn",
+            "fn importable by module path (torchrun workers import it): define it in a module "
+            "(e.g. cpbook) instead of a notebook cell",
+            fn=getattr(fn, "__name__", fn),
+            module=mod,
+            qualname=qual,
         )
     return f"{mod}:{qual}"
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from cpbook.core.comm import comm_bytes
+from cpbook.core.config import ParallelConfig
 from cpbook.core.heads import tpa_config
 from cpbook.data import stored_rows, stored_text
 from cpbook.dcp.tpa import tpa_comm_bytes, tpa_costs
@@ -113,6 +114,19 @@ def pcp_points(rows: Sequence[dict], cores: int = 2) -> list[Point]:
     return out
 
 
+#: the layout ``chunked_prefill.jsonl`` was measured on
+_CHUNKED = ParallelConfig(
+    tensor_parallel_size=1,
+    prefill_context_parallel_size=2,
+    decode_context_parallel_size=2,
+    num_q_heads=8,
+    num_kv_heads=1,
+    head_dim=64,
+    block_size=1,
+    dcp_comm_backend="a2a",
+)
+
+
 def chunked_points(rows: Sequence[dict]) -> list[Point]:
     """``chunked_prefill.jsonl`` rows (2 ranks, pcp = dcp = 2, 8 Q heads, 1 KV head, d 64)."""
 
@@ -122,18 +136,7 @@ def chunked_points(rows: Sequence[dict]) -> list[Point]:
             continue
         c, t, st = r["context"], r["chunk"], r["strategy"]
         calls, sent = _calls(
-            chunked_comm_bytes(
-                st,
-                [c],
-                [t],
-                num_q_heads=8,
-                num_kv_heads=1,
-                head_dim=64,
-                workspace_size=16384,
-                prefill_context_parallel_size=2,
-                decode_context_parallel_size=2,
-                elem_bytes=4,
-            )
+            chunked_comm_bytes(st, [c], [t], _CHUNKED, workspace_size=16384, elem_bytes=4)
         )
         flops = 4 * 8 * 64 * t * (c + t / 2) / 2
         read = 2 * 64 * 4 * c if st == "allgather_kv" else 0  # the context gathered to a workspace
@@ -159,7 +162,7 @@ def decode_points(rows: Sequence[dict]) -> list[Point]:
         for mode in ("no_cp", "dcp", "dcp_tpa"):
             dcp = 1 if mode == "no_cp" else n
             cfg = tpa_config(
-                "tpa" if mode == "dcp_tpa" else "standard",
+                mode == "dcp_tpa",
                 tensor_parallel_size=n,
                 decode_context_parallel_size=dcp,
                 num_q_heads=16,
@@ -168,18 +171,7 @@ def decode_points(rows: Sequence[dict]) -> list[Point]:
             )
             calls = [
                 (op, b)
-                for op, b in tpa_comm_bytes(
-                    "tpa" if mode == "dcp_tpa" else "standard",
-                    1,
-                    cfg.q_heads_per_rank,
-                    128,
-                    128,
-                    dcp,
-                    n,
-                    1024,
-                    "ag_rs",
-                    4,
-                )
+                for op, b in tpa_comm_bytes(cfg, 1, 128, 128, 1024, 4)
                 if (n if op == "all_reduce" else dcp) > 1
             ]
             heads = cfg.q_heads_per_rank * dcp  # DCP gathers the group's query heads

@@ -97,7 +97,7 @@ def _decode_config(
         raise RuleError("decode-mode", f"mode in {DECODE_MODES}", mode=mode)
     if mode == "dcp_tpa":
         return tpa_config(
-            "tpa",
+            True,
             tensor_parallel_size=tp,
             decode_context_parallel_size=dcp,
             dcp_comm_backend=dcp_comm_backend,
@@ -124,19 +124,7 @@ def decode_attention_calls(
         q_dim, out_dim = model.kv_lora_rank + model.qk_rope_head_dim, model.kv_lora_rank
     else:
         q_dim = out_dim = model.head_dim
-    calls = tpa_comm_bytes(
-        "tpa" if tpa else "standard",
-        num_reqs,
-        cfg.q_heads_per_rank,
-        q_dim,
-        out_dim,
-        cfg.dcp,
-        cfg.tp,
-        model.hidden_size,
-        cfg.dcp_comm_backend,
-        act_bytes,
-        LSE_BYTES,
-    )
+    calls = tpa_comm_bytes(cfg, num_reqs, q_dim, out_dim, model.hidden_size, act_bytes, LSE_BYTES)
     return tuple((op, cfg.tp if op == "all_reduce" else cfg.dcp, b) for op, b in calls)
 
 

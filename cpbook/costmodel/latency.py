@@ -19,7 +19,7 @@ from cpbook.costmodel.specs import (
     link_of,
 )
 from cpbook.pcp.prefill import pcp_comm_bytes, pcp_restore_bytes
-from cpbook.pcp.ring_plan import ring_comm_bytes
+from cpbook.pcp.ring_plan import RingLayout, ring_comm_bytes
 from cpbook.pcp.zigzag import padded_len
 
 
@@ -176,9 +176,8 @@ def ttft(
         cp_s = layers * sum(collective_time(op, b, n, cp_link) for op, b in calls)
     elif n > 1:
         # a pass-KV step sends K and V rows (2 x head_dim each); (d + dv) / 2 gives K + V widths
-        steps = ring_comm_bytes(
-            "pass_kv", [prompt_tokens], [0], 1, kvh, (d + dv) // 2, n, 0, kv_bytes
-        )
+        ring = RingLayout((prompt_tokens,), (0,), n)
+        steps = ring_comm_bytes("pass_kv", ring, 0, 1, kvh, (d + dv) // 2, kv_bytes)
         attn_step = attn_s / layers / n
         cp_s = layers * sum(
             max(0.0, cp_link.alpha_s + b / cp_link.bw_bytes_per_s - attn_step) for _, b in steps

@@ -222,7 +222,7 @@ class Deployment:
         if self.dp < 1:
             raise RuleError("positive-sizes", "dp >= 1", dp=self.dp)
         return tpa_config(
-            "tpa" if self.tpa else "standard",
+            self.tpa,
             tensor_parallel_size=self.tp,
             decode_context_parallel_size=self.dcp,
             prefill_context_parallel_size=self.pcp,

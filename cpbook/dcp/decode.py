@@ -38,9 +38,10 @@ from typing import Any, Sequence
 
 import torch
 
-from cpbook.core.attention import attention_with_lse, merge_attn_states
+from cpbook.core.attention import attention_with_lse, clean_lse, merge_attn_states
 from cpbook.core.comm import Group
 from cpbook.core.config import check_comm_backend
+from cpbook.core.errors import RuleError
 
 __all__ = [
     "correct_attn_out",
@@ -70,7 +71,7 @@ def correct_attn_out(
     and LSE ``-inf``.  The max LSE is subtracted before ``exp``, so LSEs far beyond ``exp``'s
     range (≈ 88 in float32, ≈ 709 in float64) combine exactly too.
     """
-    lses = torch.where(torch.isnan(lses) | (lses == float("inf")), float("-inf"), lses)
+    lses = clean_lse(lses)
     m = lses.max(dim=0).values
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     total = torch.log(torch.exp(lses - m).sum(dim=0)) + m
@@ -106,9 +107,8 @@ def dcp_a2a_lse_reduce(
     output (vLLM packs it the same way, PR #41160), so ``out`` and ``lse`` share a dtype here.
     """
     if out.dtype != lse.dtype:
-        raise ValueError(
-            f"[a2a-pack-dtype] requires out and lse of one dtype to pack them; "
-            f"got out={out.dtype}, lse={lse.dtype}"
+        raise RuleError(
+            "a2a-pack-dtype", "out and lse of one dtype to pack them", out=out.dtype, lse=lse.dtype
         )
     packed = torch.cat([out, lse[..., None]], dim=-1)[None]  # [1, B, N·h, D+1]
     got = group.all_to_all(packed, scatter_dim=2, gather_dim=0)  # [N, B, h, D+1]
@@ -145,9 +145,12 @@ def local_attention(
     Returns ``out [B, H, Dv]`` and ``lse [B, H]`` (``-inf`` and zeros for an empty shard).
     """
     if len(ks) != q.shape[0] or len(vs) != q.shape[0]:
-        raise ValueError(
-            f"[one-shard-per-request] requires len(ks) == len(vs) == q.shape[0]; "
-            f"got {len(ks)}, {len(vs)}, {q.shape[0]}"
+        raise RuleError(
+            "one-shard-per-request",
+            "len(ks) == len(vs) == q.shape[0]",
+            ks=len(ks),
+            vs=len(vs),
+            queries=q.shape[0],
         )
     parts = [
         attention_with_lse(q[i : i + 1], k, v, scale=scale) for i, (k, v) in enumerate(zip(ks, vs))

@@ -18,7 +18,7 @@ them for PCP + MTP, see chapter 10):
 
 from __future__ import annotations
 
-from cpbook.core.config import ConfigError
+from cpbook.core.config import ConfigError, ParallelConfig
 from cpbook.dcp.decode import decode_comm_bytes
 from cpbook.kv.layout import local_seq_len
 
@@ -49,20 +49,25 @@ def draft_comm_bytes(
     placement: str,
     num_reqs: int,
     num_speculative_tokens: int,
-    heads_per_rank: int,
+    config: ParallelConfig,
     q_dim: int,
     out_dim: int,
-    dcp: int,
-    dcp_comm_backend: str = "ag_rs",
     elem_bytes: int = 8,
     num_layers: int = 1,
 ) -> list[tuple[str, int]]:
-    """``[(op, bytes sent per rank)]`` of one engine step's drafting: none when replicated;
-    ``k × num_layers`` DCP decodes of ``num_reqs`` rows when sharded (call order)."""
+    """``[(op, bytes sent per rank)]`` of one engine step's drafting on a rank of ``config``:
+    none when replicated; ``k × num_layers`` DCP decodes of ``num_reqs`` rows when sharded
+    (call order; ``config.q_heads_per_rank`` heads, ``config.dcp_comm_backend``)."""
     _check(placement)
     if placement == "replicated":
         return []
     one = decode_comm_bytes(
-        num_reqs, heads_per_rank, q_dim, out_dim, dcp, dcp_comm_backend, elem_bytes
+        num_reqs,
+        config.q_heads_per_rank,
+        q_dim,
+        out_dim,
+        config.dcp,
+        config.dcp_comm_backend,
+        elem_bytes,
     )
     return one * (num_speculative_tokens * num_layers)

@@ -3,7 +3,8 @@
 MLA caches one latent row per token: ``kv_c`` (``kv_lora_rank`` values) and ``k_pe`` (the
 RoPE part, ``qk_rope_head_dim`` values, rotated before caching).  Head ``h`` sees
 ``k_nope = kv_c @ W_UK[:, h]``, ``k = [k_nope, k_pe]`` and ``v = kv_c @ W_UV[:, h]``.
-:class:`TinyMLA` holds random ``W_UK`` / ``W_UV``; both forms below give the same attention.
+:class:`MLAWeights` holds ``W_UK`` / ``W_UV`` (random, or a model's: the engine's tiny MLA and
+Hugging Face DeepSeek layers carry one); both forms below give the same attention.
 
 **Decode (absorbed / MQA form; vLLM 0.11 ``MLACommonImpl.forward``, current
 ``mla_attention.py``).**  ``ql_nope = q_nope @ W_UK_T`` turns each query head into a latent
@@ -42,7 +43,8 @@ from cpbook.kv.gather import context_chunk_len, reorg_kvcache
 from cpbook.kv.layout import local_seq_len
 
 __all__ = [
-    "TinyMLA",
+    "MLAShape",
+    "MLAWeights",
     "mla_decode_attention",
     "mla_context_attention",
     "q_move_bytes",
@@ -52,7 +54,24 @@ __all__ = [
 
 
 @dataclass(frozen=True)
-class TinyMLA:
+class MLAShape:
+    """MLA's widths under vLLM's (DeepSeek's ``config.json``) names: the latent
+    ``kv_lora_rank`` (``C``), the per-head ``qk_nope_head_dim`` (``Dn``) and
+    ``qk_rope_head_dim`` (``R``) of queries and keys, and ``v_head_dim`` (``Dv``)."""
+
+    kv_lora_rank: int = 32
+    qk_nope_head_dim: int = 16
+    qk_rope_head_dim: int = 8
+    v_head_dim: int = 16
+
+    @property
+    def head_dim(self) -> int:
+        """The MHA form's query/key width ``Dn + R`` (``ParallelConfig.head_dim`` for MLA)."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
+class MLAWeights:
     """MLA's up-projections: ``W_UK [C, H, Dn]`` and ``W_UV [C, H, Dv]``; ``R`` rope dims."""
 
     W_UK: torch.Tensor
@@ -62,32 +81,33 @@ class TinyMLA:
     @classmethod
     def random(
         cls,
-        num_heads: int = 8,
+        num_q_heads: int = 8,
         kv_lora_rank: int = 32,
         qk_nope_head_dim: int = 16,
         qk_rope_head_dim: int = 8,
         v_head_dim: int = 16,
         seed: int = 0,
         dtype: torch.dtype = torch.float64,
-    ) -> "TinyMLA":
+    ) -> "MLAWeights":
         gen = torch.Generator().manual_seed(seed)
         s = kv_lora_rank**-0.5
         uk = (
             torch.randn(
-                kv_lora_rank, num_heads, qk_nope_head_dim, generator=gen, dtype=torch.float64
+                kv_lora_rank, num_q_heads, qk_nope_head_dim, generator=gen, dtype=torch.float64
             )
             * s
         )
         uv = (
-            torch.randn(kv_lora_rank, num_heads, v_head_dim, generator=gen, dtype=torch.float64) * s
+            torch.randn(kv_lora_rank, num_q_heads, v_head_dim, generator=gen, dtype=torch.float64)
+            * s
         )
         return cls(uk.to(dtype), uv.to(dtype), qk_rope_head_dim)
 
     def to(
         self, device: torch.device | str | None = None, dtype: torch.dtype | None = None
-    ) -> "TinyMLA":
+    ) -> "MLAWeights":
         """The same up-projections on ``device`` and in ``dtype`` (``None``: unchanged)."""
-        return TinyMLA(
+        return MLAWeights(
             self.W_UK.to(device, dtype), self.W_UV.to(device, dtype), self.qk_rope_head_dim
         )
 
@@ -96,7 +116,7 @@ class TinyMLA:
         return self.W_UK.shape[0]
 
     @property
-    def num_heads(self) -> int:
+    def num_q_heads(self) -> int:
         return self.W_UK.shape[1]
 
     @property
@@ -133,7 +153,7 @@ def mla_decode_attention(
     q_nope: torch.Tensor,
     q_pe: torch.Tensor,
     latents: Sequence[torch.Tensor],
-    mla: TinyMLA,
+    mla: MLAWeights,
     heads: slice,
     group: Group,
     dcp_comm_backend: str = "ag_rs",
@@ -172,7 +192,7 @@ def mla_context_attention(
     new_latents: Sequence[torch.Tensor],
     context_lens: Sequence[int],
     local_context: Sequence[torch.Tensor],
-    mla: TinyMLA,
+    mla: MLAWeights,
     heads: slice,
     group: Group,
     interleave: int,
@@ -186,6 +206,10 @@ def mla_context_attention(
     of which this rank holds ``local_context[i]`` (its rows in position order).  Returns
     ``[T_i, h, Dv]`` per request, exact.  Per chunk one AllGather of at most ``workspace_size``
     rows in total; ``stats`` (if a dict) receives the chunk length and rows per chunk.
+
+    More than eight parameters: the tensors of one attention call (queries in two parts, new
+    and cached latents, their lengths), the weights and heads, and the group with its
+    interleave and workspace, as vLLM's ``_context_parallel_compute_prefill_context`` takes them.
     """
     n, me = group.size, group.rank
     chunk = context_chunk_len(sum(c > 0 for c in context_lens), workspace_size, n, interleave)

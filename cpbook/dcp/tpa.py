@@ -1,7 +1,8 @@
 """TPA: shard the query projection at TP/DCP granularity so DCP decode needs no query all-gather.
 
 One attention block per rank, ``x [B, hidden] → q_proj → attention under TP × DCP → o_proj``,
-for one decode token per request, in two modes:
+for one decode token per request, without TPA or with it (``tpa``, the config's
+:func:`~cpbook.core.heads.uses_tpa`):
 
 * ``standard`` (vLLM's DCP): ``q_proj`` is column-sharded over TP, so TP rank ``r`` computes its
   ``h = Hq / tp`` query heads; the DCP group then **all-gathers the query heads**
@@ -25,7 +26,7 @@ query width — ``D`` for GQA, ``C + R`` for absorbed MLA — and ``Do`` the com
 =====================  ============================  ==========
 collective             bytes                         mode
 =====================  ============================  ==========
-AllGather Q            ``B·h·Dq·e·(N−1)``            standard
+AllGather Q            ``B·h·Dq·e·(N−1)``            no TPA
 ag_rs: AllGather LSE   ``B·N·h·l·(N−1)``             both
 ag_rs: ReduceScatter   ``B·h·Do·e·(N−1)``            both
 o_proj AllReduce       ``2·B·hidden·e·(TP−1)/TP``    both
@@ -41,14 +42,14 @@ import torch
 
 from cpbook.core.config import ParallelConfig
 from cpbook.core.groups import ParallelGroups
-from cpbook.core.heads import check_tpa_mode, q_heads_of, q_proj_heads, uses_tpa
+from cpbook.core.heads import q_heads_of, q_proj_heads, uses_tpa
 from cpbook.dcp.decode import (
     dcp_combine,
     dcp_decode_attention,
     decode_comm_bytes,
     local_attention,
 )
-from cpbook.dcp.mla import TinyMLA, mla_decode_attention
+from cpbook.dcp.mla import MLAWeights, mla_decode_attention
 
 __all__ = ["TPABlock", "attention_block", "tpa_comm_bytes", "tpa_costs"]
 
@@ -61,7 +62,7 @@ class TPABlock:
     w_q: torch.Tensor
     w_o: torch.Tensor
     num_q_heads: int
-    mla: TinyMLA | None = None
+    mla: MLAWeights | None = None
 
     def to(
         self, device: torch.device | str | None = None, dtype: torch.dtype | None = None
@@ -134,30 +135,33 @@ def attention_block(
 
 
 def tpa_comm_bytes(
-    mode: str,
+    config: ParallelConfig,
     num_reqs: int,
-    heads_per_rank: int,
     q_dim: int,
     out_dim: int,
-    dcp: int,
-    tp: int,
     hidden_size: int,
-    dcp_comm_backend: str = "ag_rs",
     elem_bytes: int = 8,
     lse_bytes: int | None = None,
 ) -> list[tuple[str, int]]:
-    """The module docstring's table: ``[(op, bytes sent per rank), ...]`` in call order.
+    """The module docstring's table for one rank of ``config``: ``[(op, bytes sent per rank),
+    ...]`` in call order.
 
-    ``tpa`` is ``standard`` without its first entry, the query all-gather.  ``lse_bytes``: bytes
-    per LSE value (default ``elem_bytes``; vLLM's are fp32, 4), see
-    :func:`cpbook.dcp.decode.decode_comm_bytes`.
+    With TPA (:func:`~cpbook.core.heads.uses_tpa`) it is the standard list without its first
+    entry, the query all-gather.  ``lse_bytes``: bytes per LSE value (default ``elem_bytes``;
+    vLLM's are fp32, 4), see :func:`cpbook.dcp.decode.decode_comm_bytes`.
     """
-    check_tpa_mode(mode)
     calls = decode_comm_bytes(
-        num_reqs, heads_per_rank, q_dim, out_dim, dcp, dcp_comm_backend, elem_bytes, lse_bytes
+        num_reqs,
+        config.q_heads_per_rank,
+        q_dim,
+        out_dim,
+        config.dcp,
+        config.dcp_comm_backend,
+        elem_bytes,
+        lse_bytes,
     )
-    b = num_reqs * hidden_size * elem_bytes
-    return (calls if mode == "standard" else calls[1:]) + [("all_reduce", 2 * b * (tp - 1) // tp)]
+    b, tp = num_reqs * hidden_size * elem_bytes, config.tp
+    return (calls[1:] if uses_tpa(config) else calls) + [("all_reduce", 2 * b * (tp - 1) // tp)]
 
 
 def tpa_costs(

@@ -29,8 +29,8 @@ from cpbook.core.attention import attention_with_lse, merge_attn_states
 from cpbook.core.comm import Group
 from cpbook.core.config import ConfigError
 from cpbook.dcp.decode import dcp_combine, decode_comm_bytes
-from cpbook.dcp.mla import TinyMLA
-from cpbook.kv.layout import local_seq_len
+from cpbook.dcp.mla import MLAWeights
+from cpbook.kv.layout import DCPShard, local_seq_len
 
 __all__ = [
     "verify_key_counts",
@@ -59,9 +59,7 @@ def local_verify_attention(
     vs: Sequence[torch.Tensor],
     starts: Sequence[int],
     num_rows: Sequence[int],
-    dcp: int,
-    dcp_rank: int,
-    interleave: int,
+    shard: DCPShard = DCPShard(),
     scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every query row against this rank's keys, causal by global position; ``(out, lse)``.
@@ -71,7 +69,8 @@ def local_verify_attention(
     num_rows[i])`` (the new rows already written).  Row ``j`` sees the first
     ``verify_key_counts(...)[j]`` keys.  The keys every row sees are attended in one call (the
     request's KV is read once, as one decode query would), the at most ``num_rows − 1`` keys
-    written by the step's own rows one row at a time, and the two merged exactly."""
+    written by the step's own rows one row at a time, and the two merged exactly.  ``shard``
+    (the rank's place in the interleaved layout) decides which keys each row sees."""
     if not len(ks) == len(vs) == len(starts) == len(num_rows) or q.shape[0] != sum(num_rows):
         raise ConfigError(
             "verify-per-request",
@@ -84,7 +83,7 @@ def local_verify_attention(
         )
     outs, lses, at = [], [], 0
     for k, v, s, n in zip(ks, vs, starts, num_rows):
-        counts = verify_key_counts(s, n, dcp, dcp_rank, interleave)
+        counts = verify_key_counts(s, n, shard.dcp, shard.dcp_rank, shard.interleave)
         if k.shape[0] != counts[-1] or v.shape[0] != counts[-1]:
             raise ConfigError(
                 "verify-shard-length",
@@ -125,10 +124,13 @@ def dcp_verify_attention(
     ``q [Σ num_rows, h, D]``: this rank's heads of every query row, request by request;
     ``ks[i] [n_i, ·, D]`` / ``vs[i]``: this rank's keys of request ``i`` (see
     :func:`local_verify_attention`), KV heads laid out to match the gathered query heads.
-    The collectives are chapter 3's: AllGather Q, then :func:`~cpbook.dcp.decode.dcp_combine`."""
+    The collectives are chapter 3's: AllGather Q, then :func:`~cpbook.dcp.decode.dcp_combine`.
+
+    More than eight parameters: :func:`local_verify_attention`'s inputs with the group (and its
+    interleave) in place of the rank's shard, the combine's backend and the optional shapes."""
     q_all = group.all_gather(q, dim=1)  # [R, N·h, D]
     out, lse = local_verify_attention(
-        q_all, ks, vs, starts, num_rows, group.size, group.rank, interleave, scale
+        q_all, ks, vs, starts, num_rows, DCPShard(group.size, group.rank, interleave), scale
     )
     final = dcp_combine(out, lse.to(out.dtype), group, dcp_comm_backend)
     if shapes is not None:
@@ -147,7 +149,7 @@ def mla_verify_attention(
     latents: Sequence[torch.Tensor],
     starts: Sequence[int],
     num_rows: Sequence[int],
-    mla: TinyMLA,
+    mla: MLAWeights,
     heads: slice,
     group: Group,
     interleave: int,
@@ -157,7 +159,10 @@ def mla_verify_attention(
 
     ``latents[i] [n_i, C+R]``: this rank's cached rows of request ``i`` in position order.  As
     :func:`cpbook.dcp.mla.mla_decode_attention`: absorb, AllGather the latent queries, attend
-    the latent shard (MQA), combine, ``W_UV`` on local heads."""
+    the latent shard (MQA), combine, ``W_UV`` on local heads.
+
+    More than eight parameters: :func:`dcp_verify_attention`'s inputs with MLA's two query
+    parts, weights and heads in place of the keys and values."""
     q_all = group.all_gather(mla.absorb_q(q_nope, q_pe, heads), dim=1)  # [R, N·h, C+R]
     c = mla.kv_lora_rank
     o, lse = local_verify_attention(
@@ -166,9 +171,7 @@ def mla_verify_attention(
         [x[:, None, :c] for x in latents],
         starts,
         num_rows,
-        group.size,
-        group.rank,
-        interleave,
+        DCPShard(group.size, group.rank, interleave),
         mla.scale,
     )
     return mla.v_up_proj(dcp_combine(o, lse.to(o.dtype), group, dcp_comm_backend), heads)

@@ -3,20 +3,24 @@
 ``python -m cpbook demo NAME --world-size N [--backend torchrun]`` runs one through
 :func:`cpbook.core.launch.run`; ``torchrun --nproc-per-node N -m cpbook demo NAME`` runs it on the
 processes torchrun started.  ``--param KEY=VALUE`` values are parsed and checked against the
-function's signature (:func:`parse_params`) before any rank starts.
+function's signature (:func:`parse_params`) before any rank starts; a config object's fields
+(``parallel_config=ParallelConfig(...)``) are set one by one under their vLLM names.
 """
 
 from __future__ import annotations
 
 import ast
+import dataclasses
 import importlib
 import inspect
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Callable
 
-__all__ = ["DEMOS", "get_demo", "demo_params", "parse_params"]
+from cpbook.core.errors import RuleError
+
+__all__ = ["DEMOS", "get_demo", "demo_kwargs", "demo_params", "parse_params"]
 
 #: name -> (chapter, "module:function")
 DEMOS: dict[str, tuple[int, str]] = {
@@ -39,19 +43,62 @@ DEMOS: dict[str, tuple[int, str]] = {
 def get_demo(name: str) -> Callable[..., Any]:
     """The per-rank function registered under ``name``."""
     if name not in DEMOS:
-        raise ValueError(f"[demo-name] requires one of {sorted(DEMOS)}; got {name!r}")
+        raise RuleError("demo-name", f"one of {sorted(DEMOS)}", name=name)
     mod, fn = DEMOS[name][1].split(":")
     return getattr(importlib.import_module(mod), fn)
 
 
-def demo_params(fn: Callable[..., Any]) -> dict[str, tuple[Any, Any]]:
-    """``name -> (type, default)`` of the keyword parameters of a per-rank function."""
-    hints = typing.get_type_hints(fn)
+def _groups(fn: Callable[..., Any]) -> dict[str, Any]:
+    """``name -> default`` of ``fn``'s keyword parameters whose default is a config object (a
+    dataclass instance such as :class:`~cpbook.core.config.ParallelConfig`)."""
     return {
-        p.name: (hints.get(p.name, Any), p.default)
+        p.name: p.default
         for p in inspect.signature(fn).parameters.values()
         if p.kind is p.KEYWORD_ONLY
+        and dataclasses.is_dataclass(p.default)
+        and not isinstance(p.default, type)
     }
+
+
+def demo_params(fn: Callable[..., Any]) -> dict[str, tuple[Any, Any]]:
+    """``name -> (type, default)`` of the flat keyword parameters of a per-rank function.
+
+    A parameter whose default is a config object (``parallel_config=ParallelConfig(...)``)
+    stands for its fields: the vLLM names (``tensor_parallel_size`` …) with the default's values,
+    so the command line sets them one by one.
+    """
+    hints, groups, out = typing.get_type_hints(fn), _groups(fn), {}
+    for p in inspect.signature(fn).parameters.values():
+        if p.kind is not p.KEYWORD_ONLY:
+            continue
+        if p.name not in groups:
+            out[p.name] = (hints.get(p.name, Any), p.default)
+            continue
+        cfg = groups[p.name]
+        field_hints = typing.get_type_hints(type(cfg))
+        for f in dataclasses.fields(cfg):
+            if f.init and f.name not in out:  # a field two configs share is listed once
+                out[f.name] = (field_hints.get(f.name, Any), getattr(cfg, f.name))
+    return out
+
+
+def demo_kwargs(fn: Callable[..., Any], flat: Mapping[str, Any]) -> dict[str, Any]:
+    """``fn``'s keyword arguments from flat ones (:func:`demo_params`' names): the fields of a
+    config object are collected into a copy of its default (validated as it is built), the rest
+    pass through; a field two configs share sets both.  ``demo_kwargs(gqa_decode_rank,
+    {"dcp_comm_backend": "a2a", "seq_lens": (9,)})`` gives ``{"parallel_config":
+    replace(GQA_CONFIG, dcp_comm_backend="a2a"), "seq_lens": (9,)}``."""
+    groups, out, used = _groups(fn), {}, set()
+    for name, cfg in groups.items():
+        names = {f.name for f in dataclasses.fields(cfg) if f.init}
+        mine = {k: v for k, v in flat.items() if k in names}  # a shared field sets every config
+        used |= set(mine)
+        if name in flat:
+            out[name] = flat[name]
+        if mine:
+            out[name] = dataclasses.replace(out.get(name, cfg), **mine)
+    rest = {k: v for k, v in flat.items() if k not in used and k not in groups}
+    return {**out, **rest}
 
 
 def _optional(tp: Any) -> Any:
@@ -76,8 +123,8 @@ def _type_name(tp: Any) -> str:
 def _convert(name: str, text: str, tp: Any) -> Any:
     """``text`` as a value of type ``tp`` (int, float, bool, str or a sequence of ints)."""
 
-    def bad(why: str) -> ValueError:
-        return ValueError(f"[param-{name}] requires {why}; got {name}={text!r}")
+    def bad(why: str) -> RuleError:
+        return RuleError(f"param-{name}", why, **{name: text})
 
     if _optional(tp) is not None:
         return None if text == "None" else _convert(name, text, _optional(tp))
@@ -110,18 +157,20 @@ def _convert(name: str, text: str, tp: Any) -> Any:
 def parse_params(fn: Callable[..., Any], pairs: Sequence[str]) -> dict[str, Any]:
     """Parse ``KEY=VALUE`` strings into ``fn``'s keyword arguments, checked against its signature.
 
-    Raises ``ValueError`` naming the parameter for an unknown name, a missing ``=`` or a value of
-    the wrong type or range.  Sequences may be written ``8,16`` or ``(8, 16)``.
+    Raises :class:`~cpbook.core.errors.RuleError` naming the parameter for an unknown name, a
+    missing ``=`` or a value of the wrong type or range, and the config's rule for an invalid
+    config object.  Sequences may be written ``8,16`` or ``(8, 16)``.  Config fields are
+    collected into their config object (:func:`demo_kwargs`).
     """
     params, out = demo_params(fn), {}
     for pair in pairs:
         key, sep, text = pair.partition("=")
         if not sep:
-            raise ValueError(f"[param-syntax] requires KEY=VALUE; got {pair!r}")
+            raise RuleError("param-syntax", "KEY=VALUE", param=pair)
         if key not in params:
-            raise ValueError(f"[param-name] requires one of {sorted(params)}; got {key!r}")
+            raise RuleError("param-name", f"one of {sorted(params)}", name=key)
         out[key] = _convert(key, text, params[key][0])
-    return out
+    return demo_kwargs(fn, out)
 
 
 def describe(name: str) -> str:

@@ -15,37 +15,28 @@ from cpbook.core.attention import (
     merge_comm_bytes,
 )
 from cpbook.core.context import RankContext
+from cpbook.core.problems import merge_problem
 
-__all__ = ["merge_problem", "merge_rank"]
+__all__ = ["merge_rank"]
 
 
 # ------------------------------------------------------------------------------------------
 # chapter 1's per-rank function: split the keys, merge by the LSE
 # ------------------------------------------------------------------------------------------
-def merge_problem(
-    num_keys: int, num_queries: int, num_heads: int, head_dim: int, seed: int = 0
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Float64 ``q [Tq, H, D]``, ``k, v [num_keys, H, D]`` from ``seed`` (equal on every rank)."""
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(num_queries, num_heads, head_dim, generator=gen, dtype=torch.float64)
-    k = torch.randn(num_keys, num_heads, head_dim, generator=gen, dtype=torch.float64)
-    v = torch.randn(num_keys, num_heads, head_dim, generator=gen, dtype=torch.float64)
-    return q, k, v
-
-
 def merge_rank(
     ctx: RankContext,
     *,
     num_keys: int = 64,
     num_queries: int = 2,
-    num_heads: int = 4,
+    num_q_heads: int = 4,
     head_dim: int = 16,
     seed: int = 0,
     dtype: str = "float64",
 ) -> dict[str, Any]:
     """Chapter 1: split one attention's keys over the ranks, merge by the LSE.
 
-    Every rank draws the same ``q, k, v`` (:func:`merge_problem`) and keeps a
+    Every rank draws the same ``q, k, v``
+    (:func:`~cpbook.core.problems.merge_problem`) and keeps a
     contiguous slice of the keys (``torch.tensor_split``: uneven, empty when
     ``num_keys < world_size``).  It computes ``(out, lse)`` on its slice,
     all-gathers both and merges them.  Returns this rank's key range, the merged
@@ -53,7 +44,7 @@ def merge_rank(
     in float64), the traced ``comm`` and the formula's ``expected``.
     """
     dev, dt = ctx.device, getattr(torch, dtype)
-    qa, ka, va = merge_problem(num_keys, num_queries, num_heads, head_dim, seed)
+    qa, ka, va = merge_problem(num_keys, num_queries, num_q_heads, head_dim, seed)
     mine = torch.tensor_split(torch.arange(num_keys), ctx.world_size)[ctx.rank]
     lo, hi = (int(mine[0]), int(mine[-1]) + 1) if len(mine) else (0, 0)
     q, k, v = qa.to(dev, dt), ka[lo:hi].to(dev, dt), va[lo:hi].to(dev, dt)
@@ -74,6 +65,6 @@ def merge_rank(
         "max_abs_err": err,
         "comm": comm,
         "expected": merge_comm_bytes(
-            num_queries, num_heads, head_dim, ctx.world_size, out.element_size()
+            num_queries, num_q_heads, head_dim, ctx.world_size, out.element_size()
         ),
     }

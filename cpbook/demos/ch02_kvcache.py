@@ -8,59 +8,43 @@ from typing import Any
 
 import torch
 
+from cpbook.core.config import ParallelConfig
 from cpbook.core.context import RankContext
-from cpbook.kv.layout import block_fill, check_layout, num_virtual_blocks
+from cpbook.core.problems import kvcache_problem
+from cpbook.kv.layout import DCPShard, block_fill, check_layout
 from cpbook.kv.paged import PagedKVCache
 from cpbook.kv.transfer import kvcache_comm_bytes
 
-__all__ = ["kvcache_problem", "kvcache_rank"]
+__all__ = ["kvcache_rank"]
 
 
 # ------------------------------------------------------------------------------------------
 # the per-rank demo: write own tokens, read back, all-gather, reconstruct
 # ------------------------------------------------------------------------------------------
-def kvcache_problem(
-    seq_len: int,
-    num_kv_heads: int,
-    head_dim: int,
-    num_blocks: int,
-    block_size: int,
-    dcp: int,
-    seed: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Float64 ``k, v [seq_len, H, D]`` and a shuffled block table of
-    ``ceil(seq_len / (block_size * dcp))`` distinct ids below ``num_blocks``, from ``seed``."""
-    gen = torch.Generator().manual_seed(seed)
-    k = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen, dtype=torch.float64)
-    v = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen, dtype=torch.float64)
-    table = torch.randperm(num_blocks, generator=gen)[
-        : num_virtual_blocks(seq_len, block_size, dcp)
-    ]
-    return k, v, table
-
-
 def kvcache_rank(
     ctx: RankContext,
     *,
+    parallel_config: ParallelConfig = ParallelConfig(
+        block_size=16, cp_kv_cache_interleave_size=4, num_q_heads=2, num_kv_heads=2, head_dim=8
+    ),
     seq_len: int = 200,
-    block_size: int = 16,
-    cp_kv_cache_interleave_size: int = 4,
-    num_kv_heads: int = 2,
-    head_dim: int = 8,
     num_blocks: int = 64,
     seed: int = 0,
     dtype: str = "float64",
 ) -> dict[str, Any]:
     """Each rank of the DCP group (the world) stores only its tokens; an all-gather rebuilds K/V.
 
-    Every rank draws the same ``k, v`` and block table (:func:`kvcache_problem`), writes through
+    ``parallel_config`` gives the cache's ``block_size``, ``cp_kv_cache_interleave_size``,
+    ``num_kv_heads`` and ``head_dim``; the DCP group is the world.  Every rank draws the same
+    ``k, v`` and block table (:func:`~cpbook.core.problems.kvcache_problem`), writes through
     its :func:`slot_mapping`, reads its tokens back, and all-gathers them (uneven sizes) with
     their positions.  Returns this rank's token count and bytes, whether every position came
     back exactly once, the max error (exactly 0.0: data is only moved), the traced
     ``comm`` and the formula's ``expected`` (:func:`kvcache_comm_bytes`).
     """
-    group, interleave = ctx.world, cp_kv_cache_interleave_size
-    n, r = group.size, group.rank
+    group, cfg = ctx.world, parallel_config
+    n, r, interleave, block_size = group.size, group.rank, cfg.interleave, cfg.block_size
+    num_kv_heads, head_dim = cfg.num_kv_heads, cfg.head_dim
     check_layout(n, interleave, block_size)
     k, v, table = kvcache_problem(seq_len, num_kv_heads, head_dim, num_blocks, block_size, n, seed)
     k, v = k.to(getattr(torch, dtype)), v.to(getattr(torch, dtype))
@@ -69,9 +53,7 @@ def kvcache_rank(
         block_size,
         num_kv_heads,
         head_dim,
-        dcp=n,
-        dcp_rank=r,
-        interleave=interleave,
+        shard=DCPShard(n, r, interleave),
         dtype=k.dtype,
         device=ctx.device,
     )

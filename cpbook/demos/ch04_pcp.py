@@ -1,22 +1,22 @@
 """Chapter 4's per-rank demo: PCP prefill on the zigzag (DualChunkSwap) partition
-(:func:`pcp_prefill_rank`), its inputs and dense causal float64 reference."""
+(:func:`pcp_prefill_rank`), checked against the dense causal float64 reference
+(:func:`cpbook.core.reference.pcp_prefill_reference`)."""
 
 from __future__ import annotations
 
-import math
+import dataclasses
 import textwrap
 from typing import Any, Sequence
 
 import torch
 
-from cpbook.core.attention import (
-    dense_attention,
-    rope,
-)
+from cpbook.core.attention import rope
 from cpbook.core.config import ParallelConfig
 from cpbook.core.context import RankContext
 from cpbook.core.groups import RankGrid, make_groups, pcp_of_world
 from cpbook.core.heads import kv_heads_of, q_heads_of
+from cpbook.core.problems import pcp_prefill_problem
+from cpbook.core.reference import pcp_prefill_reference
 from cpbook.pcp.prefill import (
     _DTYPES,
     pcp_comm_bytes,
@@ -25,74 +25,29 @@ from cpbook.pcp.prefill import (
     pcp_restore_bytes,
     pcp_shard,
 )
-from cpbook.pcp.zigzag import PCPMetadata, pcp_partition
+from cpbook.pcp.zigzag import pcp_partition
 
-__all__ = ["pcp_prefill_problem", "pcp_prefill_rank"]
+__all__ = ["pcp_prefill_rank"]
 
 
 # ------------------------------------------------------------------------------------------
 # Per-rank functions (run inline, under torchrun, and by the tests)
 # ------------------------------------------------------------------------------------------
-def _reference(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PCPMetadata, block: int = 256
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dense float64 attention for this rank's real rows, in local row order (query blocks)."""
-    out = torch.zeros(meta.num_tokens, q.shape[1], v.shape[-1], dtype=torch.float64)
-    lse = torch.full((meta.num_tokens, q.shape[1]), float("-inf"), dtype=torch.float64)
-    cu = meta.cu_seq_lens
-    for seg, qlen, klen in zip(meta.segments, meta.query_lens, meta.key_lens):
-        base = cu[seg.request]
-        for i in range(0, qlen, block):
-            n = min(block, qlen - i)
-            rows = slice(base + seg.start + i, base + seg.start + i + n)
-            o, l = dense_attention(
-                q[rows].double(),
-                k[base : base + klen].double(),
-                v[base : base + klen].double(),
-                causal=True,
-                q_offset=seg.start + i,
-                k_offset=0,
-            )
-            out[seg.row + i : seg.row + i + n], lse[seg.row + i : seg.row + i + n] = o, l
-    return out, lse
-
-
-def pcp_prefill_problem(
-    seq_lens: Sequence[int],
-    hidden_size: int,
-    num_q_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    seed: int = 0,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Float64 hidden states ``x [sum(seq_lens), hidden_size]`` and Q/K/V projection weights
-    (``hidden_size x heads·head_dim``, scaled by ``hidden_size^-1/2``), from ``seed``."""
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(sum(seq_lens), hidden_size, generator=gen, dtype=torch.float64)
-    w = {
-        n: torch.randn(hidden_size, h * head_dim, generator=gen, dtype=torch.float64)
-        / math.sqrt(hidden_size)
-        for n, h in (("q", num_q_heads), ("k", num_kv_heads), ("v", num_kv_heads))
-    }
-    return x, w
-
-
 def pcp_prefill_rank(
     ctx: RankContext,
     *,
+    parallel_config: ParallelConfig = ParallelConfig(num_q_heads=8, num_kv_heads=2, head_dim=16),
     seq_lens: Sequence[int] = (37, 64),
-    tensor_parallel_size: int = 1,
-    num_q_heads: int = 8,
-    num_kv_heads: int = 2,
-    head_dim: int = 16,
     hidden_size: int = 64,
-    layout: str = "zigzag",
+    partition: str = "zigzag",
     seed: int = 0,
     dtype: str = "float64",
 ) -> dict[str, Any]:
     """Chapter 4: exact PCP prefill of a batch on a ``tp × pcp`` grid (``pcp = world // tp``).
 
-    Every rank draws the same hidden states and projection weights (:func:`pcp_prefill_problem`),
+    ``parallel_config``'s ``prefill_context_parallel_size`` is set to the world's (``world // tp``).
+    Every rank draws the same hidden states and projection weights
+    (:func:`~cpbook.core.problems.pcp_prefill_problem`),
     keeps its tokens (:func:`pcp_shard`) and its TP heads, applies RoPE at the true positions,
     runs :func:`pcp_prefill_attention` in its PCP group (one layer) and checks its rows against
     dense float64 attention.  Then :func:`pcp_restore` (once per forward) must put every rank's
@@ -100,23 +55,18 @@ def pcp_prefill_rank(
     the layer's traced ``comm`` and formula ``expected`` (:func:`pcp_comm_bytes`: the K/V
     all-gathers), and apart from them the restore's ``restore_comm`` / ``restore_expected``.
     """
-    tp = tensor_parallel_size
+    tp = parallel_config.tp
     pcp = pcp_of_world(ctx.world_size, tp)
-    cfg = ParallelConfig(
-        tensor_parallel_size=tp,
-        prefill_context_parallel_size=pcp,
-        num_q_heads=num_q_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-    )
-    part = pcp_partition(tuple(seq_lens), cfg.pcp, layout)
+    cfg = dataclasses.replace(parallel_config, prefill_context_parallel_size=pcp)
+    num_q_heads, num_kv_heads, head_dim = cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim
+    part = pcp_partition(tuple(seq_lens), cfg.pcp, partition)
     groups = make_groups(ctx, RankGrid(tp, cfg.pcp))
     qh, kh = (
         q_heads_of(cfg, groups.coords.tp_rank),
         kv_heads_of(cfg, groups.coords.tp_rank),
     )
     dt = _DTYPES[dtype]
-    x, w = pcp_prefill_problem(seq_lens, hidden_size, num_q_heads, num_kv_heads, head_dim, seed)
+    x, w = pcp_prefill_problem(seq_lens, hidden_size, cfg, seed)
 
     def qkv(hidden: torch.Tensor, positions: torch.Tensor, w: dict) -> tuple[torch.Tensor, ...]:
         t = hidden.shape[0]
@@ -131,7 +81,7 @@ def pcp_prefill_rank(
     q, k, v = qkv(pcp_shard(x.to(dev), meta), meta.positions.to(dev), on_dev)
     with ctx.traced() as comm:
         out, lse = pcp_prefill_attention(q, k, v, meta, groups.pcp)
-    ref_out, ref_lse = _reference(q_ref, k_ref, v_ref, meta)
+    ref_out, ref_lse = pcp_prefill_reference(q_ref, k_ref, v_ref, meta)
     real = ~meta.is_padding
     out_h, lse_h = out.cpu(), lse.cpu()  # compared on the host, with the float64 reference
     err = (
@@ -150,7 +100,7 @@ def pcp_prefill_rank(
     more = f" +{len(meta.segments) - 8} more" if len(meta.segments) > 8 else ""
     # three short lines (the report prefixes each with "[rank N] "): fits 84 columns
     print(
-        f"{layout}: pcp {meta.pcp_rank} tp {groups.coords.tp_rank}, "
+        f"{partition}: pcp {meta.pcp_rank} tp {groups.coords.tp_rank}, "
         f"{int(real.sum())} real tokens, {work:,} causal pairs/head"
     )
     print(textwrap.fill(chunks + more, 74, initial_indent="  chunks ", subsequent_indent=" " * 9))

@@ -1,72 +1,46 @@
 """Chapter 5's per-rank demos: chunked prefill under PCP × DCP by AllGather-Q or AllGather-KV
 (:func:`chunked_prefill_rank`) and ring pass-KV / pass-Q prefill (:func:`ring_prefill_rank`),
-their inputs and dense float64 references."""
+checked against dense float64 attention on inputs from :mod:`cpbook.core.problems`."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Sequence
 
 import torch
 
-from cpbook.core.attention import (
-    dense_attention,
-)
+from cpbook.core.attention import dense_attention
+from cpbook.core.comm import comm_bytes
 from cpbook.core.config import ConfigError, ParallelConfig
 from cpbook.core.context import RankContext
 from cpbook.core.groups import make_groups, pcp_of_world
 from cpbook.core.heads import kv_heads_of, q_heads_of
+from cpbook.core.problems import chunked_prefill_problem, ring_prefill_problem
 from cpbook.kv.context import context_shard
 from cpbook.pcp.chunked import chunked_prefill_attention
-from cpbook.pcp.chunked_plan import (
-    check_strategy,
-    chunked_comm_bytes,
-)
+from cpbook.pcp.chunked_plan import ChunkedPrefillConfig, chunked_comm_bytes
 from cpbook.pcp.prefill import pcp_shard
 from cpbook.pcp.ring import ring_attention
 from cpbook.pcp.ring_plan import RingLayout, check_mode, ring_comm_bytes
 from cpbook.pcp.zigzag import zigzag_partition
 
-__all__ = [
-    "chunked_prefill_problem",
-    "chunked_prefill_rank",
-    "ring_prefill_problem",
-    "ring_prefill_rank",
-]
+__all__ = ["CHUNKED_CONFIG", "chunked_prefill_rank", "ring_prefill_rank"]
+
+#: chapter 5's chunked-prefill layout: PCP 2 x DCP 2 (world 2, TP 1), 4 query heads, 1 KV head
+CHUNKED_CONFIG = ParallelConfig(
+    prefill_context_parallel_size=2,
+    decode_context_parallel_size=2,
+    num_q_heads=4,
+    num_kv_heads=1,
+    head_dim=16,
+    block_size=8,
+    dcp_comm_backend="a2a",
+)
 
 
 # ------------------------------------------------------------------------------------------
 # the per-rank function: one chunked-prefill layer on a TP × PCP × DCP grid
 # ------------------------------------------------------------------------------------------
-def chunked_prefill_problem(
-    context_lens: Sequence[int],
-    query_lens: Sequence[int],
-    num_q_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    v_head_dim: int | None = None,
-    use_mla: bool = False,
-    seed: int = 0,
-    dtype: torch.dtype = torch.float64,
-):
-    """Random inputs, identical on every rank.  Per request: the chunk's queries
-    ``q [T_i, Hq, D]`` and the keys ``k [C_i + T_i, Hkv, D]`` of context and chunk, and values
-    ``v [C_i + T_i, Hkv, Dv]`` (``None`` for MLA: the value is ``k[..., :Dv]``)."""
-    gen = torch.Generator().manual_seed(seed)
-    dv = v_head_dim or head_dim
-
-    def randn(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype)
-
-    qs = [randn(t, num_q_heads, head_dim) for t in query_lens]
-    ks = [randn(c + t, num_kv_heads, head_dim) for c, t in zip(context_lens, query_lens)]
-    vs = (
-        None
-        if use_mla
-        else [randn(c + t, num_kv_heads, dv) for c, t in zip(context_lens, query_lens)]
-    )
-    return qs, ks, vs
-
-
 def _lens(context_lens: Sequence[int], query_lens: Sequence[int]) -> None:
     ok = (
         len(context_lens) == len(query_lens) > 0
@@ -85,66 +59,38 @@ def _lens(context_lens: Sequence[int], query_lens: Sequence[int]) -> None:
 def chunked_prefill_rank(
     ctx: RankContext,
     *,
+    parallel_config: ParallelConfig = CHUNKED_CONFIG,
+    prefill_config: ChunkedPrefillConfig = ChunkedPrefillConfig(workspace_size=32),
     context_lens: Sequence[int] = (40, 13, 0),
     query_lens: Sequence[int] = (9, 5, 3),
-    tensor_parallel_size: int = 1,
-    prefill_context_parallel_size: int = 2,
-    decode_context_parallel_size: int = 2,
-    num_q_heads: int = 4,
-    num_kv_heads: int = 1,
-    head_dim: int = 16,
     v_head_dim: int | None = None,
-    use_mla: bool = False,
-    block_size: int = 8,
-    cp_kv_cache_interleave_size: int = 1,
-    strategy: str = "auto",
-    workspace_size: int = 32,
-    dcp_comm_backend: str = "a2a",
     seed: int = 0,
     dtype: str = "float64",
 ) -> dict[str, Any]:
     """One chunked-prefill attention layer on this rank, checked against dense float64.
 
-    Builds the :class:`~cpbook.core.config.ParallelConfig` (``world = tp · pcp``) and its groups,
-    draws every request's inputs from ``seed``, stores this rank's share of the context in its
-    paged cache (:func:`context_shard`), keeps its zigzag rows of the chunk and its TP heads,
-    and runs :func:`chunked_prefill_attention`.  Bad input raises before any collective.
-    Returns the strategy, shapes, local rows, the traced ``comm`` and the formula's
-    ``expected`` (``[(op, bytes_sent), ...]``) and ``max_abs_err`` (output and LSE).
+    Builds the groups of ``parallel_config`` (``world = tp · pcp``), draws every request's inputs
+    from ``seed``, stores this rank's share of the context in its paged cache
+    (:func:`context_shard`), keeps its zigzag rows of the chunk and its TP heads, and runs
+    :func:`chunked_prefill_attention` as ``prefill_config`` says (its combine backend is the
+    parallel config's).  Bad input raises before any collective.  Returns the strategy,
+    shapes, local rows, the traced ``comm`` and the formula's ``expected``
+    (``[(op, bytes_sent), ...]``) and ``max_abs_err`` (output and LSE).
     """
     _lens(context_lens, query_lens)
-    check_strategy(strategy, auto=True)
-    cfg = ParallelConfig(
-        tensor_parallel_size=tensor_parallel_size,
-        prefill_context_parallel_size=prefill_context_parallel_size,
-        decode_context_parallel_size=decode_context_parallel_size,
-        cp_kv_cache_interleave_size=cp_kv_cache_interleave_size,
-        block_size=block_size,
-        num_q_heads=num_q_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        use_mla=use_mla,
-        dcp_comm_backend=dcp_comm_backend,
-    )
+    cfg = parallel_config
+    run_cfg = dataclasses.replace(prefill_config, dcp_comm_backend=cfg.dcp_comm_backend)
     groups = make_groups(ctx, cfg)
     c = groups.coords
     qh, kvh = q_heads_of(cfg, c.tp_rank), kv_heads_of(cfg, c.tp_rank)
     qs, ks, vs = chunked_prefill_problem(
-        context_lens,
-        query_lens,
-        num_q_heads,
-        num_kv_heads,
-        head_dim,
-        v_head_dim,
-        use_mla,
-        seed,
-        getattr(torch, dtype),
+        cfg, context_lens, query_lens, v_head_dim, seed, getattr(torch, dtype)
     )
     dev = ctx.device
     context = context_shard(
         [k[:n, kvh] for k, n in zip(ks, context_lens)],
         None if vs is None else [v[:n, kvh] for v, n in zip(vs, context_lens)],
-        block_size,
+        cfg.block_size,
         cfg.dcp,
         c.dcp_rank,
         cfg.interleave,
@@ -162,18 +108,7 @@ def chunked_prefill_rank(
     v = None if vs is None else chunk_rows(vs, kvh, True)
     stats = {}
     with ctx.traced() as comm:
-        out, lse = chunked_prefill_attention(
-            q,
-            k,
-            v,
-            context,
-            meta,
-            groups,
-            strategy=strategy,
-            workspace_size=workspace_size,
-            stats=stats,
-            dcp_comm_backend=dcp_comm_backend,
-        )
+        out, lse = chunked_prefill_attention(q, k, v, context, meta, groups, run_cfg, stats)
     err, real = 0.0, 0
     for s in meta.segments:  # dense float64 reference for this rank's real rows and heads
         n, cl = max(0, min(s.end, query_lens[s.request]) - s.start), context_lens[s.request]
@@ -198,21 +133,13 @@ def chunked_prefill_rank(
         stats["strategy"],
         context_lens,
         query_lens,
-        num_q_heads=num_q_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        workspace_size=workspace_size,
-        tensor_parallel_size=cfg.tp,
-        prefill_context_parallel_size=cfg.pcp,
-        decode_context_parallel_size=cfg.dcp,
+        cfg,
+        workspace_size=run_cfg.workspace_size,
         v_head_dim=v_head_dim,
-        use_mla=use_mla,
-        cp_kv_cache_interleave_size=cfg.interleave,
         elem_bytes=q.element_size(),
-        dcp_comm_backend=dcp_comm_backend,
     )
     held = [int(x.shape[0]) for x in context.keys]
-    sent = sum(b for _, b in comm)
+    sent = comm_bytes(comm)
     print(
         f"pcp {c.pcp_rank} tp {c.tp_rank} dcp {c.dcp_rank}/{cfg.dcp} {stats['strategy']}: "
         f"{meta.num_tokens} rows ({real} real), heads {qh.start}-{qh.stop - 1}"
@@ -240,67 +167,35 @@ def chunked_prefill_rank(
 # ------------------------------------------------------------------------------------------
 # the per-rank function (inline, torchrun and the tests)
 # ------------------------------------------------------------------------------------------
-def ring_prefill_problem(
-    seq_lens: Sequence[int],
-    context_lens: Sequence[int],
-    num_q_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    seed: int = 0,
-    dtype: torch.dtype = torch.float64,
-):
-    """Random inputs, identical on every rank: per request ``q [T_i, Hq, D]`` for its new
-    tokens and ``k, v [C_i + T_i, Hkv, D]`` for its whole sequence (context first)."""
-    gen = torch.Generator().manual_seed(seed)
-
-    def draw(n: int, h: int) -> torch.Tensor:
-        return torch.randn(n, h, head_dim, generator=gen, dtype=torch.float64).to(dtype)
-
-    qs = [draw(t, num_q_heads) for t in seq_lens]
-    ks = [draw(c + t, num_kv_heads) for c, t in zip(context_lens, seq_lens)]
-    vs = [draw(c + t, num_kv_heads) for c, t in zip(context_lens, seq_lens)]
-    return qs, ks, vs
-
-
 def ring_prefill_rank(
     ctx: RankContext,
     *,
+    parallel_config: ParallelConfig = ParallelConfig(num_q_heads=8, num_kv_heads=2, head_dim=16),
     seq_lens: Sequence[int] = (37, 64),
     context_lens: Sequence[int] = (0, 48),
-    tensor_parallel_size: int = 1,
-    num_q_heads: int = 8,
-    num_kv_heads: int = 2,
-    head_dim: int = 16,
     mode: str = "pass_kv",
-    cp_kv_cache_interleave_size: int = 1,
     seed: int = 0,
     dtype: str = "float64",
 ) -> dict[str, Any]:
-    """One ring prefill on this rank of a ``tp × pcp`` world (``pcp = world // tp``), checked.
+    """One ring prefill on this rank of a ``tp × pcp`` world (``pcp = world // tp`` replaces
+    ``parallel_config``'s), checked.
 
-    Validates the config before any collective, draws :func:`ring_prefill_problem`, keeps this
-    rank's new-token rows (zigzag), context shard and TP heads, runs :func:`ring_attention`
-    in the PCP group and compares every real row with dense float64 attention.  Returns
-    ``max_abs_err``, ``comm`` (traced ``(op, bytes_sent)``), ``expected``
-    (:func:`ring_comm_bytes`), ``steps``, ``kernel_calls``, ``work`` and ``peak_temp_bytes``.
+    Validates the config before any collective, draws
+    :func:`~cpbook.core.problems.ring_prefill_problem`, keeps this rank's new-token rows
+    (zigzag), context shard and TP heads, runs :func:`ring_attention` in the PCP group and
+    compares every real row with dense float64 attention.  Returns ``max_abs_err``, ``comm``
+    (traced ``(op, bytes_sent)``), ``expected`` (:func:`ring_comm_bytes`), ``steps``,
+    ``kernel_calls``, ``work`` and ``peak_temp_bytes``.
     """
-    tp = tensor_parallel_size
     check_mode(mode)
-    pcp = pcp_of_world(ctx.world_size, tp)
-    cfg = ParallelConfig(
-        tensor_parallel_size=tp,
-        prefill_context_parallel_size=pcp,
-        num_q_heads=num_q_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        cp_kv_cache_interleave_size=cp_kv_cache_interleave_size,
-    )
-    layout = RingLayout(tuple(seq_lens), tuple(context_lens), cfg.pcp, cp_kv_cache_interleave_size)
+    pcp = pcp_of_world(ctx.world_size, parallel_config.tp)
+    cfg = dataclasses.replace(parallel_config, prefill_context_parallel_size=pcp)
+    layout = RingLayout(tuple(seq_lens), tuple(context_lens), cfg.pcp, cfg.interleave)
     groups = make_groups(ctx, cfg)
     r, tp_rank = groups.coords.pcp_rank, groups.coords.tp_rank
     qh, kvh = q_heads_of(cfg, tp_rank), kv_heads_of(cfg, tp_rank)
     lens, dt = (layout.seq_lens, layout.context_lens), getattr(torch, dtype)
-    qs, ks, vs = ring_prefill_problem(*lens, num_q_heads, num_kv_heads, head_dim, seed, dt)
+    qs, ks, vs = ring_prefill_problem(*lens, cfg, seed, dt)
     meta = layout.metadata(r)
     q = pcp_shard(torch.cat(qs)[:, qh], meta)
     k, v = (
@@ -313,8 +208,8 @@ def ring_prefill_rank(
     with ctx.traced() as comm:
         dq, dk, dv, dkc, dvc = (t.to(ctx.device) for t in (q, k, v, k_ctx, v_ctx))
         out, lse = ring_attention(dq, dk, dv, layout, groups.pcp, mode, dkc, dvc, stats=stats)
-    heads, inter = (qh.stop - qh.start, kvh.stop - kvh.start), cp_kv_cache_interleave_size
-    expected = ring_comm_bytes(mode, *lens, *heads, head_dim, cfg.pcp, r, q.element_size(), inter)
+    heads = (qh.stop - qh.start, kvh.stop - kvh.start)
+    expected = ring_comm_bytes(mode, layout, r, *heads, cfg.head_dim, q.element_size())
     err = 0.0
     for seg, qlen in zip(meta.segments, meta.query_lens):
         c, i = layout.context_lens[seg.request], seg.request
@@ -334,7 +229,7 @@ def ring_prefill_rank(
                 (out[rows].cpu().double() - ro).abs().max().item(),
                 (lse[rows].cpu().double() - rl).abs().max().item(),
             )
-    real, sent = int((~meta.is_padding).sum()), sum(b for _, b in comm)
+    real, sent = int((~meta.is_padding).sum()), comm_bytes(comm)
     print(
         f"{mode} pcp {r}/{cfg.pcp} tp {tp_rank}: {real} new rows, "
         f"{layout.num_context(r)} context rows"

@@ -21,7 +21,7 @@ from cpbook.dynamic.migration import (
     migration_plan,
 )
 from cpbook.engine.config import config_of
-from cpbook.kv.layout import check_layout, local_seq_len
+from cpbook.kv.layout import DCPShard, check_layout, local_seq_len
 from cpbook.kv.manager import KVCacheManager
 from cpbook.kv.paged import PagedKVCache
 
@@ -61,9 +61,7 @@ def _cache(
         block_size,
         kv[0],
         kv[1],
-        dcp=size,
-        dcp_rank=rank,
-        interleave=inter,
+        shard=DCPShard(size, rank, inter),
         dtype=dtype,
         device=device,
     )

@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 
 from cpbook.core.config import ConfigError
 from cpbook.core.hf_config import read_hf_config
-from cpbook.dcp.mla import TinyMLA
+from cpbook.dcp.mla import MLAWeights
 from cpbook.engine.hf_model import HFConfig, HFModel
 
 __all__ = ["ARCHITECTURES", "hf_config", "rope_inv_freq", "from_pretrained"]
@@ -267,7 +267,7 @@ def from_pretrained(
             lw["w_dkv"], lw["w_kr"] = kva[:, :C], kva[:, C:][:, perm]
             lw["kv_norm"] = t(a + "kv_a_layernorm.weight")
             kvb = t(a + "kv_b_proj.weight").reshape(n, Dn + cfg.v_head_dim, C)
-            mlas.append(TinyMLA(kvb[:, :Dn].permute(2, 0, 1), kvb[:, Dn:].permute(2, 0, 1), R))
+            mlas.append(MLAWeights(kvb[:, :Dn].permute(2, 0, 1), kvb[:, Dn:].permute(2, 0, 1), R))
         else:
             D, k = cfg.head_dim, cfg.num_kv_heads
             for w, heads in (("q", n), ("k", k), ("v", k)):

@@ -30,7 +30,7 @@ import torch
 
 from cpbook.core.attention import dense_attention, rope
 from cpbook.core.config import ConfigError
-from cpbook.dcp.mla import TinyMLA
+from cpbook.dcp.mla import MLAWeights
 
 __all__ = [
     "ModelConfig",
@@ -114,8 +114,8 @@ class TinyModel:
 
     Shapes (``H`` hidden, ``n``/``k`` query/KV heads, ``D`` head dim, ``I`` MLP width):
     GQA ``wq [H, n, D]``, ``wk``/``wv [H, k, D]``; MLA ``wq [H, n, Dn+R]``, ``w_dkv [H, C]``,
-    ``w_kr [H, R]`` and a :class:`~cpbook.dcp.mla.TinyMLA` (``W_UK``, ``W_UV``); both ``wo [n, Dv,
-    H]``, ``w_gate``/``w_up [H, I]``, ``w_down [I, H]``.
+    ``w_kr [H, R]`` and a :class:`~cpbook.dcp.mla.MLAWeights` (``W_UK``, ``W_UV``); both
+    ``wo [n, Dv, H]``, ``w_gate``/``w_up [H, I]``, ``w_down [I, H]``.
     """
 
     config: ModelConfig
@@ -123,7 +123,7 @@ class TinyModel:
     lm_head: torch.Tensor
     final_norm: torch.Tensor
     layers: list[dict[str, torch.Tensor]] = field(default_factory=list)
-    mla: list[TinyMLA] = field(default_factory=list)
+    mla: list[MLAWeights] = field(default_factory=list)
 
     @classmethod
     def from_name(
@@ -148,7 +148,7 @@ class TinyModel:
                     w_kr=w(H, cfg.qk_rope_head_dim, fan_in=H),
                     kv_norm=torch.ones(cfg.kv_lora_rank, dtype=dtype),
                 )
-                m = TinyMLA.random(
+                m = MLAWeights.random(
                     n,
                     cfg.kv_lora_rank,
                     cfg.qk_nope_head_dim,

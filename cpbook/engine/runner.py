@@ -43,8 +43,10 @@ from cpbook.engine.config import RunnerConfig
 from cpbook.engine.models import TinyModel
 from cpbook.engine.scheduler import ScheduledChunk, SchedulerOutput
 from cpbook.kv.context import ContextShard
+from cpbook.kv.layout import DCPShard
 from cpbook.kv.paged import PagedKVCache
 from cpbook.pcp.chunked import chunked_prefill_attention
+from cpbook.pcp.chunked_plan import ChunkedPrefillConfig
 from cpbook.pcp.prefill import pcp_restore, pcp_shard
 from cpbook.pcp.zigzag import PCPMetadata, zigzag_partition
 
@@ -81,9 +83,7 @@ class ModelRunner:
                 nkv,
                 mc.kv_cache_dim,
                 0 if mc.use_mla else None,
-                dcp=config.dcp,
-                dcp_rank=c.dcp_rank,
-                interleave=config.interleave,
+                shard=DCPShard(config.dcp, c.dcp_rank, config.interleave),
                 dtype=model.embed.dtype,
                 device=model.device,
             )
@@ -124,7 +124,7 @@ class ModelRunner:
         grp, scale = self.groups.dcp, self.model.attn_scale(layer)
         starts, rows = [c.start for c in chunks], [c.num_tokens for c in chunks]
         if grp.size == 1:
-            return local_verify_attention(q, ks, vs, starts, rows, 1, 0, 1, scale)[0]
+            return local_verify_attention(q, ks, vs, starts, rows, DCPShard(), scale)[0]
         if ks[0].shape[1] > 1:  # gathered heads come in DCP blocks: tile the KV heads to match
             ks = [x.repeat(1, grp.size, 1) for x in ks]
             vs = [x.repeat(1, grp.size, 1) for x in vs]
@@ -176,13 +176,15 @@ class ModelRunner:
             context,
             meta,
             self.groups,
-            strategy=self.strategy,
-            workspace_size=self.workspace_size,
-            dcp_comm_backend=cfg.dcp_comm_backend,
-            alpha=self.alpha,
-            beta=self.beta,
-            scale=self.model.attn_scale(layer),
-            stats=stats,
+            ChunkedPrefillConfig(
+                strategy=self.strategy,
+                workspace_size=self.workspace_size,
+                dcp_comm_backend=cfg.dcp_comm_backend,
+                alpha=self.alpha,
+                beta=self.beta,
+                scale=self.model.attn_scale(layer),
+            ),
+            stats,
         )
         self.strategies[stats["strategy"]] += 1
         d = k.shape[-1]

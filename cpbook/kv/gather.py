@@ -14,6 +14,7 @@ from typing import Sequence
 import torch
 
 from cpbook.core.config import ConfigError
+from cpbook.core.errors import RuleError
 from cpbook.kv.layout import local_seq_len
 
 __all__ = ["context_chunk_len", "reorg_kvcache", "context_gather_comm_bytes"]
@@ -52,18 +53,25 @@ def reorg_kvcache(
     """
     n, toks = len(counts), sum(padded)
     if gathered.shape[0] != n * toks:
-        raise ValueError(
-            f"[reorg-rows] requires gathered rows == dcp * sum(padded); got "
-            f"{gathered.shape[0]} rows, dcp={n}, sum(padded)={toks}"
+        raise RuleError(
+            "reorg-rows",
+            "gathered rows == dcp * sum(padded)",
+            rows=gathered.shape[0],
+            dcp=n,
+            padded_tokens=toks,
         )
     starts = [sum(padded[:i]) for i in range(len(padded))]
     pieces, cu = [], [0]
     for i, start in enumerate(starts):
         for r in range(n):
             if counts[r][i] > padded[i]:
-                raise ValueError(
-                    f"[reorg-counts] requires counts <= padded; got counts[{r}][{i}]="
-                    f"{counts[r][i]} > padded[{i}]={padded[i]}"
+                raise RuleError(
+                    "reorg-counts",
+                    "counts <= padded",
+                    rank=r,
+                    request=i,
+                    count=counts[r][i],
+                    padded=padded[i],
                 )
             pieces.append(gathered[r * toks + start : r * toks + start + counts[r][i]])
         cu.append(cu[-1] + sum(counts[r][i] for r in range(n)))

@@ -24,6 +24,7 @@ with prefix caching is :class:`~cpbook.kv.manager.KVCacheManager`.  Bad input ra
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -32,6 +33,7 @@ from cpbook.core.config import ConfigError, check_interleave, check_positive
 
 __all__ = [
     "PAD_SLOT_ID",
+    "DCPShard",
     "check_layout",
     "token_owner",
     "slot_mapping",
@@ -59,6 +61,20 @@ def check_layout(
         isinstance(dcp_rank, bool) or not isinstance(dcp_rank, int) or not 0 <= dcp_rank < dcp
     ):
         raise ConfigError("dcp-rank-in-range", "0 <= dcp_rank < dcp", dcp_rank=dcp_rank, dcp=dcp)
+
+
+@dataclass(frozen=True)
+class DCPShard:
+    """The share of the DCP-interleaved KV layout one rank holds: rank ``dcp_rank`` of ``dcp``,
+    in stripes of ``interleave`` tokens (``cp_kv_cache_interleave_size``).  Validated on
+    construction; ``DCPShard()`` is the whole cache (no DCP)."""
+
+    dcp: int = 1
+    dcp_rank: int = 0
+    interleave: int = 1
+
+    def __post_init__(self) -> None:
+        check_layout(self.dcp, self.interleave, None, self.dcp_rank)
 
 
 def _as_long(x: torch.Tensor | Sequence[int] | int, name: str) -> torch.Tensor:

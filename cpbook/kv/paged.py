@@ -12,8 +12,10 @@ from typing import Sequence
 import torch
 
 from cpbook.core.config import ConfigError, check_positive
+from cpbook.core.errors import RuleError
 from cpbook.kv.layout import (
     PAD_SLOT_ID,
+    DCPShard,
     _as_long,
     check_layout,
     local_positions,
@@ -32,7 +34,7 @@ class PagedKVCache:
     """One rank's paged K/V cache (vLLM's per-layer ``kv_cache``), with the DCP layout it serves.
 
     ``PagedKVCache(num_blocks, block_size, num_kv_heads, head_dim, v_head_dim=None, *,
-    dcp=1, dcp_rank=0, interleave=1, dtype=torch.float64, device="cpu")``
+    shard=DCPShard(dcp=1, dcp_rank=0, interleave=1), dtype=torch.float64, device="cpu")``
 
     * Storage: ``key_cache [num_blocks, block_size, num_kv_heads, head_dim]`` and
       ``value_cache [num_blocks, block_size, num_kv_heads, v_head_dim]``; slot
@@ -57,13 +59,12 @@ class PagedKVCache:
         head_dim: int,
         v_head_dim: int | None = None,
         *,
-        dcp: int = 1,
-        dcp_rank: int = 0,
-        interleave: int = 1,
+        shard: DCPShard = DCPShard(),
         dtype: torch.dtype = torch.float64,
         device: torch.device | str = "cpu",
     ) -> None:
         check_positive(num_blocks=num_blocks, num_kv_heads=num_kv_heads, head_dim=head_dim)
+        dcp, dcp_rank, interleave = shard.dcp, shard.dcp_rank, shard.interleave
         check_layout(dcp, interleave, block_size, dcp_rank)
         v_head_dim = head_dim if v_head_dim is None else v_head_dim
         if isinstance(v_head_dim, bool) or not isinstance(v_head_dim, int) or v_head_dim < 0:
@@ -73,7 +74,7 @@ class PagedKVCache:
                 v_head_dim=v_head_dim,
             )
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.dcp, self.dcp_rank, self.interleave = dcp, dcp_rank, interleave
+        self.shard, self.dcp, self.dcp_rank, self.interleave = shard, dcp, dcp_rank, interleave
         shape = (num_blocks, block_size, num_kv_heads)
         self.key_cache = torch.zeros(*shape, head_dim, dtype=dtype, device=device)
         self.value_cache = (
@@ -224,9 +225,11 @@ def shard_kv_cache(
     for MLA (one latent per token, no V cache).
     """
     if not ks or len(ks) != len(vs) or len({v is None for v in vs}) != 1:
-        raise ValueError(
-            f"[kv-per-request] requires one k and one v (all tensors or all None) per "
-            f"request, at least one request; got {len(ks)} k and {len(vs)} v"
+        raise RuleError(
+            "kv-per-request",
+            "one k and one v (all tensors or all None) per request, at least one request",
+            ks=len(ks),
+            vs=len(vs),
         )
     nblocks = [num_virtual_blocks(k.shape[0], block_size, dcp) for k in ks]
     k0 = ks[0]
@@ -236,9 +239,7 @@ def shard_kv_cache(
         k0.shape[1],
         k0.shape[2],
         0 if vs[0] is None else vs[0].shape[2],
-        dcp=dcp,
-        dcp_rank=dcp_rank,
-        interleave=interleave,
+        shard=DCPShard(dcp, dcp_rank, interleave),
         dtype=k0.dtype,
         device=device,
     )

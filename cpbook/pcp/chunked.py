@@ -41,8 +41,10 @@ length, never by cost.
 
 Neither strategy is always cheaper: AllGather-Q's bytes grow with the chunk and the query
 heads, AllGather-KV's with the context and the KV heads.  :mod:`cpbook.pcp.chunked_plan` holds the
-exact byte formulas (:func:`~cpbook.pcp.chunked_plan.chunked_comm_bytes`) and the selector that
-``strategy="auto"`` uses (:func:`~cpbook.pcp.chunked_plan.choose_strategy`).
+exact byte formulas (:func:`~cpbook.pcp.chunked_plan.chunked_comm_bytes`), the selector that
+``strategy="auto"`` uses (:func:`~cpbook.pcp.chunked_plan.choose_strategy`) and
+:class:`~cpbook.pcp.chunked_plan.ChunkedPrefillConfig`, how a layer runs (strategy, workspace,
+combine backend, link model, softmax scale).
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ from cpbook.core.attention import (
     merge_attn_states_,
 )
 from cpbook.core.comm import Group
-from cpbook.core.config import ConfigError, check_comm_backend, check_gqa_group
+from cpbook.core.config import ConfigError, check_gqa_group
 from cpbook.core.groups import ParallelGroups
 from cpbook.dcp.decode import dcp_combine
 from cpbook.kv.context import ContextShard
@@ -65,7 +67,8 @@ from cpbook.kv.gather import context_chunk_len, reorg_kvcache
 from cpbook.kv.layout import local_seq_len
 from cpbook.pcp.chunked_plan import (
     STRATEGIES,
-    check_strategy,
+    ChunkedPrefillConfig,
+    RankSizes,
     comm_plan,
     select_strategy,
 )
@@ -185,23 +188,22 @@ def allgather_q_attention(
     context: ContextShard,
     meta: PCPMetadata,
     groups: ParallelGroups,
-    *,
-    dcp_comm_backend: str = "a2a",
-    scale: float | None = None,
+    config: ChunkedPrefillConfig = ChunkedPrefillConfig(),
     stats: dict[str, Any] | None = None,
 ) -> Attn:
     """AllGather-Q: ``q [R, h, D]``, ``k [R, k, D]``, ``v [R, k, Dv]`` (or ``None``) are this
     rank's chunk rows; returns ``(out [R, h, Dv], lse [R, h])`` over context and chunk, exact.
 
     Collectives: one AllGather of Q over ``G``, started first (this rank's own block is
-    computed while it travels), then the combine of ``G`` partials ``[R, |G|·h, Dv]``.
+    computed while it travels), then the combine of ``G`` partials ``[R, |G|·h, Dv]`` by
+    ``config.dcp_comm_backend``; ``config.scale`` is the softmax scale.
     """
     _check(q, k, v, context, meta, groups)
-    check_comm_backend(dcp_comm_backend)
+    scale = config.scale
     grp, tp = attention_group(groups), groups.grid.tensor_parallel_size
     lens, h = meta.seq_lens, q.shape[1]
     vn = context.value(k, v)
-    part = pcp_partition(lens, meta.pcp, meta.layout)
+    part = pcp_partition(lens, meta.pcp, meta.partition)
     pending = grp.all_gather_async(q, dim=1, parts=True) if grp.size > 1 else None
     out, lse = empty_attention(q, grp.size * h, vn.shape[-1])
     blocks = None
@@ -242,7 +244,7 @@ def allgather_q_attention(
         )
     if grp.size == 1:
         return out, lse
-    return dcp_combine(out, lse.to(out.dtype), grp, dcp_comm_backend, return_lse=True)
+    return dcp_combine(out, lse.to(out.dtype), grp, config.dcp_comm_backend, return_lse=True)
 
 
 def allgather_kv_attention(
@@ -252,21 +254,20 @@ def allgather_kv_attention(
     context: ContextShard,
     meta: PCPMetadata,
     groups: ParallelGroups,
-    *,
-    workspace_size: int,
-    scale: float | None = None,
+    config: ChunkedPrefillConfig = ChunkedPrefillConfig(),
     stats: dict[str, Any] | None = None,
 ) -> Attn:
     """AllGather-KV: same inputs and result as :func:`allgather_q_attention`.
 
     Collectives: one AllGather of the packed new K/V over PCP, started first, then one
-    AllGather over DCP per context piece.  A piece holds at most ``workspace_size`` gathered
+    AllGather over DCP per context piece.  A piece holds at most ``config.workspace_size`` gathered
     rows (:func:`cpbook.kv.gather.context_chunk_len`), so the temporary K/V is bounded by the
     workspace whatever the context length; ``stats["workspace_rows"]`` records the peak.
     """
     _check(q, k, v, context, meta, groups)
     n, me, il, lens = context.dcp, context.dcp_rank, context.interleave, context.context_lens
-    chunk = context_chunk_len(sum(c > 0 for c in lens), workspace_size, n, il)
+    chunk = context_chunk_len(sum(c > 0 for c in lens), config.workspace_size, n, il)
+    scale = config.scale
     latent, d = v is None, k.shape[-1]
 
     def pack(kk: torch.Tensor, vv: torch.Tensor | None) -> torch.Tensor:
@@ -336,54 +337,33 @@ def chunked_prefill_attention(
     context: ContextShard,
     meta: PCPMetadata,
     groups: ParallelGroups,
-    *,
-    strategy: str = "auto",
-    workspace_size: int,
-    dcp_comm_backend: str = "a2a",
-    alpha: float | None = None,
-    beta: float | None = None,
-    scale: float | None = None,
+    config: ChunkedPrefillConfig = ChunkedPrefillConfig(),
     stats: dict[str, Any] | None = None,
 ) -> Attn:
-    """Run ``strategy``; ``"auto"`` asks :func:`~cpbook.pcp.chunked_plan.select_strategy` (link
-    ``alpha``/``beta``) about this batch's exact bytes.  ``stats["strategy"]`` says which ran."""
-    check_strategy(strategy, auto=True)
+    """Run ``config.strategy``; ``"auto"`` asks
+    :func:`~cpbook.pcp.chunked_plan.select_strategy` (link ``config.alpha``/``config.beta``)
+    about this batch's exact bytes.  ``stats["strategy"]`` says which ran."""
     _check(q, k, v, context, meta, groups)
+    strategy = config.strategy
     if strategy == "auto":
+        sizes = RankSizes(
+            q.shape[1],
+            k.shape[1],
+            k.shape[2],
+            context.value(k, v).shape[2],
+            v is None,
+            meta.pcp,
+            context.dcp,
+            context.interleave,
+            config.workspace_size,
+            q.element_size(),
+        )
         plans = {
-            st: comm_plan(
-                st,
-                context.context_lens,
-                meta.seq_lens,
-                q_heads=q.shape[1],
-                kv_heads=k.shape[1],
-                head_dim=k.shape[2],
-                v_head_dim=context.value(k, v).shape[2],
-                latent=v is None,
-                pcp=meta.pcp,
-                dcp=context.dcp,
-                interleave=context.interleave,
-                workspace_size=workspace_size,
-                elem_bytes=q.element_size(),
-                dcp_comm_backend=dcp_comm_backend,
-            )
+            st: comm_plan(st, context.context_lens, meta.seq_lens, sizes, config.dcp_comm_backend)
             for st in STRATEGIES
         }
-        strategy = select_strategy(plans, alpha, beta).strategy
+        strategy = select_strategy(plans, config.alpha, config.beta).strategy
     if stats is not None:
         stats["strategy"] = strategy
-    if strategy == "allgather_q":
-        return allgather_q_attention(
-            q,
-            k,
-            v,
-            context,
-            meta,
-            groups,
-            scale=scale,
-            stats=stats,
-            dcp_comm_backend=dcp_comm_backend,
-        )
-    return allgather_kv_attention(
-        q, k, v, context, meta, groups, workspace_size=workspace_size, scale=scale, stats=stats
-    )
+    run = allgather_q_attention if strategy == "allgather_q" else allgather_kv_attention
+    return run(q, k, v, context, meta, groups, config, stats)

@@ -31,8 +31,8 @@ bandwidth) and takes the cheaper; ties go to AllGather-KV (no combine afterwards
 strategies do the same attention FLOPs, so the link decides.  The defaults, named for where they
 were measured, :data:`CPU_ALPHA_S` and :data:`CPU_BETA_S_PER_BYTE`, were fitted by
 ``bench/chunked_prefill.py --calibrate`` on this book's 2-core CPU (2 gloo ranks, one thread
-each); on any other link pass its own ``alpha`` and ``beta`` (every function here, and
-:class:`~cpbook.engine.engine.Engine`, takes them).
+each); on any other link pass its own ``alpha`` and ``beta`` (:class:`ChunkedPrefillConfig`,
+:func:`choose_strategy` and :class:`~cpbook.engine.engine.Engine` take them).
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from cpbook.core.config import ConfigError, ParallelConfig, check_comm_backend
+from cpbook.core.comm import comm_bytes
+from cpbook.core.config import ConfigError, ParallelConfig, check_comm_backend, check_positive
 from cpbook.core.heads import kv_heads_of
 from cpbook.kv.gather import context_gather_comm_bytes
 from cpbook.pcp.zigzag import padded_len
@@ -50,6 +51,8 @@ __all__ = [
     "check_strategy",
     "CPU_ALPHA_S",
     "CPU_BETA_S_PER_BYTE",
+    "ChunkedPrefillConfig",
+    "RankSizes",
     "comm_plan",
     "chunked_comm_bytes",
     "StrategyChoice",
@@ -77,44 +80,97 @@ def check_strategy(strategy: str, auto: bool = False) -> None:
         raise ConfigError("chunked-strategy", f"strategy in {allowed}", strategy=strategy)
 
 
+@dataclass(frozen=True)
+class ChunkedPrefillConfig:
+    """How one chunked-prefill layer runs: ``strategy`` (one of :data:`STRATEGIES`, or ``"auto"``:
+    the selector), the context workspace in gathered rows, the DCP combine backend of
+    AllGather-Q, and the link model ``alpha`` (s per call) / ``beta`` (s per byte) the selector
+    prices with (``None``: :data:`CPU_ALPHA_S`, :data:`CPU_BETA_S_PER_BYTE`), and the softmax
+    ``scale`` (``None``: ``1/sqrt(head_dim)``).  Validated on construction."""
+
+    strategy: str = "auto"
+    workspace_size: int = 16384
+    dcp_comm_backend: str = "a2a"
+    alpha: float | None = None
+    beta: float | None = None
+    scale: float | None = None
+
+    def __post_init__(self) -> None:
+        check_strategy(self.strategy, auto=True)
+        check_positive(workspace_size=self.workspace_size)
+        check_comm_backend(self.dcp_comm_backend)
+
+
+@dataclass(frozen=True)
+class RankSizes:
+    """The per-rank sizes one layer's bytes depend on: query and KV heads per rank (``h``,
+    ``k``), key and value widths, ``latent`` (MLA: the value is the key's first ``v_head_dim``
+    columns), ``pcp``, ``dcp``, ``interleave``, ``workspace_size`` and bytes per element."""
+
+    q_heads_per_rank: int
+    kv_heads_per_rank: int
+    head_dim: int
+    v_head_dim: int
+    latent: bool
+    pcp: int
+    dcp: int
+    interleave: int
+    workspace_size: int
+    elem_bytes: int
+
+    @classmethod
+    def of(
+        cls,
+        config: ParallelConfig,
+        workspace_size: int,
+        v_head_dim: int | None = None,
+        elem_bytes: int = 8,
+    ) -> RankSizes:
+        """The sizes of every rank of ``config`` (the same on every rank)."""
+        kv = kv_heads_of(config, 0)
+        return cls(
+            config.q_heads_per_rank,
+            kv.stop - kv.start,
+            config.head_dim,
+            v_head_dim or config.head_dim,
+            config.use_mla,
+            config.pcp,
+            config.dcp,
+            config.interleave,
+            workspace_size,
+            elem_bytes,
+        )
+
+
 def comm_plan(
     strategy: str,
     context_lens: Sequence[int],
     query_lens: Sequence[int],
-    *,
-    q_heads: int,
-    kv_heads: int,
-    head_dim: int,
-    v_head_dim: int,
-    latent: bool,
-    pcp: int,
-    dcp: int,
-    interleave: int,
-    workspace_size: int,
-    elem_bytes: int,
+    sizes: RankSizes,
     dcp_comm_backend: str = "a2a",
 ) -> list[tuple[str, int]]:
-    """The table above from per-rank sizes (``q_heads`` = ``h``, ``kv_heads`` = ``k``)."""
+    """The table above from one rank's :class:`RankSizes`."""
     check_strategy(strategy)
     check_comm_backend(dcp_comm_backend)
-    e, h, g = elem_bytes, q_heads, dcp if dcp > 1 else pcp
+    e, h, pcp, dcp = sizes.elem_bytes, sizes.q_heads_per_rank, sizes.pcp, sizes.dcp
+    d, dv, g = sizes.head_dim, sizes.v_head_dim, dcp if dcp > 1 else pcp
     r = sum(padded_len(t, pcp) for t in query_lens) // pcp
     if strategy == "allgather_q":
         if g == 1:
             return []
-        gather_q = ("all_gather", r * h * head_dim * e * (g - 1))
+        gather_q = ("all_gather", r * h * d * e * (g - 1))
         if dcp_comm_backend == "a2a":
-            return [gather_q, ("all_to_all", r * h * (v_head_dim + 1) * e * (g - 1))]
+            return [gather_q, ("all_to_all", r * h * (dv + 1) * e * (g - 1))]
         return [
             gather_q,
             ("all_gather", r * g * h * e * (g - 1)),
-            ("reduce_scatter", r * h * v_head_dim * e * (g - 1)),
+            ("reduce_scatter", r * h * dv * e * (g - 1)),
         ]
-    width = kv_heads * (head_dim if latent else head_dim + v_head_dim)
+    width = sizes.kv_heads_per_rank * (d if sizes.latent else d + dv)
     calls = [("all_gather", r * width * e * (pcp - 1))] if pcp > 1 else []
     if dcp > 1:
         calls += context_gather_comm_bytes(
-            list(context_lens), workspace_size, dcp, interleave, width, e
+            list(context_lens), sizes.workspace_size, dcp, sizes.interleave, width, e
         )
     return calls
 
@@ -123,55 +179,19 @@ def chunked_comm_bytes(
     strategy: str,
     context_lens: Sequence[int],
     query_lens: Sequence[int],
+    config: ParallelConfig,
     *,
-    num_q_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
     workspace_size: int,
-    tensor_parallel_size: int = 1,
-    prefill_context_parallel_size: int = 1,
-    decode_context_parallel_size: int = 1,
     v_head_dim: int | None = None,
-    use_mla: bool = False,
-    cp_kv_cache_interleave_size: int = 1,
     elem_bytes: int = 8,
-    dcp_comm_backend: str = "a2a",
 ) -> list[tuple[str, int]]:
-    """``[(op, bytes sent per rank), ...]`` of one layer of ``strategy`` in call order, for the
-    model's head counts (the same on every rank).  The configuration is validated first
-    (:class:`~cpbook.core.config.ParallelConfig`); ``use_mla`` means a latent cache without
-    values."""
+    """``[(op, bytes sent per rank), ...]`` of one layer of ``strategy`` in call order on every
+    rank of ``config`` (validated as it was built; ``use_mla`` means a latent cache without
+    values, ``v_head_dim`` ``None`` means ``head_dim``); AllGather-Q combines with
+    ``config.dcp_comm_backend``."""
     check_strategy(strategy)
-    il = cp_kv_cache_interleave_size
-    cfg = ParallelConfig(
-        tensor_parallel_size=tensor_parallel_size,
-        block_size=il,
-        prefill_context_parallel_size=prefill_context_parallel_size,
-        decode_context_parallel_size=decode_context_parallel_size,
-        cp_kv_cache_interleave_size=il,
-        num_q_heads=num_q_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        use_mla=use_mla,
-        dcp_comm_backend=dcp_comm_backend,
-    )
-    kv = kv_heads_of(cfg, 0)
-    return comm_plan(
-        strategy,
-        context_lens,
-        query_lens,
-        q_heads=cfg.q_heads_per_rank,
-        kv_heads=kv.stop - kv.start,
-        head_dim=head_dim,
-        v_head_dim=v_head_dim or head_dim,
-        latent=use_mla,
-        pcp=cfg.pcp,
-        dcp=cfg.dcp,
-        interleave=il,
-        workspace_size=workspace_size,
-        elem_bytes=elem_bytes,
-        dcp_comm_backend=dcp_comm_backend,
-    )
+    sizes = RankSizes.of(config, workspace_size, v_head_dim, elem_bytes)
+    return comm_plan(strategy, context_lens, query_lens, sizes, config.dcp_comm_backend)
 
 
 @dataclass(frozen=True)
@@ -194,7 +214,7 @@ def select_strategy(
     """Price each strategy's call list as ``calls·α + bytes·β``; the cheaper wins (ties: KV)."""
     a = CPU_ALPHA_S if alpha is None else alpha
     b = CPU_BETA_S_PER_BYTE if beta is None else beta
-    sent = {st: sum(x for _, x in plans[st]) for st in STRATEGIES}
+    sent = {st: comm_bytes(plans[st]) for st in STRATEGIES}
     secs = {st: len(plans[st]) * a + sent[st] * b for st in STRATEGIES}
     best = min(STRATEGIES[::-1], key=secs.get)
     return StrategyChoice(best, {st: len(plans[st]) for st in STRATEGIES}, sent, secs, a, b)
@@ -203,23 +223,16 @@ def select_strategy(
 def choose_strategy(
     batch_tokens: int | Sequence[int],
     context_tokens: int | Sequence[int],
-    num_q_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    elem_bytes: int,
-    pcp: int,
-    dcp: int,
+    config: ParallelConfig,
     *,
-    tp: int = 1,
-    v_head_dim: int | None = None,
-    use_mla: bool = False,
-    interleave: int = 1,
     workspace_size: int = 16384,
-    dcp_comm_backend: str = "a2a",
+    v_head_dim: int | None = None,
+    elem_bytes: int = 2,
     alpha: float | None = None,
     beta: float | None = None,
 ) -> StrategyChoice:
-    """AllGather-Q or AllGather-KV for one layer, by :func:`select_strategy` on exact bytes.
+    """AllGather-Q or AllGather-KV for one layer of ``config``, by :func:`select_strategy` on
+    exact bytes (:func:`chunked_comm_bytes`).
 
     ``batch_tokens`` / ``context_tokens``: one request's chunk and context lengths, or one per
     request.  ``alpha`` (s per call) and ``beta`` (s per byte) default to :data:`CPU_ALPHA_S` and
@@ -234,24 +247,6 @@ def choose_strategy(
             batch_tokens=batch_tokens,
             context_tokens=context_tokens,
         )
-    plans = {
-        st: chunked_comm_bytes(
-            st,
-            cs,
-            ts,
-            num_q_heads=num_q_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            workspace_size=workspace_size,
-            tensor_parallel_size=tp,
-            prefill_context_parallel_size=pcp,
-            decode_context_parallel_size=dcp,
-            v_head_dim=v_head_dim,
-            use_mla=use_mla,
-            cp_kv_cache_interleave_size=interleave,
-            elem_bytes=elem_bytes,
-            dcp_comm_backend=dcp_comm_backend,
-        )
-        for st in STRATEGIES
-    }
+    kw = dict(workspace_size=workspace_size, v_head_dim=v_head_dim, elem_bytes=elem_bytes)
+    plans = {st: chunked_comm_bytes(st, cs, ts, config, **kw) for st in STRATEGIES}
     return select_strategy(plans, alpha, beta)

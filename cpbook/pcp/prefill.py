@@ -26,6 +26,7 @@ from cpbook.core.attention import (
     merge_attn_states_,
 )
 from cpbook.core.comm import Group
+from cpbook.core.errors import RuleError
 from cpbook.pcp.zigzag import PCPMetadata, PCPPartition, Segment, pcp_partition
 
 __all__ = [
@@ -49,10 +50,14 @@ def pcp_shard(t: torch.Tensor, meta: PCPMetadata) -> torch.Tensor:
 
 def _check_group(meta: PCPMetadata, group: Group) -> None:
     if group.size != meta.pcp or group.rank != meta.pcp_rank:
-        raise ValueError(
-            f"[pcp-group-matches-metadata] requires group size/rank == pcp/pcp_rank; "
-            f"got group {group.name!r} size={group.size} rank={group.rank}, "
-            f"pcp={meta.pcp} pcp_rank={meta.pcp_rank}"
+        raise RuleError(
+            "pcp-group-matches-metadata",
+            "group size/rank == pcp/pcp_rank",
+            group=group.name,
+            size=group.size,
+            rank=group.rank,
+            pcp=meta.pcp,
+            pcp_rank=meta.pcp_rank,
         )
 
 
@@ -80,9 +85,11 @@ def pcp_local_attention(
     padding rows get 0 and ``-inf``.  Exact; no masked-out pair is computed.
     """
     if q.shape[0] != meta.num_tokens:
-        raise ValueError(
-            f"[pcp-local-rows] requires q with num_tokens rows; got q{tuple(q.shape)}, "
-            f"num_tokens={meta.num_tokens}"
+        raise RuleError(
+            "pcp-local-rows",
+            "q with num_tokens rows",
+            q=tuple(q.shape),
+            num_tokens=meta.num_tokens,
         )
     out, lse = empty_attention(q, q.shape[1], v_seq.shape[-1])
     cu = meta.cu_seq_lens
@@ -164,9 +171,13 @@ def pcp_prefill_attention(
     """
     _check_group(meta, group)
     if not q.shape[0] == k.shape[0] == v.shape[0] == meta.num_tokens:
-        raise ValueError(
-            f"[pcp-local-rows] requires q, k, v with num_tokens rows; got q{tuple(q.shape)}, "
-            f"k{tuple(k.shape)}, v{tuple(v.shape)}, num_tokens={meta.num_tokens}"
+        raise RuleError(
+            "pcp-local-rows",
+            "q, k, v with num_tokens rows",
+            q=tuple(q.shape),
+            k=tuple(k.shape),
+            v=tuple(v.shape),
+            num_tokens=meta.num_tokens,
         )
     # Head-major copies: the fused CPU kernel reads [H, T, D] rows ~6 % faster than the
     # strided [T, H, D] view, more than the copies cost.  ``_rows`` views them as [T, H, D].
@@ -185,7 +196,7 @@ def pcp_prefill_attention(
         else (torch.cat([o for o, _ in local]), torch.cat([l for _, l in local]))
     )
     k_all, v_all = k_all.wait(), v_all.wait()
-    part = pcp_partition(meta.seq_lens, meta.pcp, meta.layout)
+    part = pcp_partition(meta.seq_lens, meta.pcp, meta.partition)
     for ours, blocks in _remote_blocks(meta, part):
         keys = [
             (_rows(k_all[src], rows.start, rows.stop), _rows(v_all[src], rows.start, rows.stop))

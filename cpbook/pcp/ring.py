@@ -177,6 +177,10 @@ def ring_attention(
     ``stats`` is a dict it receives ``steps``, ``kernel_calls``, ``work`` ((query, key) pairs
     per query head) and ``peak_temp_bytes`` (largest total of the blocks, receive buffers and
     partial results this call holds at once; kernel workspaces excluded).
+
+    More than eight parameters: the new rows' ``q, k, v`` and the context shard's ``k_ctx,
+    v_ctx`` are the inputs of one attention call; ``layout``, ``group`` and ``mode`` say how the
+    ring runs (as torch's ``context_parallel`` ring attention takes them).
     """
     _check(q, k, v, k_ctx, v_ctx, layout, group, mode)
     tally, acc = _Tally(), _Out(q, v.shape[2])

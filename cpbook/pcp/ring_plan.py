@@ -239,23 +239,21 @@ def _starts(counts: Sequence[int]) -> list[int]:
 
 def ring_comm_bytes(
     mode: str,
-    seq_lens: Sequence[int],
-    context_lens: Sequence[int],
+    layout: RingLayout,
+    pcp_rank: int,
     num_q_heads: int,
     num_kv_heads: int,
     head_dim: int,
-    pcp: int,
-    pcp_rank: int,
     elem_bytes: int = 8,
-    cp_kv_cache_interleave_size: int = 1,
 ) -> list[tuple[str, int]]:
-    """The module docstring's table: ``[(op, bytes sent by pcp_rank), ...]`` in call order.
+    """The module docstring's table: ``[(op, bytes sent by pcp_rank), ...]`` in call order, for
+    the requests, PCP size and interleave of ``layout``.
 
     ``num_q_heads`` / ``num_kv_heads`` are the heads this rank holds (after TP).
     """
     check_mode(mode)
-    lay = RingLayout(tuple(seq_lens), tuple(context_lens), pcp, cp_kv_cache_interleave_size)
-    n, r, e = pcp, pcp_rank, elem_bytes
+    lay = layout
+    n, r, e = layout.pcp, pcp_rank, elem_bytes
     if mode == "pass_kv":
         return [
             ("sendrecv", 2 * num_kv_heads * head_dim * e * lay.kv_rows((r - s) % n))

@@ -1,8 +1,9 @@
-"""Who owns which prompt token under PCP: DualChunkSwap (zigzag), contiguous and striped layouts.
+"""Who owns which prompt token under PCP: DualChunkSwap (zigzag), contiguous and striped partitions.
 
 A prefill request of ``seq_len`` tokens is padded at its end to a multiple of ``2 * pcp``
 and cut into ``2 * pcp`` chunks of ``chunk_size = ceil(seq_len / (2 * pcp))`` tokens.
-Layouts (each request of a batch is partitioned on its own, as vLLM's ``PCPManager`` does):
+Partitions (:data:`PARTITIONS`; each request of a batch is partitioned on its own, as vLLM's
+``PCPManager`` does):
 
 * ``"zigzag"`` — DualChunkSwap / head-tail: rank ``r`` holds chunk ``r`` then chunk
   ``2*pcp - 1 - r``.  Every rank gets the same causal work.
@@ -40,8 +41,10 @@ from typing import Sequence
 
 import torch
 
+from cpbook.core.errors import RuleError
+
 __all__ = [
-    "PARTITION_LAYOUTS",
+    "PARTITIONS",
     "Segment",
     "PCPPartition",
     "PCPMetadata",
@@ -52,15 +55,14 @@ __all__ = [
     "causal_pairs",
 ]
 
-PARTITION_LAYOUTS = ("zigzag", "contiguous", "striped")
+PARTITIONS = ("zigzag", "contiguous", "striped")
 
 
 def _lens(seq_lens: int | Sequence[int]) -> tuple[int, ...]:
     lens = (seq_lens,) if isinstance(seq_lens, int) else tuple(seq_lens)
     if not lens or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in lens):
-        raise ValueError(
-            f"[pcp-seq-lens] requires one or more positive integer request lengths; "
-            f"got seq_lens={seq_lens!r}"
+        raise RuleError(
+            "pcp-seq-lens", "one or more positive integer request lengths", seq_lens=seq_lens
         )
     return lens
 
@@ -70,13 +72,11 @@ def _offsets(lens: Sequence[int]) -> list[int]:
     return list(itertools.accumulate(lens, initial=0))
 
 
-def _check(pcp: int, layout: str) -> None:
+def _check(pcp: int, partition: str) -> None:
     if isinstance(pcp, bool) or not isinstance(pcp, int) or pcp < 1:
-        raise ValueError(f"[pcp-size] requires a positive integer pcp; got pcp={pcp!r}")
-    if layout not in PARTITION_LAYOUTS:
-        raise ValueError(
-            f"[pcp-layout] requires layout in {PARTITION_LAYOUTS}; got layout={layout!r}"
-        )
+        raise RuleError("pcp-size", "a positive integer pcp", pcp=pcp)
+    if partition not in PARTITIONS:
+        raise RuleError("pcp-partition", f"partition in {PARTITIONS}", partition=partition)
 
 
 def padded_len(seq_len: int, pcp: int) -> int:
@@ -106,12 +106,12 @@ class Segment:
     row: int
 
 
-def _segments(padded: int, pcp: int, rank: int, layout: str) -> list[tuple[int, int]]:
+def _segments(padded: int, pcp: int, rank: int, partition: str) -> list[tuple[int, int]]:
     c = padded // (2 * pcp)
-    if layout == "zigzag":
+    if partition == "zigzag":
         tail = 2 * pcp - 1 - rank
         return [(rank * c, (rank + 1) * c), (tail * c, (tail + 1) * c)]
-    if layout == "contiguous":
+    if partition == "contiguous":
         return [(2 * rank * c, 2 * (rank + 1) * c)]
     return [(p, p + 1) for p in range(rank, padded, pcp)]
 
@@ -130,7 +130,7 @@ class PCPMetadata:
 
     pcp_rank: int
     pcp: int
-    layout: str
+    partition: str
     seq_lens: tuple[int, ...]
     segments: tuple[Segment, ...]
     num_tokens: int
@@ -169,11 +169,11 @@ class PCPPartition:
 
     seq_lens: tuple[int, ...]
     pcp: int
-    layout: str = "zigzag"
+    partition: str = "zigzag"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "seq_lens", _lens(self.seq_lens))
-        _check(self.pcp, self.layout)
+        _check(self.pcp, self.partition)
 
     @property
     def padded_lens(self) -> tuple[int, ...]:
@@ -188,9 +188,8 @@ class PCPPartition:
     def pad(self) -> int:
         """Padding tokens of a single-request partition."""
         if len(self.seq_lens) != 1:
-            raise ValueError(
-                f"[single-request] requires one request for .pad (use .pads); "
-                f"got seq_lens={self.seq_lens}"
+            raise RuleError(
+                "single-request", "one request for .pad (use .pads)", seq_lens=self.seq_lens
             )
         return self.pads[0]
 
@@ -210,7 +209,7 @@ class PCPPartition:
         for rank in range(self.pcp):
             row, segs = 0, []
             for req, padded in enumerate(self.padded_lens):
-                for s, e in _segments(padded, self.pcp, rank, self.layout):
+                for s, e in _segments(padded, self.pcp, rank, self.partition):
                     segs.append(Segment(req, s, e, row))
                     row += e - s
             out.append(tuple(segs))
@@ -253,9 +252,7 @@ class PCPPartition:
     def metadata(self, pcp_rank: int) -> PCPMetadata:
         """What PCP rank ``pcp_rank`` needs to run its part of the prefill."""
         if not 0 <= pcp_rank < self.pcp:
-            raise ValueError(
-                f"[pcp-rank] requires 0 <= pcp_rank < pcp; got pcp_rank={pcp_rank}, pcp={self.pcp}"
-            )
+            raise RuleError("pcp-rank", "0 <= pcp_rank < pcp", pcp_rank=pcp_rank, pcp=self.pcp)
         segs = self.segments[pcp_rank]
         cu = _offsets(self.seq_lens)
         pos = torch.cat([torch.arange(s.start, s.end) for s in segs])
@@ -266,7 +263,7 @@ class PCPPartition:
         return PCPMetadata(
             pcp_rank,
             self.pcp,
-            self.layout,
+            self.partition,
             self.seq_lens,
             segs,
             self.tokens_per_rank,
@@ -278,9 +275,11 @@ class PCPPartition:
         )
 
 
-def pcp_partition(seq_lens: int | Sequence[int], pcp: int, layout: str = "zigzag") -> PCPPartition:
+def pcp_partition(
+    seq_lens: int | Sequence[int], pcp: int, partition: str = "zigzag"
+) -> PCPPartition:
     """Partition one request (``int``) or a batch (sequence of lengths) over ``pcp`` ranks."""
-    return PCPPartition(_lens(seq_lens), pcp, layout)
+    return PCPPartition(_lens(seq_lens), pcp, partition)
 
 
 def zigzag_partition(seq_len: int | Sequence[int], pcp: int) -> PCPPartition:
@@ -288,6 +287,6 @@ def zigzag_partition(seq_len: int | Sequence[int], pcp: int) -> PCPPartition:
     return pcp_partition(seq_len, pcp, "zigzag")
 
 
-def causal_work(seq_lens: int | Sequence[int], pcp: int, layout: str = "zigzag") -> list[int]:
-    """Exact causal (query, key) pairs per head that each rank computes, for ``layout``."""
-    return pcp_partition(seq_lens, pcp, layout).work()
+def causal_work(seq_lens: int | Sequence[int], pcp: int, partition: str = "zigzag") -> list[int]:
+    """Exact causal (query, key) pairs per head that each rank computes, for ``partition``."""
+    return pcp_partition(seq_lens, pcp, partition).work()

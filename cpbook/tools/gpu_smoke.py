@@ -39,7 +39,7 @@ from cpbook.core.attention import attention_with_lse, dense_attention
 from cpbook.core.backends import _dist_call, new_group_keeps_order
 from cpbook.core.context import RankContext
 from cpbook.core.launch import run
-from cpbook.demos import get_demo
+from cpbook.demos import demo_kwargs, get_demo
 from cpbook.demos.ch09_engine import grid_runs, run_world, serve_grid_rank
 from cpbook.engine.engine import make_prompts
 from cpbook.engine.models import TinyModel, reference_generate
@@ -59,7 +59,16 @@ DEMOS = [
     ("ring", 3, {}),
     ("ring", 3, {"mode": "pass_q", "dtype": "float32"}),
     ("tpa", 4, {}),
-    ("tpa", 4, {"attention": "mla"}),
+    (
+        "tpa",
+        4,
+        {
+            "use_mla": True,
+            "num_kv_heads": 1,
+            "tensor_parallel_size_attention": None,
+            "dcp_q_replicate": True,
+        },
+    ),
     ("migrate", 4, {}),
     ("engine", 1, {"model": "tiny-mla"}),
     ("spec-verify", 4, {}),
@@ -169,7 +178,13 @@ def demo_rows(device: torch.device) -> list[dict[str, Any]]:
     for name, world, params in DEMOS:
         res, used = _measured(
             device,
-            lambda: run(get_demo(name), world, fn_kwargs=params, report=False, device=device),
+            lambda: run(
+                get_demo(name),
+                world,
+                fn_kwargs=demo_kwargs(get_demo(name), params),
+                report=False,
+                device=device,
+            ),
         )
         if name == "engine":
             want = _references(params.get("model", "tiny-gqa"), num_requests=6, max_new_tokens=8)

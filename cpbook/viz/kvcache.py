@@ -7,7 +7,7 @@ from typing import Sequence
 import torch
 from matplotlib.patches import Rectangle
 
-from cpbook.kv.layout import local_positions, num_virtual_blocks, token_owner
+from cpbook.kv.layout import DCPShard, local_positions, num_virtual_blocks, token_owner
 from cpbook.kv.paged import PagedKVCache
 from cpbook.kv.transfer import transfer_plan
 from cpbook.viz.style import figure, rank_color
@@ -115,9 +115,7 @@ def ownership_figure(
                 block_size,
                 1,
                 1,
-                dcp=dcp,
-                dcp_rank=r,
-                interleave=interleave,
+                shard=DCPShard(dcp, r, interleave),
             )
             .local_slots(table, nb * vb)
             .tolist()

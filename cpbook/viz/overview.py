@@ -11,7 +11,7 @@ import torch
 from matplotlib.patches import FancyArrowPatch, Rectangle
 
 from cpbook.core.attention import dense_attention
-from cpbook.demos.ch01_merge import merge_problem
+from cpbook.core.problems import merge_problem
 from cpbook.viz.style import figure, ink, rank_color
 
 __all__ = ["cp_map", "lse_merge"]
@@ -96,7 +96,7 @@ def lse_merge(
     merge, and (right) the merge weights ``exp(l_r - l)`` next to the share of the dense
     softmax that falls on each rank's keys, for one query and head.
 
-    Inputs come from :func:`cpbook.demos.ch01_merge.merge_problem` with ``seed``, split like
+    Inputs come from :func:`cpbook.core.problems.merge_problem` with ``seed``, split like
     ``merge_rank`` splits them (``torch.tensor_split``), so the numbers match the chapter's.
     """
     q, k, v = merge_problem(num_keys, num_queries, num_q_heads, head_dim, seed)

@@ -209,7 +209,7 @@ def partition_figure(part: PCPPartition):
         ax.spines[side].set_visible(False)
     ax.axhline(p - 0.1, color="black", lw=0.8)
     ax.set_title(
-        f"{part.layout} partition over {p} ranks; grey = padding, cells = "
+        f"{part.partition} partition over {p} ranks; grey = padding, cells = "
         + ("position" if n_req == 1 else "request:position"),
         fontsize=10,
         loc="left",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from cpbook.core.comm import comm_bytes
+from cpbook.core.config import ParallelConfig
 from cpbook.pcp.chunked_plan import chunked_comm_bytes
 from cpbook.viz.style import GREEN, PURPLE, tint
 from cpbook.widgets.bars import bar_chart
@@ -18,10 +19,9 @@ CONTEXTS = (0, 4096, 16384, 65536, 262144)
 SETUP = dict(
     num_kv_heads=1,
     head_dim=128,
-    workspace_size=16384,
-    elem_bytes=2,
     prefill_context_parallel_size=2,
     decode_context_parallel_size=2,
+    dcp_comm_backend="a2a",
 )
 #: the rest of a strategy's bytes: the light shade of its colour (the first collective's)
 _LIGHT_GREEN, _LIGHT_PURPLE = tint(GREEN), tint(PURPLE)
@@ -34,7 +34,14 @@ def _fmt(b: float) -> str:
 def bytes_readout(heads: int, chunk: int, context: int) -> str:
     """HTML: each strategy's bytes per rank (first collective, then the rest) and the winner."""
     plans = {
-        st: chunked_comm_bytes(st, (context,), (chunk,), num_q_heads=heads, **SETUP)
+        st: chunked_comm_bytes(
+            st,
+            (context,),
+            (chunk,),
+            ParallelConfig(num_q_heads=heads, **SETUP),
+            workspace_size=16384,
+            elem_bytes=2,
+        )
         for st in ("allgather_q", "allgather_kv")
     }
     q_first, q_rest = plans["allgather_q"][0][1], comm_bytes(plans["allgather_q"][1:])

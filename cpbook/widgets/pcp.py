@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cpbook.pcp.zigzag import PARTITION_LAYOUTS, causal_work, pcp_partition
+from cpbook.pcp.zigzag import PARTITIONS, causal_work, pcp_partition
 from cpbook.viz.style import BLUE, GREEN, ORANGE
 from cpbook.widgets.bars import bar_chart
 from cpbook.widgets.explorer import Control, Explorer, explorer, pre
@@ -14,19 +14,19 @@ SEQ_LENS = (10, 100, 1000, 8192)
 _COLOUR = {"zigzag": BLUE, "contiguous": ORANGE, "striped": GREEN}
 
 
-def work_readout(layout: str, pcp: int, seq_len: int) -> str:
+def work_readout(partition: str, pcp: int, seq_len: int) -> str:
     """HTML: every rank's exact causal (query, key) pairs over the mean, and what they imply."""
-    work = causal_work(seq_len, pcp, layout)
+    work = causal_work(seq_len, pcp, partition)
     mean = sum(work) / pcp
     ratios = [w / mean for w in work]
-    rows = [(f"rank {r}", [(x, _COLOUR[layout])], f"{x:.3f}") for r, x in enumerate(ratios)]
+    rows = [(f"rank {r}", [(x, _COLOUR[partition])], f"{x:.3f}") for r, x in enumerate(ratios)]
     chart = bar_chart(
         rows,
         scale=max(2.0, max(ratios)),
-        title=f"work of each rank / mean: {layout}, PCP = {pcp}, "
+        title=f"work of each rank / mean: {partition}, PCP = {pcp}, "
         f"{seq_len:,} tokens (full track = {max(2.0, max(ratios)):.2f})",
     )
-    pad = pcp_partition(seq_len, pcp, layout).pad
+    pad = pcp_partition(seq_len, pcp, partition).pad
     text = (
         f"busiest / mean  {max(ratios):.3f}\n"
         f"speed-up        {sum(work) / max(work):.2f}x (ideal {pcp}x)\n"
@@ -40,11 +40,11 @@ def work_explorer() -> Explorer:
     return explorer(
         work_readout,
         {
-            "layout": Control(PARTITION_LAYOUTS, label="split"),
+            "partition": Control(PARTITIONS, label="split"),
             "pcp": Control(PCP_SIZES, label="PCP size"),
             "seq_len": Control(SEQ_LENS, names=[f"{n:,}" for n in SEQ_LENS], label="prompt tokens"),
         },
-        value={"layout": "contiguous", "pcp": 4, "seq_len": 1000},
+        value={"partition": "contiguous", "pcp": 4, "seq_len": 1000},
         caption="Exact causal work per rank, counted by cpbook.pcp.zigzag.causal_work. "
         "Short prompts show the padding's cost; long ones the limits 2 - 1/K "
         "(contiguous) and 1 (zigzag, striped).",
