@@ -20,7 +20,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cpbook import costmodel as cm
-from cpbook.__main__ import main, parse_seconds, parse_tokens
+from cpbook.cli import main
+from cpbook.cli.plan import parse_seconds, parse_tokens
 from cpbook.core.config import ConfigError
 from cpbook.costmodel import Layout, ServingWorkload, plan
 from cpbook.costmodel.hf_config import model_from_hf_config
