@@ -84,7 +84,9 @@ def _plan_model(a: argparse.Namespace):
     if a.hf_config:
         return model_from_hf_config(a.hf_config, name=a.model)
     if not a.model:
-        raise RuleError("plan-model", "--model NAME or --hf-config PATH", model=None, hf_config=None)
+        raise RuleError(
+            "plan-model", "--model NAME or --hf-config PATH", model=None, hf_config=None
+        )
     return get_model(a.model)
 
 

@@ -171,7 +171,9 @@ def _spec_config(a: argparse.Namespace) -> dict | None:
     return spec
 
 
-def _serve_kwargs(a: argparse.Namespace, prompts: list[list[int]] | None, spec: dict | None) -> dict:
+def _serve_kwargs(
+    a: argparse.Namespace, prompts: list[list[int]] | None, spec: dict | None
+) -> dict:
     """:func:`cpbook.timing.serve_timing`'s keyword arguments from the options."""
     return dict(
         prompts=prompts,
