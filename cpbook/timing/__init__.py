@@ -15,6 +15,7 @@ mechanisms of chapters 4–5 and 3, 6, 9–10.
 """
 
 from cpbook.timing.clock import (
+    CLOCKS,
     WALL_CLOCK,
     Stopwatch,
     device_name,
@@ -33,6 +34,7 @@ from cpbook.timing.prefill import (
 )
 
 __all__ = [
+    "CLOCKS",
     "WALL_CLOCK",
     "Stopwatch",
     "chunked_prefill_timing",

@@ -17,8 +17,10 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 
 from cpbook.core.context import RankContext
+from cpbook.core.errors import RuleError
 
 __all__ = [
+    "CLOCKS",
     "WALL_CLOCK",
     "Stopwatch",
     "device_name",
@@ -64,7 +66,15 @@ def synchronize(device: torch.device | str) -> None:
         torch.cuda.synchronize(device)
 
 
-WALL_CLOCK: Mapping[str, Callable[[], float]] = {"": time.perf_counter}
+CLOCKS: Mapping[str, Callable[[], float]] = {
+    "wall": time.perf_counter,
+    "process": time.process_time,
+    "thread": time.thread_time,
+}
+"""The clocks by name: wall time, CPU time of the whole process (every thread), CPU time of the
+calling thread."""
+
+WALL_CLOCK: Mapping[str, Callable[[], float]] = {"": CLOCKS["wall"]}
 """The wall clock alone, as :func:`timed_rounds`' ``clocks`` (no ``_cpu`` / ``_thread`` keys)."""
 
 
@@ -81,11 +91,7 @@ def timed_rounds(
     time (every thread of the rank) and ``"_thread"`` CPU time of the calling thread.  On a GPU
     each run is bracketed by :func:`synchronize`, so the wall clock includes the kernels.
     """
-    clocks = clocks or {
-        "": time.perf_counter,
-        "_cpu": time.process_time,
-        "_thread": time.thread_time,
-    }
+    clocks = clocks or {"": CLOCKS["wall"], "_cpu": CLOCKS["process"], "_thread": CLOCKS["thread"]}
     runs: dict[str, list[float]] = {m + c: [] for m in methods for c in clocks}
     last: dict[str, Any] = {}
     for _ in range(repeats + 1):
@@ -113,19 +119,22 @@ class Stopwatch:
 
 
 @contextlib.contextmanager
-def stopwatch(device: torch.device | str | None = None) -> Iterator[Stopwatch]:
+def stopwatch(device: torch.device | str | None = None, clock: str = "wall") -> Iterator[Stopwatch]:
     """Time the ``with`` block: ``with stopwatch(device) as t: ...`` then ``t.seconds``.
 
-    On a GPU ``device`` the block starts after, and ends with, :func:`synchronize`, so its
-    kernels count, not their launch; ``None`` or the CPU reads the clock only.  The seconds are
-    set when the block ends, also when it raises."""
-    watch = Stopwatch()
+    ``clock`` is one of :data:`CLOCKS` (``"wall"``, ``"process"``, ``"thread"``).  On a GPU
+    ``device`` the block starts after, and ends with, :func:`synchronize`, so its kernels count,
+    not their launch; ``None`` or the CPU reads the clock only.  The seconds are set when the
+    block ends, also when it raises."""
+    if clock not in CLOCKS:
+        raise RuleError("clock-name", f"clock in {tuple(CLOCKS)}", clock=clock)
+    read, watch = CLOCKS[clock], Stopwatch()
     if device is not None:
         synchronize(device)
-    start = time.perf_counter()
+    start = read()
     try:
         yield watch
     finally:
         if device is not None:
             synchronize(device)
-        watch.seconds = time.perf_counter() - start
+        watch.seconds = read() - start
