@@ -37,12 +37,15 @@ from cpbook.cli import demo, plan, serve
 __all__ = ["build_parser", "main"]
 
 _RULE = re.compile(r"(\[[\w-]+\] requires .*)")
+_DESCRIPTION = (
+    "Command line: ``python -m cpbook demo NAME --world-size N [--backend inline|torchrun]``."
+)
 _COMMANDS = {"demo": demo, "serve": serve, "plan": plan}
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``python -m cpbook`` parser with its three sub-commands."""
-    p = argparse.ArgumentParser(prog="python -m cpbook", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m cpbook", description=_DESCRIPTION)
     sub = p.add_subparsers(dest="cmd", required=True)
     for module in _COMMANDS.values():
         module.add_parser(sub)
