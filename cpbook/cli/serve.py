@@ -23,7 +23,7 @@ from cpbook.engine.engine import engine_config, model_config
 from cpbook.engine.spec_decode import SpeculativeConfig, check_draft_vocab
 from cpbook.timing import serve_timing
 
-__all__ = ["add_parser", "command", "serve_lines"]
+__all__ = ["add_parser", "command"]
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -130,7 +130,7 @@ def _json_lines(res: dict, summary: dict, tok=None) -> list[str]:
     return lines + [json.dumps(summary)]
 
 
-def serve_lines(res: dict, as_json: bool, tok=None) -> list[str]:
+def _serve_lines(res: dict, as_json: bool, tok=None) -> list[str]:
     """Rank 0's result as JSON lines (one per request with its prompt's token ids, then the
     summary) or a short table; with a tokenizer also the decoded text."""
     summary = _summary(res)
@@ -213,7 +213,7 @@ def command(a: argparse.Namespace, p: argparse.ArgumentParser | None = None) -> 
         ctx = start_worker(a, world)
         res = serve_timing(ctx, **kwargs)
         if ctx.rank == 0:
-            print("\n".join(serve_lines(res, a.json, tok)))
+            print("\n".join(_serve_lines(res, a.json, tok)))
         end_worker()
         return 0
     res = run(
@@ -226,5 +226,5 @@ def command(a: argparse.Namespace, p: argparse.ArgumentParser | None = None) -> 
         report=False,
         device=a.device,
     )[0]
-    print("\n".join(serve_lines(res, a.json, tok)))
+    print("\n".join(_serve_lines(res, a.json, tok)))
     return 0
