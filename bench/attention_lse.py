@@ -12,13 +12,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
 from cpbook.core.attention import attention_with_lse
-from cpbook.timing import device_name, synchronize
+from cpbook.timing import device_name, stopwatch
 
 CASES = {
     # name: (q tokens, k tokens, heads, head_dim, causal)
@@ -37,17 +36,13 @@ def bench_case(
     q4, k4, v4 = (x.transpose(0, 1)[None] for x in (q, k, v))  # the same memory, SDPA's layout
     ours, sdpa = [], []
     for i in range(repeats + 2):
-        synchronize(device)  # on a GPU the kernels, not their launch, are timed
-        t0 = time.perf_counter()
-        out, _ = attention_with_lse(q, k, v, causal=causal)
-        synchronize(device)
-        t1 = time.perf_counter()
-        ref = F.scaled_dot_product_attention(q4, k4, v4, is_causal=causal)
-        synchronize(device)
-        t2 = time.perf_counter()
+        with stopwatch(device) as t_ours:  # on a GPU the kernels, not their launch, are timed
+            out, _ = attention_with_lse(q, k, v, causal=causal)
+        with stopwatch(device) as t_sdpa:
+            ref = F.scaled_dot_product_attention(q4, k4, v4, is_causal=causal)
         if i >= 2:  # warm-up
-            ours.append(t1 - t0)
-            sdpa.append(t2 - t1)
+            ours.append(t_ours.seconds)
+            sdpa.append(t_sdpa.seconds)
     err = (out - ref[0].transpose(0, 1)).abs().max().item()
     ms, sdpa_ms = 1e3 * statistics.median(ours), 1e3 * statistics.median(sdpa)
     return {

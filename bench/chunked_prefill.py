@@ -159,6 +159,7 @@ def _verdict(points: list[tuple], a: argparse.Namespace) -> dict:
 
 
 def _grid(ctx, a: argparse.Namespace) -> None:
+    from cpbook.core.config import ParallelConfig
     from cpbook.pcp.chunked_plan import STRATEGIES, choose_strategy
     from cpbook.timing import chunked_prefill_timing
 
@@ -170,12 +171,11 @@ def _grid(ctx, a: argparse.Namespace) -> None:
                 ctx,
                 chunked_prefill_timing(
                     ctx,
+                    ParallelConfig(**SHAPE, **GRID),
                     context_len=context,
                     chunk_len=chunk,
                     workspace_size=a.workspace_size,
                     repeats=a.repeats * (3 if small else 1),
-                    **SHAPE,
-                    **GRID,
                 ),
             )
             if every is None:
@@ -228,7 +228,7 @@ def _ring(ctx, a: argparse.Namespace) -> None:
     from cpbook.timing import ring_prefill_timing
 
     every = _gather(
-        ctx, ring_prefill_timing(ctx, seq_len=8192, num_heads=8, head_dim=64, repeats=5, seed=0)
+        ctx, ring_prefill_timing(ctx, seq_len=8192, num_q_heads=8, head_dim=64, repeats=5, seed=0)
     )
     if every is None:
         return

@@ -21,16 +21,17 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 
 import torch
 
+from cpbook.core.comm import comm_bytes
 from cpbook.core.config import ParallelConfig
 from cpbook.core.launch import run
 from cpbook.core.problems import gqa_decode_problem
 from cpbook.dcp.decode import local_attention
 from cpbook.demos.ch03_decode import gqa_decode_rank
 from cpbook.kv.paged import shard_kv_cache
+from cpbook.timing import stopwatch
 
 CONTEXT, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 65536, 8, 1, 64, 16
 
@@ -50,10 +51,10 @@ def local_attention_ms(sizes: tuple[int, ...], repeats: int) -> dict[int, list[f
     samples: dict[tuple[int, int], list[float]] = {key: [] for key in shards}
     for i in range(repeats + 1):
         for key, (k, v) in shards.items():
-            t0 = time.thread_time()
-            local_attention(q, [k], [v])
+            with stopwatch(clock="thread") as t:
+                local_attention(q, [k], [v])
             if i:  # the first round warms up
-                samples[key].append(time.thread_time() - t0)
+                samples[key].append(t.seconds)
     return {n: [1e3 * statistics.median(samples[(n, r)]) for r in range(n)] for n in sizes}
 
 
@@ -102,7 +103,7 @@ def main() -> None:
             "kv_within_one_block": abs(kv - total / dcp) <= block_bytes,
             "attn_ms_per_rank": round(ms, 3),
             "ratio_vs_ideal": round(ms / (single / dcp), 3),
-            "bytes_per_step": max(sum(b for _, b in r["comm"]) for r in res),
+            "bytes_per_step": max(comm_bytes(r["comm"]) for r in res),
             "max_abs_err": max(r["max_abs_err"] for r in res),
         }
         print(json.dumps(row), flush=True)

@@ -22,11 +22,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 
 from cpbook.dynamic.simulator import POLICIES, Cluster, simulate, sweep
 from cpbook.dynamic.workload import make_workload
-from cpbook.timing import machine_record
+from cpbook.timing import machine_record, stopwatch
 
 RATES = (1.0, 2.0, 4.0, 6.0, 8.0)
 KEYS = (
@@ -68,9 +67,9 @@ def main(argv: list[str] | None = None) -> None:
     cluster, w = Cluster(), make_workload(a.requests, a.rate)
     walls = []
     for policy in POLICIES:
-        t0 = time.perf_counter()
-        r = simulate(cluster, w, policy)
-        walls.append(time.perf_counter() - t0)
+        with stopwatch() as t:
+            r = simulate(cluster, w, policy)
+        walls.append(t.seconds)
         print(json.dumps({"name": "dynamic_cp", **_round({k: r[k] for k in KEYS})}), flush=True)
     print(
         json.dumps(

@@ -35,7 +35,6 @@ import argparse
 import json
 import statistics
 import tempfile
-import time
 
 import torch
 import transformers
@@ -45,7 +44,7 @@ from cpbook.demos.ch09_engine import max_concurrent_long_requests
 from cpbook.engine.config import CacheConfig, RunnerConfig, SchedulerConfig
 from cpbook.engine.engine import Engine, engine_config, single_rank_context
 from cpbook.engine.models import TinyModel, reference_forward
-from cpbook.timing import machine_record, serve_timing
+from cpbook.timing import machine_record, serve_timing, stopwatch
 
 BLOCKS, LONG = 64, 255
 CONFIGS = [
@@ -88,18 +87,18 @@ def decode_overhead(
         ids = [eng.add_request(p, steps + 1) for p in prompts]
         eng.step()  # every prompt's prefill in one step
         assert all(eng.scheduler.requests[i].prefill_done for i in ids)
-        start = time.perf_counter()
-        for _ in range(steps):
-            rec = eng.step()
-            assert [k for _, k, _, _ in rec.chunks] == ["decode"] * batch
-        eng_t.append((time.perf_counter() - start) / steps)
+        with stopwatch() as t:
+            for _ in range(steps):
+                rec = eng.step()
+                assert [k for _, k, _, _ in rec.chunks] == ["decode"] * batch
+        eng_t.append(t.seconds / steps)
         caches = [[[] for _ in range(m.config.num_hidden_layers)] for _ in prompts]
         last = [int(reference_forward(m, p, 0, c)[-1].argmax()) for p, c in zip(prompts, caches)]
-        start = time.perf_counter()
-        for s in range(steps):
-            for i, c in enumerate(caches):
-                last[i] = int(reference_forward(m, [last[i]], prompt_len + s, c)[-1].argmax())
-        plain_t.append((time.perf_counter() - start) / steps)
+        with stopwatch() as t:
+            for s in range(steps):
+                for i, c in enumerate(caches):
+                    last[i] = int(reference_forward(m, [last[i]], prompt_len + s, c)[-1].argmax())
+        plain_t.append(t.seconds / steps)
     return {"engine": statistics.median(eng_t[1:]), "plain": statistics.median(plain_t[1:])}
 
 
@@ -147,11 +146,10 @@ def engine_vs_hf(
                 scheduler_config=SchedulerConfig(batch, max_num_batched_tokens=batch * prompt_len),
                 runner_config=RunnerConfig(dtype="float32"),
             )
-            start = time.perf_counter()
-            outs = eng.generate(prompts.tolist(), new_tokens)
-            eng_t.append(time.perf_counter() - start)
-            start = time.perf_counter()
-            with torch.no_grad():
+            with stopwatch() as t:
+                outs = eng.generate(prompts.tolist(), new_tokens)
+            eng_t.append(t.seconds)
+            with stopwatch() as t, torch.no_grad():
                 ref = hf.generate(
                     prompts,
                     attention_mask=torch.ones_like(prompts),
@@ -159,7 +157,7 @@ def engine_vs_hf(
                     min_new_tokens=new_tokens,
                     do_sample=False,
                 )
-            hf_t.append(time.perf_counter() - start)
+            hf_t.append(t.seconds)
         mine = [list(o.tokens) for o in outs]
         te, th = statistics.median(eng_t[1:]), statistics.median(hf_t[1:])
         rows.append(

@@ -10,12 +10,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 
 import torch
 
 from cpbook.kv.layout import num_virtual_blocks, slot_mapping
 from cpbook.kv.transfer import transfer_plan
+from cpbook.timing import stopwatch
 
 
 def bench_slot_mapping(
@@ -27,9 +27,9 @@ def bench_slot_mapping(
     positions = torch.arange(tokens)
     times = []
     for _ in range(repeats + 1):  # the first run warms up
-        t0 = time.perf_counter()
-        slots = slot_mapping(positions, table, block_size, dcp, 1, interleave)
-        times.append((time.perf_counter() - t0) * 1e3)
+        with stopwatch() as t:
+            slots = slot_mapping(positions, table, block_size, dcp, 1, interleave)
+        times.append(t.ms)
     assert int((slots >= 0).sum()) == tokens // dcp
     return {
         "name": "slot_mapping",

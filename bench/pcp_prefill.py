@@ -123,6 +123,7 @@ def _worker(a: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
+    from cpbook.core.config import ParallelConfig
     from cpbook.core.launch import worker_context
     from cpbook.pcp.prefill import pcp_prefill_attention, pcp_shard
     from cpbook.pcp.zigzag import pcp_partition
@@ -131,7 +132,9 @@ def _worker(a: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     ctx = worker_context(a.dist_backend, 600.0)
     rings = {f"torch_ring_{rot}": _torch_ring(ctx, a, rot) for rot in ("allgather", "alltoall")}
-    mine = pcp_prefill_timing(ctx, a.seq_len, a.num_heads, a.head_dim, a.repeats, baselines=rings)
+    heads = dict(num_q_heads=a.num_heads, num_kv_heads=a.num_heads, head_dim=a.head_dim)
+    cfg = ParallelConfig(prefill_context_parallel_size=ctx.world_size, **heads)
+    mine = pcp_prefill_timing(ctx, cfg, seq_len=a.seq_len, repeats=a.repeats, baselines=rings)
     gen = torch.Generator().manual_seed(0)
     q, k, v = (
         torch.randn(a.seq_len, a.num_heads, a.head_dim, generator=gen).to(ctx.device)

@@ -26,13 +26,12 @@ import argparse
 import itertools
 import json
 import statistics
-import time
 
 from cpbook.costmodel.specs import MODELS
 from cpbook.planner.plan import plan
 from cpbook.planner.plan_space import brute_force
 from cpbook.planner.search_space import ServingWorkload
-from cpbook.timing import machine_record
+from cpbook.timing import machine_record, stopwatch
 
 K = 1024
 PROMPTS = (4 * K, 32 * K, 128 * K, 1024 * K)
@@ -51,9 +50,9 @@ def main(argv: list[str] | None = None) -> None:
     grid = list(itertools.product(sorted(MODELS), PROMPTS, CONCURRENCY, GPU_COUNTS))
     for model, prompt, conc, n in grid:
         w = ServingWorkload(prompt, K, conc)
-        start = time.perf_counter()
-        answer = plan(model, a.gpu, n, w)
-        ms = (time.perf_counter() - start) * 1e3
+        with stopwatch() as t:
+            answer = plan(model, a.gpu, n, w)
+        ms = t.ms
         same = list(answer.ranked) == brute_force(MODELS[model], answer.gpu, n, w, "throughput")
         times.append(ms)
         agree += same

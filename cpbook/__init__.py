@@ -26,7 +26,8 @@ every import):
 9. ``widgets`` — the explorers (live ipywidgets, and static HTML for the book).
 10. ``timing``, ``tools`` — the one place that reads a clock (for ``bench/``); the notebook
     executor and the one-GPU smoke run.
-11. ``__main__`` — the CLI (``demo``, ``serve``, ``plan``).
+11. ``cli`` — the command line, one module per sub-command (``demo``, ``serve``, ``plan``).
+12. ``__main__`` — ``python -m cpbook`` and the ``cpbook`` console script: ``cli.main``.
 """
 
 __version__ = "0.1.0"

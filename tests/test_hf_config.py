@@ -406,12 +406,12 @@ def test_engine_and_planner_read_the_same_shape():
     raw = {**DSV2_LITE, "architectures": ["DeepseekV2ForCausalLM"]}
     engine, _ = hf_config(raw)
     spec = model_from_hf_config(raw)
-    assert (engine.num_attention_heads, engine.num_hidden_layers, engine.hidden_size) == (
+    assert (engine.num_q_heads, engine.num_hidden_layers, engine.hidden_size) == (
         spec.num_q_heads,
         spec.num_layers,
         spec.hidden_size,
     )
-    assert engine.kv_lora_rank == spec.kv_lora_rank and engine.num_key_value_heads == 1
+    assert engine.kv_lora_rank == spec.kv_lora_rank and engine.num_kv_heads == 1
     assert engine.n_routed_experts == spec.num_experts == 64
     assert engine.first_k_dense_replace == spec.num_layers - spec.moe_layers == 1
     with pytest.raises(ValueError, match=r"\[hf-model-type\]"):

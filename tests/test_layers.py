@@ -98,3 +98,14 @@ def test_table_refines_design_md():
         for b in shared:
             if design[a] < design[b]:
                 assert table[a] < table[b], f"DESIGN.md puts {a} below {b}; the table does not"
+
+
+def test_docstrings_state_their_row():
+    """A sub-package (or top-level module) whose docstring says "Layer N" is row N of the table."""
+    table, bad = layers(), []
+    for name, row in sorted(table.items()):
+        path = PKG / name / "__init__.py" if (PKG / name).is_dir() else PKG / f"{name}.py"
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        stated = [int(n) for n in re.findall(r"\bLayer (\d+)\b", doc)]
+        bad += [f"{name}: says Layer {n}, is row {row}" for n in stated if n != row]
+    assert not bad, "; ".join(bad)

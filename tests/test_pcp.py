@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from cpbook.core.attention import dense_attention, rope
 from cpbook.core.comm import comm_bytes
+from cpbook.core.config import ParallelConfig
 from cpbook.core.groups import RankGrid
 from cpbook.core.launch import run
 from cpbook.demos import demo_kwargs
@@ -264,7 +265,8 @@ def test_pcp_prefill_torchrun():
 
 
 def test_pcp_prefill_timing_runs_inline():
-    kw = dict(seq_len=96, num_heads=2, head_dim=8, repeats=1)
+    cfg = ParallelConfig(prefill_context_parallel_size=2, num_q_heads=2, num_kv_heads=2, head_dim=8)
+    kw = dict(cfg=cfg, seq_len=96, repeats=1)
     res = run(pcp_prefill_timing, 2, fn_kwargs=kw, report=False)
     for r in res:
         assert r["zigzag_err"] < 1e-5 and r["contiguous_err"] < 1e-5

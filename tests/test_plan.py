@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 
 from cpbook import costmodel as cm
 from cpbook import planner as pl
-from cpbook.__main__ import main, parse_seconds, parse_tokens
+from cpbook.cli import main
+from cpbook.cli.plan import parse_seconds, parse_tokens
 from cpbook.core.config import ConfigError
 from cpbook.costmodel import Deployment
 from cpbook.planner import ServingWorkload, plan

@@ -1,4 +1,4 @@
-"""The stored measurements the package reads, shipped inside it as package data.
+"""Layer 1, the stored measurements the package reads, shipped inside it as package data.
 
 Three CPU runs of this book's benches (2-core machine, gloo): ``decode_step.json``
 (``bench/decode_step.py``, chapter 6's break-even, behind
@@ -14,6 +14,8 @@ import json
 from importlib import resources
 from pathlib import Path
 
+from cpbook.core.errors import RuleError
+
 __all__ = ["STORED", "stored_path", "stored_text", "stored_rows"]
 
 STORED = ("decode_step.json", "pcp_prefill.json", "chunked_prefill.jsonl")
@@ -23,7 +25,7 @@ def stored_path(name: str) -> Path:
     """The file of stored run ``name`` (one of :data:`STORED`) in this installation: what
     :func:`stored_text` reads and a bench's ``--store`` rewrites (in a checkout)."""
     if name not in STORED:
-        raise ValueError(f"[stored-run] requires one of {STORED}; got {name!r}")
+        raise RuleError("stored-run", f"name in {STORED}", name=name)
     return Path(__file__).resolve().parent / name
 
 

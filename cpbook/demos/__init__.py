@@ -1,4 +1,5 @@
-"""Named demos: every chapter's per-rank function, runnable inline, under torchrun and from the CLI.
+"""Layer 7, named demos: every chapter's per-rank function, runnable inline, under torchrun
+and from the CLI.
 
 ``python -m cpbook demo NAME --world-size N [--backend torchrun]`` runs one through
 :func:`cpbook.core.launch.run`; ``torchrun --nproc-per-node N -m cpbook demo NAME`` runs it on the

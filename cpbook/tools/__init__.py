@@ -1,1 +1,1 @@
-"""Maintenance commands for the book (not used by the chapters)."""
+"""Layer 10, maintenance commands for the book (not used by the chapters)."""

@@ -1,4 +1,5 @@
-"""Figures for the chapters: one module per concept, one shared style (:mod:`cpbook.viz.style`).
+"""Layer 8, figures for the chapters: one module per concept, one shared style
+(:mod:`cpbook.viz.style`).
 
 Every figure is matplotlib, white background, labelled axes, the Okabe–Ito colour-blind-safe
 palette, rendered to PNG in notebooks.  Functions return the ``Figure``; chapters call

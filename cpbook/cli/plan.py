@@ -1,0 +1,170 @@
+"""``python -m cpbook plan``: the deployment planner's ``vllm serve`` line, its top layouts and
+why (:func:`cpbook.planner.plan.plan`), or JSON lines; sizes (``1M``) and durations
+(``50ms``) parsed here."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+
+from cpbook.cli.options import add_debug
+from cpbook.core.errors import RuleError
+from cpbook.costmodel.specs import GB, GPUS, get_model
+from cpbook.planner.hf_config import model_from_hf_config
+from cpbook.planner.plan import Plan, estimate_record, plan
+from cpbook.planner.plan_advice import fmt_rate, fmt_s
+from cpbook.planner.plan_space import OBJECTIVES
+from cpbook.planner.search_space import ServingWorkload
+from cpbook.planner.vllm_rules import PLAN_KV_DTYPES
+
+__all__ = ["add_parser", "command", "parse_seconds", "parse_tokens"]
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """The ``plan`` sub-command's options."""
+    q = sub.add_parser(
+        "plan",
+        help="the deployment planner: the best layout and its vllm serve flags",
+        description="Search every layout vLLM v0.33 accepts for the model on at most --gpus "
+        "GPUs, drop those that cannot hold --concurrency requests or miss a target, and rank "
+        "the rest (cost-model estimates).",
+    )
+    q.add_argument("--model", help="a built-in model, or the served name with --hf-config")
+    q.add_argument("--hf-config", metavar="PATH", help="a config.json (or its folder)")
+    q.add_argument("--gpu", default="H200", help=f"one of {sorted(GPUS)}")
+    q.add_argument("--gpus", type=int, default=8, help="GPUs available")
+    q.add_argument("--context", default="128K", help="prompt tokens (1M = 2**20, 4K = 4096)")
+    q.add_argument("--output", default="1K", help="output tokens per request")
+    q.add_argument("--concurrency", type=int, default=1, help="requests in flight")
+    q.add_argument("--ttft", help="time-to-first-token target (10s, 500ms)")
+    q.add_argument("--tpot", help="time-per-output-token target (50ms)")
+    q.add_argument("--objective", choices=OBJECTIVES, default="throughput")
+    q.add_argument(
+        "--kv-cache-dtype",
+        action="append",
+        choices=PLAN_KV_DTYPES,
+        help="an allowed KV cache dtype (repeatable; default bf16)",
+    )
+    q.add_argument("--gpu-memory-utilization", type=float, default=None)
+    q.add_argument("--top", type=int, default=8, help="rows of the table")
+    q.add_argument("--json", action="store_true", help="JSON lines: layouts, then a summary")
+    add_debug(q)
+
+
+class _Plain(str):
+    """Text shown in a RuleError's values as is, without quotes."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+_SUFFIX = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3}
+
+
+def parse_tokens(flag: str, text: str) -> int:
+    """``"1M"`` → 1048576, ``"128K"`` → 131072, ``"4096"`` → 4096; RuleError otherwise."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)\s*", text)
+    tokens = float(m.group(1)) * _SUFFIX[m.group(2).lower()] if m else None
+    if tokens is None or tokens != int(tokens):
+        raise RuleError("token-count", f"{flag} N[K|M] (whole tokens)", text=text)
+    return int(tokens)
+
+
+def parse_seconds(flag: str, text: str | None) -> float | None:
+    """``"10s"`` → 10.0, ``"50ms"`` → 0.05, ``"2"`` → 2.0 (seconds); RuleError otherwise."""
+    if text is None:
+        return None
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?(?:[eE][-+]?\d+)?)\s*(s|ms)?\s*", text)
+    if not m:
+        raise RuleError("duration", f"{flag} N[s|ms]", text=text)
+    return float(m.group(1)) * (1e-3 if m.group(2) == "ms" else 1.0)
+
+
+def _plan_model(a: argparse.Namespace):
+    if a.hf_config:
+        return model_from_hf_config(a.hf_config, name=a.model)
+    if not a.model:
+        raise RuleError(
+            "plan-model", "--model NAME or --hf-config PATH", model=None, hf_config=None
+        )
+    return get_model(a.model)
+
+
+def _workload(a: argparse.Namespace) -> ServingWorkload:
+    memory = {}
+    if a.gpu_memory_utilization is not None:
+        memory["gpu_memory_utilization"] = a.gpu_memory_utilization
+    return ServingWorkload(
+        parse_tokens("--context", a.context),
+        parse_tokens("--output", a.output),
+        a.concurrency,
+        parse_seconds("--ttft", a.ttft),
+        parse_seconds("--tpot", a.tpot),
+        tuple(dict.fromkeys(a.kv_cache_dtype or ["bf16"])),
+        **memory,
+    )
+
+
+def _plan_table(p: Plan, top: int) -> list[str]:
+    w = p.workload
+    lines = [
+        "",
+        f"{p.model.name} on up to {p.num_gpus} x {p.gpu.name}: {w.concurrency:,} "
+        f"request{'s' if w.concurrency != 1 else ''} of "
+        f"{w.prompt_tokens:,} + {w.output_tokens:,} tokens, objective {p.objective} "
+        f"(modelled: cpbook.costmodel)",
+        f"{'#':>3}  {'layout':24s} {'GPUs':>4} {'weights':>8} {'KV room':>8} {'holds':>6} "
+        f"{'TTFT':>9} {'TPOT':>9} {'tok/s/GPU':>10}",
+    ]
+    for i, e in enumerate(p.ranked[:top], 1):
+        lines.append(
+            f"{i:>3}  {e.label:24s} {e.num_gpus:>4} {e.weight_bytes / GB:>5.1f} GB "
+            f"{e.kv_budget_bytes / GB:>5.1f} GB {e.capacity:>6,} {fmt_s(e.ttft_s):>9} "
+            f"{fmt_s(e.tpot_s):>9} {fmt_rate(e.tokens_per_s_per_gpu, 4):>10}"
+        )
+    return lines + ["", "Why:"] + [f"  - {r}" for r in p.reasons]
+
+
+def _plan_summary(p: Plan) -> dict:
+    w, best = p.workload, p.winner
+    return {
+        "name": "plan",
+        "model": p.model.name,
+        "gpu": p.gpu.name,
+        "num_gpus": p.num_gpus,
+        "prompt_tokens": w.prompt_tokens,
+        "output_tokens": w.output_tokens,
+        "concurrency": w.concurrency,
+        "ttft_target_s": w.ttft_target_s,
+        "tpot_target_s": w.tpot_target_s,
+        "objective": p.objective,
+        "winner": best.label if best else None,
+        "command": p.command() if best else None,
+        "serving": len(p.ranked),
+        "dropped": len(p.dropped),
+        "rejected": p.rejected,
+        "frontier_ttft": [e.label for e in p.frontier_ttft],
+        "frontier_tpot": [e.label for e in p.frontier_tpot],
+        "reasons": list(p.reasons),
+        "would_fit": list(p.would_fit.lines) if p.would_fit else None,
+    }
+
+
+def command(a: argparse.Namespace, p: argparse.ArgumentParser | None = None) -> int:
+    """Plan and print the command and table (or JSON lines); 0 when a deployment serves the
+    workload, a RuleError naming the rule that dropped the closest one otherwise."""
+    res = plan(_plan_model(a), a.gpu, a.gpus, _workload(a), objective=a.objective)
+    if a.json:
+        for i, e in enumerate(res.ranked, 1):
+            print(json.dumps(estimate_record(e, i)))
+        for e in res.dropped:
+            print(json.dumps(estimate_record(e)))
+        print(json.dumps(_plan_summary(res)))
+    if res.winner is None:
+        f = res.would_fit
+        advice = _Plain(" ".join(f.lines))
+        raise RuleError(f.rule, "a deployment that serves the workload", serving=0, advice=advice)
+    if not a.json:
+        print("\n".join([res.command()] + _plan_table(res, a.top)))
+    return 0
