@@ -4,12 +4,14 @@ The sub-packages are its layers, lowest first.  A module imports only from its o
 and from rows above its own, at module top (``tests/test_layers.py`` reads this table and checks
 every import):
 
-1. ``core``, ``data`` — the traced ``Group`` interface, its simulated and torch.distributed
-   backends, the launcher, :class:`~cpbook.core.config.ParallelConfig` and every rule, head
-   placement, the rank grid, dense attention with the LSE merge, the one ``config.json``
-   reader; the stored CPU runs the package reads (package data).
-2. ``kv`` — DCP's memory: ownership and slot mapping, the paged store, the virtual-block manager
-   with prefix caching, the P/D transfer plan, the context gather (chapter 2).
+1. ``core`` — the traced ``Group`` interface, its simulated and torch.distributed backends, the
+   launcher, :class:`~cpbook.core.config.ParallelConfig` and every rule (one ``RuleError``),
+   head placement, the rank grid, dense attention with the LSE merge, the dense float64
+   references and problem generators the tests use as their oracle, the one ``config.json``
+   reader.
+2. ``data``, ``kv`` — the stored CPU runs the package reads (package data); DCP's memory:
+   ownership and slot mapping, the paged store, the virtual-block manager with prefix caching,
+   the P/D transfer plan, the context gather (chapter 2).
 3. ``dcp`` — DCP decode for GQA and MLA, MLA's context path, TPA (chapters 3, 6).
 4. ``pcp`` — the DualChunkSwap partition, PCP prefill, chunked prefill AllGather-Q /
    AllGather-KV (which combines over the DCP group, hence below ``dcp``), ring pass-KV /
@@ -20,8 +22,8 @@ every import):
 6. ``dynamic``, ``planner`` — the length router, live migration, the workload simulator
    (chapter 7); model shapes from ``config.json``, vLLM v0.33's deployment rules, the
    deployment planner ``plan`` and the article's decision path as a check on it (chapters 0, 8).
-7. ``demos`` — one module per chapter: its ``*_problem``, ``*_rank`` and dense references, and
-   the registry behind ``python -m cpbook demo``.
+7. ``demos`` — one module per chapter: its ``*_rank`` functions (checked against
+   ``core.reference``), and the registry behind ``python -m cpbook demo``.
 8. ``viz`` — the chapters' figures, and the one style module (palette, ink, formatters).
 9. ``widgets`` — the explorers (live ipywidgets, and static HTML for the book).
 10. ``timing``, ``tools`` — the one place that reads a clock (for ``bench/``); the notebook

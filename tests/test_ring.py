@@ -8,7 +8,7 @@ from cpbook.core.launch import run
 from cpbook.demos import demo_kwargs
 from cpbook.demos.ch05_chunked import ring_prefill_rank
 from cpbook.pcp.ring import ring_attention
-from cpbook.pcp.ring_plan import RingLayout, choose_ring_mode
+from cpbook.pcp.ring_plan import RingShards, choose_ring_mode
 
 # (pcp, tp, seq_lens, context_lens, q heads, kv heads, interleave)
 CASES = [
@@ -59,9 +59,9 @@ def test_exact_bytes_and_work(case, mode):
     for t in range(tp):  # every (query, key) pair once, none masked: the causal count exactly
         assert sum(r["work"] for r in res if r["tp_rank"] == t) == _pairs(lens, ctx)
     if mode == "pass_kv":  # a rank computes exactly what its own queries see
-        layout = RingLayout(lens, ctx, pcp)
+        shards = RingShards(lens, ctx, pcp)
         for r in res:
-            meta = layout.metadata(r["pcp_rank"])
+            meta = shards.metadata(r["pcp_rank"])
             mine = sum(
                 ctx[s.request] * q + (2 * s.start + q + 1) * q // 2
                 for s, q in zip(meta.segments, meta.query_lens)
@@ -112,10 +112,10 @@ def test_zigzag_needs_one_call_per_step(pcp):
         )
         assert [r["kernel_calls"] for r in res] == [pcp] * pcp
         assert len({r["work"] for r in res}) == 1  # balanced
-    layout = RingLayout((16 * pcp,), (0,), pcp)  # chunks of 8, 16 rows per rank
+    shards = RingShards((16 * pcp,), (0,), pcp)  # chunks of 8, 16 rows per rank
     for a in range(pcp):
         for b in range(pcp):
-            (call,) = layout.plan(a, b)
+            (call,) = shards.plan(a, b)
             assert (call.causal, call.pairs) == ((True, 16 * 17 // 2) if a == b else (False, 128))
 
 
@@ -169,29 +169,29 @@ def test_ring_holds_less_than_an_all_gather():
 
 
 def _bad(ctx, case):
-    layout = RingLayout((8,), (4,), ctx.world_size)
-    rows, nctx = layout.metadata(ctx.rank).num_tokens, layout.num_context(ctx.rank)
+    shards = RingShards((8,), (4,), ctx.world_size)
+    rows, nctx = shards.metadata(ctx.rank).num_tokens, shards.num_context(ctx.rank)
     q, k = (
         torch.zeros(rows, 4, 8, dtype=torch.float64),
         torch.zeros(rows, 2, 8, dtype=torch.float64),
     )
     kc = torch.zeros(nctx, 2, 8, dtype=torch.float64)
     args = {
-        "mode": (q, k, k, layout, ctx.world, "pass_x", kc, kc),
-        "shapes": (q[1:], k, k, layout, ctx.world, "pass_kv", kc, kc),
+        "mode": (q, k, k, shards, ctx.world, "pass_x", kc, kc),
+        "shapes": (q[1:], k, k, shards, ctx.world, "pass_kv", kc, kc),
         "heads": (
             torch.zeros(rows, 3, 8, dtype=torch.float64),
             k,
             k,
-            layout,
+            shards,
             ctx.world,
             "pass_q",
             kc,
             kc,
         ),
-        "context": (q, k, k, layout, ctx.world, "pass_q", kc[1:], kc[1:]),
-        "dtype": (q.half(), k.half(), k.half(), layout, ctx.world, "pass_q", kc.half(), kc.half()),
-        "group": (q, k, k, RingLayout((8,), (4,), 3), ctx.world, "pass_kv", kc, kc),
+        "context": (q, k, k, shards, ctx.world, "pass_q", kc[1:], kc[1:]),
+        "dtype": (q.half(), k.half(), k.half(), shards, ctx.world, "pass_q", kc.half(), kc.half()),
+        "group": (q, k, k, RingShards((8,), (4,), 3), ctx.world, "pass_kv", kc, kc),
     }[case]
     try:
         ring_attention(*args)
@@ -208,7 +208,7 @@ def _bad(ctx, case):
         ("heads", "ring-shapes"),
         ("context", "ring-context-rows"),
         ("dtype", "ring-dtype"),
-        ("group", "ring-group-matches-layout"),
+        ("group", "ring-group-matches-shards"),
     ],
 )
 def test_bad_input_fails_before_any_collective(case, rule):
@@ -262,10 +262,10 @@ def test_meta_rule_boundaries():
 
 
 def test_layout_places_context_interleaved():
-    layout = RingLayout((6, 3), (10, 0), 2, cp_kv_cache_interleave_size=2)
-    assert [p.tolist() for p in layout.context_positions(0)] == [[0, 1, 4, 5, 8, 9], []]
-    assert [layout.num_context(r) for r in (0, 1)] == [6, 4]
-    assert [layout.kv_rows(r) for r in (0, 1)] == [6 + 3, 4 + 6]  # context + real new rows
+    shards = RingShards((6, 3), (10, 0), 2, cp_kv_cache_interleave_size=2)
+    assert [p.tolist() for p in shards.context_positions(0)] == [[0, 1, 4, 5, 8, 9], []]
+    assert [shards.num_context(r) for r in (0, 1)] == [6, 4]
+    assert [shards.kv_rows(r) for r in (0, 1)] == [6 + 3, 4 + 6]  # context + real new rows
 
 
 def both_modes(ctx, **kw):

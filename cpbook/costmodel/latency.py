@@ -19,7 +19,7 @@ from cpbook.costmodel.specs import (
     link_of,
 )
 from cpbook.pcp.prefill import pcp_comm_bytes, pcp_restore_bytes
-from cpbook.pcp.ring_plan import RingLayout, ring_comm_bytes
+from cpbook.pcp.ring_plan import RingShards, ring_comm_bytes
 from cpbook.pcp.zigzag import padded_len
 
 
@@ -176,7 +176,7 @@ def ttft(
         cp_s = layers * sum(collective_time(op, b, n, cp_link) for op, b in calls)
     elif n > 1:
         # a pass-KV step sends K and V rows (2 x head_dim each); (d + dv) / 2 gives K + V widths
-        ring = RingLayout((prompt_tokens,), (0,), n)
+        ring = RingShards((prompt_tokens,), (0,), n)
         steps = ring_comm_bytes("pass_kv", ring, 0, 1, kvh, (d + dv) // 2, kv_bytes)
         attn_step = attn_s / layers / n
         cp_s = layers * sum(

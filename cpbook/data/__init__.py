@@ -1,4 +1,4 @@
-"""Layer 1, the stored measurements the package reads, shipped inside it as package data.
+"""Layer 2, the stored measurements the package reads, shipped inside it as package data.
 
 Three CPU runs of this book's benches (2-core machine, gloo): ``decode_step.json``
 (``bench/decode_step.py``, chapter 6's break-even, behind

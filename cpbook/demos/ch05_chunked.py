@@ -21,12 +21,12 @@ from cpbook.pcp.chunked import chunked_prefill_attention
 from cpbook.pcp.chunked_plan import ChunkedPrefillConfig, chunked_comm_bytes
 from cpbook.pcp.prefill import pcp_shard
 from cpbook.pcp.ring import ring_attention
-from cpbook.pcp.ring_plan import RingLayout, check_mode, ring_comm_bytes
+from cpbook.pcp.ring_plan import RingShards, check_mode, ring_comm_bytes
 from cpbook.pcp.zigzag import zigzag_partition
 
 __all__ = ["CHUNKED_CONFIG", "chunked_prefill_rank", "ring_prefill_rank"]
 
-#: chapter 5's chunked-prefill layout: PCP 2 x DCP 2 (world 2, TP 1), 4 query heads, 1 KV head
+#: chapter 5's chunked-prefill deployment: PCP 2 x DCP 2 (world 2, TP 1), 4 query heads, 1 KV head
 CHUNKED_CONFIG = ParallelConfig(
     prefill_context_parallel_size=2,
     decode_context_parallel_size=2,
@@ -190,29 +190,29 @@ def ring_prefill_rank(
     check_mode(mode)
     pcp = pcp_of_world(ctx.world_size, parallel_config.tp)
     cfg = dataclasses.replace(parallel_config, prefill_context_parallel_size=pcp)
-    layout = RingLayout(tuple(seq_lens), tuple(context_lens), cfg.pcp, cfg.interleave)
+    shards = RingShards(tuple(seq_lens), tuple(context_lens), cfg.pcp, cfg.interleave)
     groups = make_groups(ctx, cfg)
     r, tp_rank = groups.coords.pcp_rank, groups.coords.tp_rank
     qh, kvh = q_heads_of(cfg, tp_rank), kv_heads_of(cfg, tp_rank)
-    lens, dt = (layout.seq_lens, layout.context_lens), getattr(torch, dtype)
+    lens, dt = (shards.seq_lens, shards.context_lens), getattr(torch, dtype)
     qs, ks, vs = ring_prefill_problem(*lens, cfg, seed, dt)
-    meta = layout.metadata(r)
+    meta = shards.metadata(r)
     q = pcp_shard(torch.cat(qs)[:, qh], meta)
     k, v = (
-        pcp_shard(torch.cat([t[c:] for t, c in zip(ts, layout.context_lens)])[:, kvh], meta)
+        pcp_shard(torch.cat([t[c:] for t, c in zip(ts, shards.context_lens)])[:, kvh], meta)
         for ts in (ks, vs)
     )
-    pos = layout.context_positions(r)
+    pos = shards.context_positions(r)
     k_ctx, v_ctx = (torch.cat([t[p] for t, p in zip(ts, pos)])[:, kvh] for ts in (ks, vs))
     stats = {}
     with ctx.traced() as comm:
         dq, dk, dv, dkc, dvc = (t.to(ctx.device) for t in (q, k, v, k_ctx, v_ctx))
-        out, lse = ring_attention(dq, dk, dv, layout, groups.pcp, mode, dkc, dvc, stats=stats)
+        out, lse = ring_attention(dq, dk, dv, shards, groups.pcp, mode, dkc, dvc, stats=stats)
     heads = (qh.stop - qh.start, kvh.stop - kvh.start)
-    expected = ring_comm_bytes(mode, layout, r, *heads, cfg.head_dim, q.element_size())
+    expected = ring_comm_bytes(mode, shards, r, *heads, cfg.head_dim, q.element_size())
     err = 0.0
     for seg, qlen in zip(meta.segments, meta.query_lens):
-        c, i = layout.context_lens[seg.request], seg.request
+        c, i = shards.context_lens[seg.request], seg.request
         for j in range(0, qlen, 256):
             m, at = min(256, qlen - j), seg.start + j
             ro, rl = dense_attention(
@@ -232,7 +232,7 @@ def ring_prefill_rank(
     real, sent = int((~meta.is_padding).sum()), comm_bytes(comm)
     print(
         f"{mode} pcp {r}/{cfg.pcp} tp {tp_rank}: {real} new rows, "
-        f"{layout.num_context(r)} context rows"
+        f"{shards.num_context(r)} context rows"
     )
     print(
         f"  {stats['steps']} steps, {stats['kernel_calls']} kernel calls, "

@@ -159,15 +159,15 @@ def draft_placement_rank(
     cfg = dataclasses.replace(
         parallel_config, tensor_parallel_size=n, decode_context_parallel_size=n
     )
-    num_heads, head_dim, block_size = cfg.num_q_heads, cfg.head_dim, cfg.block_size
+    num_q_heads, head_dim, block_size = cfg.num_q_heads, cfg.head_dim, cfg.block_size
     interleave, backend = cfg.interleave, cfg.dcp_comm_backend
     gen, dt = torch.Generator().manual_seed(seed), getattr(torch, dtype)
     k = num_speculative_tokens
     total = [c + k for c in context_lens]
     kv = [torch.randn(t, 1, head_dim, generator=gen, dtype=torch.float64).to(dt) for t in total]
-    q = torch.randn(k, len(total), num_heads, head_dim, generator=gen, dtype=torch.float64)
+    q = torch.randn(k, len(total), num_q_heads, head_dim, generator=gen, dtype=torch.float64)
     q = q.to(dt)
-    h = num_heads // n
+    h = num_q_heads // n
     mine = slice(r * h, (r + 1) * h)
     sharded = placement == "sharded"
     dcp, rank = (n, r) if sharded else (1, 0)

@@ -28,7 +28,7 @@ import torch
 from cpbook.core.attention import attention_with_lse, merge_attn_states_
 from cpbook.core.comm import Group
 from cpbook.core.config import ConfigError
-from cpbook.pcp.ring_plan import Call, RingLayout, check_mode
+from cpbook.pcp.ring_plan import Call, RingShards, check_mode
 
 __all__ = ["ring_attention"]
 
@@ -98,15 +98,15 @@ class _Out:
         return self.out, self.lse
 
 
-def _check(q, k, v, k_ctx, v_ctx, layout: RingLayout, group: Group, mode: str) -> None:
+def _check(q, k, v, k_ctx, v_ctx, shards: RingShards, group: Group, mode: str) -> None:
     check_mode(mode)
-    if group.size != layout.pcp:
+    if group.size != shards.pcp:
         raise ConfigError(
-            "ring-group-matches-layout",
+            "ring-group-matches-shards",
             "group size == pcp",
             group=group.name,
             group_size=group.size,
-            pcp=layout.pcp,
+            pcp=shards.pcp,
         )
     ts = [t for t in (q, k, v, k_ctx, v_ctx) if t is not None]
     if any(t.dtype not in (torch.float32, torch.float64) or t.dtype != q.dtype for t in ts):
@@ -115,7 +115,7 @@ def _check(q, k, v, k_ctx, v_ctx, layout: RingLayout, group: Group, mode: str) -
             "float32 or float64 inputs of one dtype",
             dtypes=[str(t.dtype) for t in ts],
         )
-    rows = layout.metadata(group.rank).num_tokens
+    rows = shards.metadata(group.rank).num_tokens
     if (
         any(t.dim() != 3 for t in ts)
         or not q.shape[0] == k.shape[0] == v.shape[0] == rows
@@ -131,7 +131,7 @@ def _check(q, k, v, k_ctx, v_ctx, layout: RingLayout, group: Group, mode: str) -
             v=tuple(v.shape),
             num_tokens=rows,
         )
-    need = layout.num_context(group.rank)
+    need = shards.num_context(group.rank)
     got = [None if t is None else tuple(t.shape) for t in (k_ctx, v_ctx)]
     if (need or k_ctx is not None or v_ctx is not None) and got != [(need, *k.shape[1:])] * 2:
         raise ConfigError(
@@ -143,10 +143,10 @@ def _check(q, k, v, k_ctx, v_ctx, layout: RingLayout, group: Group, mode: str) -
         )
 
 
-def _pack_kv(k, v, k_ctx, v_ctx, layout: RingLayout, rank: int) -> torch.Tensor:
+def _pack_kv(k, v, k_ctx, v_ctx, shards: RingShards, rank: int) -> torch.Tensor:
     """This rank's K/V block ``[2, Hkv, rows, D]``: per request, context rows then new rows."""
-    r = layout.rows[rank]
-    kv = k.new_empty(2, k.shape[1], layout.kv_rows(rank), k.shape[2])
+    r = shards.rows[rank]
+    kv = k.new_empty(2, k.shape[1], shards.kv_rows(rank), k.shape[2])
     for i, at in enumerate(r.kv_start):
         c, n, cs, qs = r.ctx[i], r.q_real[i], r.ctx_start[i], r.q_start[i]
         for j, (new, ctx) in enumerate(((k, k_ctx), (v, v_ctx))):
@@ -160,7 +160,7 @@ def ring_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    layout: RingLayout,
+    shards: RingShards,
     group: Group,
     mode: str = "pass_kv",
     k_ctx: torch.Tensor | None = None,
@@ -170,7 +170,7 @@ def ring_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of this rank's new-token rows to every earlier token, by a ring.
 
-    ``q, k, v``: this rank's rows (``layout.metadata(rank).num_tokens``; any strides, a
+    ``q, k, v``: this rank's rows (``shards.metadata(rank).num_tokens``; any strides, a
     head-major ``[H, T, D]`` storage avoids copies); ``k_ctx, v_ctx``: its context shard
     (see the module docstring).  Returns ``(out [num_tokens, Hq, D], lse [num_tokens, Hq])``,
     padding rows 0 and ``-inf``; exact.  Inputs are checked before any communication.  If
@@ -179,14 +179,14 @@ def ring_attention(
     partial results this call holds at once; kernel workspaces excluded).
 
     More than eight parameters: the new rows' ``q, k, v`` and the context shard's ``k_ctx,
-    v_ctx`` are the inputs of one attention call; ``layout``, ``group`` and ``mode`` say how the
+    v_ctx`` are the inputs of one attention call; ``shards``, ``group`` and ``mode`` say how the
     ring runs (as torch's ``context_parallel`` ring attention takes them).
     """
-    _check(q, k, v, k_ctx, v_ctx, layout, group, mode)
+    _check(q, k, v, k_ctx, v_ctx, shards, group, mode)
     tally, acc = _Tally(), _Out(q, v.shape[2])
-    kv = _pack_kv(k, v, k_ctx, v_ctx, layout, group.rank)
+    kv = _pack_kv(k, v, k_ctx, v_ctx, shards, group.rank)
     tally.take(kv)
-    (_pass_kv if mode == "pass_kv" else _pass_q)(q, kv, layout, group, acc, tally, scale)
+    (_pass_kv if mode == "pass_kv" else _pass_q)(q, kv, shards, group, acc, tally, scale)
     if stats is not None:
         stats.update(
             steps=group.size,
@@ -197,16 +197,16 @@ def ring_attention(
     return acc.result()
 
 
-def _pass_kv(q, kv, layout: RingLayout, group: Group, acc: _Out, tally: _Tally, scale) -> None:
+def _pass_kv(q, kv, shards: RingShards, group: Group, acc: _Out, tally: _Tally, scale) -> None:
     n, r = group.size, group.rank
     cur, origin = kv, r
     for step in range(n):
         if step + 1 < n:  # the next block is in flight while this one is computed
             src = (origin - 1) % n
-            like = _shaped(kv, 2, kv.shape[1], layout.kv_rows(src), kv.shape[3])
+            like = _shaped(kv, 2, kv.shape[1], shards.kv_rows(src), kv.shape[3])
             nxt = group.sendrecv_async(cur, (r + 1) % n, (r - 1) % n, like=like)
             tally.take(like)
-        for c in layout.plan(r, origin):
+        for c in shards.plan(r, origin):
             o, l = tally.attend(q[c.q_lo : c.q_hi], cur, c, scale)
             (acc.write if c.causal else acc.merge)(c.q_lo, c.q_hi, o, l)
         if step + 1 < n:
@@ -215,22 +215,22 @@ def _pass_kv(q, kv, layout: RingLayout, group: Group, acc: _Out, tally: _Tally, 
             cur, origin = got, src
 
 
-def _pass_q(q, kv, layout: RingLayout, group: Group, acc: _Out, tally: _Tally, scale) -> None:
+def _pass_q(q, kv, shards: RingShards, group: Group, acc: _Out, tally: _Tally, scale) -> None:
     n, r, hq, d, dv = group.size, group.rank, q.shape[1], q.shape[2], kv.shape[3]
-    rows = layout.rows[r]
+    rows = shards.rows[r]
     qp = q.transpose(0, 1)
-    if n > 1 and (layout.q_rows(r) != q.shape[0] or not qp.is_contiguous()):
+    if n > 1 and (shards.q_rows(r) != q.shape[0] or not qp.is_contiguous()):
         qp = torch.cat([qp[:, s : s + t] for s, t in zip(rows.q_start, rows.q_real)], dim=1)
         tally.take(qp)  # the real rows, head-major: the block that travels
 
     def post_q(block: torch.Tensor, origin: int):
-        tally.take(_shaped(q, hq, layout.q_rows(origin), d))
+        tally.take(_shaped(q, hq, shards.q_rows(origin), d))
         return group.sendrecv_async(
-            block, (r + 1) % n, (r - 1) % n, like=_shaped(q, hq, layout.q_rows(origin), d)
+            block, (r + 1) % n, (r - 1) % n, like=_shaped(q, hq, shards.q_rows(origin), d)
         )
 
     pend = post_q(qp, (r - 1) % n) if n > 1 else None
-    for c in layout.plan(r, r):
+    for c in shards.plan(r, r):
         o, l = tally.attend(q[c.q_lo : c.q_hi], kv, c, scale)
         (acc.write if c.causal else acc.merge)(c.q_lo, c.q_hi, o, l)
     sent, back = qp if qp.data_ptr() != q.data_ptr() else None, None
@@ -240,28 +240,28 @@ def _pass_q(q, kv, layout: RingLayout, group: Group, acc: _Out, tally: _Tally, s
         if sent is not None:
             tally.drop(sent)
         pend = post_q(vis, (origin - 1) % n) if s + 1 < n else None
-        part = vis.new_empty(hq, layout.returned_rows(origin, r), dv + 1)
+        part = vis.new_empty(hq, shards.returned_rows(origin, r), dv + 1)
         tally.take(part)
         at = 0
-        for c in layout.plan(origin, r):
+        for c in shards.plan(origin, r):
             m = c.q_hi - c.q_lo
             o, l = tally.attend(vis[:, c.p_lo : c.p_lo + m].transpose(0, 1), kv, c, scale)
             part[:, at : at + m, :dv], part[:, at : at + m, dv] = o.transpose(0, 1), l.T
             at += m
-        like = _shaped(part, hq, layout.returned_rows(r, home), dv + 1)
+        like = _shaped(part, hq, shards.returned_rows(r, home), dv + 1)
         ret = group.sendrecv_async(part, origin, home, like=like)
         tally.take(like)
         if back is not None:
-            _merge_back(acc, *back, layout, r, tally)
+            _merge_back(acc, *back, shards, r, tally)
         back, sent = (ret, home, part), vis
     if back is not None:
-        _merge_back(acc, *back, layout, r, tally)
+        _merge_back(acc, *back, shards, r, tally)
 
 
-def _merge_back(acc: _Out, ret, home: int, part, layout: RingLayout, r: int, tally) -> None:
+def _merge_back(acc: _Out, ret, home: int, part, shards: RingShards, r: int, tally) -> None:
     """Fold the partial results rank ``home`` computed for our queries into the output."""
     got, at, dv = ret.wait(), 0, part.shape[2] - 1
-    for c in layout.plan(r, home):
+    for c in shards.plan(r, home):
         m = c.q_hi - c.q_lo
         acc.merge(
             c.q_lo, c.q_hi, got[:, at : at + m, :dv].transpose(0, 1), got[:, at : at + m, dv].T

@@ -17,7 +17,7 @@ each with ``T_i`` new tokens and ``C_i`` cached tokens before them, over ``N`` P
 Causal masking by absolute position: context is visible to every new token, new key ``j`` to
 new query ``i`` iff ``j <= i``.  Under zigzag every remote query chunk sees a prefix of the
 other rank's block (its context, then the new chunks before it) or nothing, so
-:meth:`RingLayout.plan` needs dense calls only, plus one top-left causal call per request on
+:meth:`RingShards.plan` needs dense calls only, plus one top-left causal call per request on
 a rank's own rows; masked pairs are never computed.
 
 Bytes each rank ``r`` sends per layer (:func:`ring_comm_bytes`), ``e`` bytes per element,
@@ -45,7 +45,7 @@ import torch
 from cpbook.core.config import ConfigError, check_gqa_group, check_positive
 from cpbook.pcp.zigzag import PCPMetadata, PCPPartition, zigzag_partition
 
-__all__ = ["RING_MODES", "Call", "RingLayout", "check_mode", "ring_comm_bytes", "choose_ring_mode"]
+__all__ = ["RING_MODES", "Call", "RingShards", "check_mode", "ring_comm_bytes", "choose_ring_mode"]
 
 RING_MODES = ("pass_kv", "pass_q")
 
@@ -87,7 +87,7 @@ class _Rows:
 
 
 @dataclass(frozen=True)
-class RingLayout:
+class RingShards:
     """Who holds what in a ring over ``pcp`` ranks (planning only, no communication).
 
     ``seq_lens`` are the new tokens per request (zigzag over the ranks), ``context_lens`` the
@@ -239,7 +239,7 @@ def _starts(counts: Sequence[int]) -> list[int]:
 
 def ring_comm_bytes(
     mode: str,
-    layout: RingLayout,
+    shards: RingShards,
     pcp_rank: int,
     num_q_heads: int,
     num_kv_heads: int,
@@ -247,13 +247,13 @@ def ring_comm_bytes(
     elem_bytes: int = 8,
 ) -> list[tuple[str, int]]:
     """The module docstring's table: ``[(op, bytes sent by pcp_rank), ...]`` in call order, for
-    the requests, PCP size and interleave of ``layout``.
+    the requests, PCP size and interleave of ``shards``.
 
     ``num_q_heads`` / ``num_kv_heads`` are the heads this rank holds (after TP).
     """
     check_mode(mode)
-    lay = layout
-    n, r, e = layout.pcp, pcp_rank, elem_bytes
+    lay = shards
+    n, r, e = shards.pcp, pcp_rank, elem_bytes
     if mode == "pass_kv":
         return [
             ("sendrecv", 2 * num_kv_heads * head_dim * e * lay.kv_rows((r - s) % n))

@@ -20,7 +20,7 @@ from cpbook.kv.context import context_shard
 from cpbook.pcp.chunked import chunked_prefill_attention
 from cpbook.pcp.chunked_plan import STRATEGIES, ChunkedPrefillConfig
 from cpbook.pcp.prefill import pcp_prefill_attention, pcp_shard
-from cpbook.pcp.ring import RingLayout, ring_attention
+from cpbook.pcp.ring import RingShards, ring_attention
 from cpbook.pcp.zigzag import pcp_partition, zigzag_partition
 from cpbook.timing.clock import WALL_CLOCK, timed_rounds
 
@@ -222,10 +222,10 @@ def ring_prefill_timing(
     ref = sdpa(*(t.transpose(0, 1) for t in (q, k, v)), is_causal=True).transpose(0, 1)
     meta = zigzag_partition(seq_len, ctx.world_size).metadata(ctx.rank)
     heads = [pcp_shard(t, meta).transpose(0, 1).contiguous() for t in (q, k, v)]  # [H, T, D]
-    layout = RingLayout((seq_len,), (0,), ctx.world_size)
+    shards = RingShards((seq_len,), (0,), ctx.world_size)
     rows = [t.transpose(0, 1) for t in heads]
     methods: dict[str, Callable[[], Any]] = {
-        mode: functools.partial(ring_attention, *rows, layout, ctx.world, mode)
+        mode: functools.partial(ring_attention, *rows, shards, ctx.world, mode)
         for mode in ("pass_kv", "pass_q")
     }
     if ctx.backend != "inline":

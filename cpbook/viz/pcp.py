@@ -28,7 +28,7 @@ _WIDTH = 7.0
 _MASKED = "#F2F2F2"
 _PAD = "#BBBBBB"
 _LABELS = {"contiguous": "contiguous", "zigzag": "zigzag (DualChunkSwap)", "striped": "striped"}
-_LAYOUT_COLOR = {"contiguous": PALETTE[5], "zigzag": PALETTE[0], "striped": PALETTE[1]}
+_PARTITION_COLOR = {"contiguous": PALETTE[5], "zigzag": PALETTE[0], "striped": PALETTE[1]}
 
 
 def _owners(part: PCPPartition) -> np.ndarray:
@@ -42,13 +42,13 @@ def _owners(part: PCPPartition) -> np.ndarray:
 def causal_ownership_figure(
     seq_len: int = 16,
     pcp: int = 2,
-    layouts: Sequence[str] = ("contiguous", "zigzag", "striped"),
+    partitions: Sequence[str] = ("contiguous", "zigzag", "striped"),
 ):
     """The causal score matrix of one prompt, each computed cell coloured by the rank that owns
     its query; panel titles give each rank's exact work and the straggler factor max/mean."""
-    fig, axes = figure(1, len(layouts), figsize=(_WIDTH, 0.75 * _WIDTH / len(layouts) + 1.8))
-    for ax, layout in zip(np.atleast_1d(axes), layouts):
-        part = pcp_partition(seq_len, pcp, layout)
+    fig, axes = figure(1, len(partitions), figsize=(_WIDTH, 0.75 * _WIDTH / len(partitions) + 1.8))
+    for ax, partition in zip(np.atleast_1d(axes), partitions):
+        part = pcp_partition(seq_len, pcp, partition)
         own = _owners(part)[:seq_len]
         img = np.ones((seq_len, seq_len, 4))
         img[:] = mcolors.to_rgba(_MASKED)
@@ -63,7 +63,7 @@ def causal_ownership_figure(
             ax.set_ylabel("query position")
         work = part.work()
         ax.set_title(
-            f"{_LABELS[layout]}\npairs per rank {work}\nmax/mean = "
+            f"{_LABELS[partition]}\npairs per rank {work}\nmax/mean = "
             f"{max(work) / (sum(work) / len(work)):.2f}",
             fontsize=10,
         )
@@ -77,28 +77,30 @@ def causal_ownership_figure(
 
 
 def work_figure(seq_len: int = 5040, pcp: int = 4, max_pcp: int = 10):
-    """Left: each rank's causal work relative to the mean, per layout.  Right: the straggler
+    """Left: each rank's causal work relative to the mean, per partition.  Right: the straggler
     factor max/mean against the number of ranks (the step waits for the busiest rank)."""
     fig, (left, right) = figure(1, 2, figsize=(_WIDTH, 3.7))
-    layouts = ("contiguous", "zigzag", "striped")
-    width = 0.8 / len(layouts)
-    for i, layout in enumerate(layouts):
-        w = np.array(causal_work(seq_len, pcp, layout), dtype=float)
+    partitions = ("contiguous", "zigzag", "striped")
+    width = 0.8 / len(partitions)
+    for i, partition in enumerate(partitions):
+        w = np.array(causal_work(seq_len, pcp, partition), dtype=float)
         left.bar(
             np.arange(pcp) + (i - 1) * width,
             w / w.mean(),
             width,
-            color=_LAYOUT_COLOR[layout],
-            label=_LABELS[layout],
+            color=_PARTITION_COLOR[partition],
+            label=_LABELS[partition],
         )
     left.axhline(1.0, color="black", lw=0.8)
     left.set_xticks(range(pcp), [f"rank {r}" for r in range(pcp)])
     left.set_ylabel("causal pairs / mean")
     left.set_title(f"{seq_len:,} tokens on {pcp} ranks")
     ks = np.arange(1, max_pcp + 1)
-    for i, layout in enumerate(layouts):
-        f = [max(w) / (sum(w) / k) for k in ks for w in [causal_work(seq_len, int(k), layout)]]
-        right.plot(ks, f, marker="o", ms=3, color=_LAYOUT_COLOR[layout], label=_LABELS[layout])
+    for i, partition in enumerate(partitions):
+        f = [max(w) / (sum(w) / k) for k in ks for w in [causal_work(seq_len, int(k), partition)]]
+        right.plot(
+            ks, f, marker="o", ms=3, color=_PARTITION_COLOR[partition], label=_LABELS[partition]
+        )
     right.plot(ks, 2 - 1 / ks, ls=":", color="black", label="2 − 1/K")
     right.set_xlabel("ranks K")
     right.set_ylabel("max / mean causal work")
@@ -221,14 +223,14 @@ def rank_grid_figure(
     tensor_parallel_size: int = 4,
     prefill_context_parallel_size: int = 2,
     decode_context_parallel_size: int = 2,
-    layouts: Sequence[str] = ("current", "v0.14"),
+    orders: Sequence[str] = ("current", "v0.14"),
 ):
     """The world as PCP rows × TP columns; each cell is a global rank, filled by its DCP group.
-    TP groups are the rows, PCP groups the columns; one panel per vLLM layout."""
+    TP groups are the rows, PCP groups the columns; one panel per vLLM group order."""
     tp, pcp, dcp = tensor_parallel_size, prefill_context_parallel_size, decode_context_parallel_size
-    fig, axes = figure(1, len(layouts), figsize=(_WIDTH, 0.75 * pcp + 1.5))
-    for ax, layout in zip(np.atleast_1d(axes), layouts):
-        grid = RankGrid(tp, pcp, dcp, layout)
+    fig, axes = figure(1, len(orders), figsize=(_WIDTH, 0.75 * pcp + 1.5))
+    for ax, order in zip(np.atleast_1d(axes), orders):
+        grid = RankGrid(tp, pcp, dcp, order)
         groups = grid.dcp_groups()
         for rank in range(grid.world_size):
             p, t = divmod(rank, tp)
@@ -254,7 +256,7 @@ def rank_grid_figure(
             ax.spines[side].set_visible(False)
         same = grid.dcp_groups() == grid.pcp_groups()
         ax.set_title(
-            f"layout {layout!r}\nDCP groups {'=' if same else '≠'} PCP groups (columns)",
+            f"group order {order!r}\nDCP groups {'=' if same else '≠'} PCP groups (columns)",
             fontsize=10,
         )
     fig.suptitle(
@@ -273,12 +275,12 @@ def balance_figure(
     sizes = sorted(measured)
     fig, axes = figure(1, len(sizes), figsize=(_WIDTH, 3.7))
     for ax, p in zip(np.atleast_1d(axes), sizes):
-        for i, layout in enumerate(("zigzag", "contiguous")):
-            t = np.array(measured[p][layout])
-            w = np.array(exact[p][layout], dtype=float)
+        for i, partition in enumerate(("zigzag", "contiguous")):
+            t = np.array(measured[p][partition])
+            w = np.array(exact[p][partition], dtype=float)
             x = np.arange(p) + (i - 0.5) * 0.4
-            color = _LAYOUT_COLOR[layout]
-            ax.bar(x, t / t.mean(), 0.38, color=color, label=f"{layout}: measured time")
+            color = _PARTITION_COLOR[partition]
+            ax.bar(x, t / t.mean(), 0.38, color=color, label=f"{partition}: measured time")
             ax.plot(x, w / w.mean(), "k_", ms=14, mew=2, label="counted work" if i else None)
         ax.axhline(1.0, color="black", lw=0.6)
         ax.set_xticks(range(p), [f"rank {r}" for r in range(p)])
