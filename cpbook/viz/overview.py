@@ -93,7 +93,7 @@ def lse_merge(
     head: int = 0,
 ):
     """The LSE merge on real numbers: keys split over ranks, each rank's ``(o_r, l_r)``, the
-    merge, and (right) the merge weights ``exp(l_r - l)`` next to the share of the dense
+    merge, and (below) the merge weights ``exp(l_r - l)`` next to the share of the dense
     softmax that falls on each rank's keys, for one query and head.
 
     Inputs come from :func:`cpbook.core.problems.merge_problem` with ``seed``, split like
