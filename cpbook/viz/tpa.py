@@ -30,7 +30,7 @@ MODE_STYLE = {  # mode -> (label, colour, marker)
     "dcp": ("DCP, standard", PALETTE[5], "s"),
     "dcp_tpa": ("DCP + TPA", PALETTE[0], "^"),
 }
-ARTICLE = {131072: "article: 128K", 4096: "article: 4K"}
+ARTICLE = {131072: "128K", 4096: "4K"}
 _COMPUTE, _COLLECTIVE, _NONE = "#DCEBF7", "#FBE3C4", "#F2F2F2"
 _PLAIN = FuncFormatter(plain_label)  # 20, not 2 x 10^1
 _PLAIN_25 = FuncFormatter(lambda v, _p: plain_label(v) if plain_label(v)[0] in "25" else "")
@@ -218,7 +218,7 @@ def modelled_decode(
 
 
 def _article_lines(ax, labelled: bool) -> None:
-    """The article's two thresholds as dashed lines on a log token axis."""
+    """Dashed lines at 128K and 4K on a log token axis."""
     for y, text in ARTICLE.items():
         ax.axhline(y, color="#777777", ls="--", lw=1)
         if labelled:
@@ -270,7 +270,7 @@ def break_even_sensitivity(model: cm.ModelSpec, gpu: cm.GPUSpec, base: Mapping[s
     """Break-even context of DCP and DCP + TPA against one assumption at a time, the others at
     ``base`` (keyword arguments of :func:`cpbook.costmodel.decode_layer_time`, ``knobs``
     included: a :class:`~cpbook.costmodel.knobs.CostKnobs` whose ``link`` is the base link);
-    the grey band marks the base value, dashed lines the article's 128K and 4K."""
+    the grey band marks the base value, dashed lines at 128K and 4K."""
     knobs: cm.CostKnobs = base.get("knobs", cm.CostKnobs())
     link: cm.LinkSpec = knobs.link or cm.LINKS["NVLink4"]
     fig, axes = figure(3, 2, figsize=(7.2, 9.0), sharey=True)
@@ -376,7 +376,7 @@ def alpha_break_even(
     measured all-reduces (``measured[kind][group size]``, seconds, converted to α by
     :func:`cpbook.costmodel.alpha_from_allreduce` at the benchmark's size) are marked on the
     DCP curve of the first batch: NCCL filled, the custom all-reduce DCP does not use hollow.
-    The dashed line is the article's 128K, the grey band the model's base α."""
+    The dashed line marks 128K, the grey band the model's base α."""
     fig, ax = figure(figsize=(7.2, 4.6))
 
     def at(mode: str, alpha: float, b: int) -> float:
@@ -391,7 +391,7 @@ def alpha_break_even(
             name = f"{label}, batch {b}" if len(num_reqs) > 1 else label
             ax.plot(us, ys, color=color, ls=("-", "--", ":")[j % 3], label=name)
     ax.axhline(131072 / 1024, color="#777777", ls="--", lw=1)
-    ax.text(us[0], 131072 / 1024 * 1.03, "article: 128K", fontsize=10, color="#555555")
+    ax.text(us[0], 131072 / 1024 * 1.03, "128K", fontsize=10, color="#555555")
     ax.axvline(link.alpha_s * 1e6, color="#BBBBBB", lw=5, alpha=0.6, zorder=0)
     for kind, points in measured.items():
         nccl = kind == "pynccl"
