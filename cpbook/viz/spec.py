@@ -21,6 +21,8 @@ from cpbook.viz.style import BLACK, BLUE, GREEN, VERMILLION, figure, rank_color,
 __all__ = ["verify_mask_figure", "break_even_figure"]
 
 _WIDTH = 6.25  # the book's text column at 110 dpi (see viz.chunked)
+# each panel's legend under its axes, clear of the curves
+_BELOW = dict(fontsize=9, frameon=False, loc="upper center", bbox_to_anchor=(0.5, -0.25))
 
 
 def verify_mask_figure(start: int, num_rows: int, dcp: int, interleave: int = 1):
@@ -80,8 +82,9 @@ def break_even_figure(
     and DCP + spec at ``k`` (rows ``spec_decode`` of ``bench/spec_decode.py``).  Right: the
     modelled break-even context (K tokens) against the acceptance rate, one line per entry of
     ``modelled`` (``label -> [(acceptance, tokens)]``; a label with "k = 1" dashed, one whose
-    baseline, after "vs", speculates green, else blue)."""
-    fig, (a, b) = figure(1, 2, figsize=(_WIDTH, 2.9), layout="constrained")
+    baseline, after "vs", speculates green, else blue).  Each legend sits under its panel,
+    outside the axes, so it covers no curve."""
+    fig, (a, b) = figure(1, 2, figsize=(_WIDTH, 3.8), layout="constrained")
     rows = sorted((r for r in measured if r["k"] == k), key=lambda r: r["context"])
     ctx = [r["context"] for r in rows]
     for key, label, color in (
@@ -97,7 +100,7 @@ def break_even_figure(
     a.set_xlabel("context (tokens)")
     a.set_ylabel("ms per output token")
     a.set_title("measured, 2 gloo ranks", fontsize=10)
-    a.legend(fontsize=9, frameon=False, loc="lower right")
+    a.legend(**_BELOW)
     for label, pts in modelled.items():
         color = GREEN if "spec" in label.split("vs", 1)[-1] else BLUE
         dashed = "k = 1" in label
@@ -106,5 +109,5 @@ def break_even_figure(
     b.set_xlabel("acceptance rate per draft")
     b.set_ylabel("break-even (K tokens)")
     b.set_title("modelled, DeepSeek-V3, 8 × H200", fontsize=10)
-    b.legend(fontsize=9, frameon=False, loc="lower left")
+    b.legend(**_BELOW)
     return fig
