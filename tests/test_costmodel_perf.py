@@ -228,3 +228,45 @@ def test_tpot_break_even_brackets_the_crossing():
     c = cm.tpot_break_even(dsv3, h200, dcp, tp)
     assert cm.tpot(dsv3, h200, dcp, c).total_s <= cm.tpot(dsv3, h200, tp, c).total_s
     assert cm.tpot(dsv3, h200, dcp, c - 256).total_s > cm.tpot(dsv3, h200, tp, c - 256).total_s
+
+
+def test_break_even_table_is_the_two_decode_models():
+    """The book's one break-even table: every entry is the existing function it names
+    (``tpot_break_even`` for the whole-model rows, chapter 6's ``decode_break_even`` for the
+    per-layer ones), at the latencies the cost model uses; the headline is the whole model."""
+    from cpbook.costmodel import Deployment as Dep
+
+    dsv3, h200 = cm.MODELS["DeepSeek-V3"], cm.GPUS["H200"]
+    table = cm.break_even_table("DeepSeek-V3", "H200")
+    assert len(table) == 2 * 2 * 2
+    assert [r.decode_model for r in table[:4]] == [cm.HEADLINE_DECODE_MODEL] * 4
+    assert set(cm.DECODE_MODELS) == {r.decode_model for r in table}
+    for r in table:
+        assert r.allreduce_alpha_s == cm.gpu_terms.DECODE_ALLREDUCE_ALPHA_S
+        assert r.dcp_alpha_s == cm.LINKS["NVLink4"].alpha_s
+        if r.decode_model == "whole-model":
+            lay = Dep(tp=8, dcp=8, tpa=r.tpa)
+            assert r.tokens == cm.tpot_break_even(dsv3, h200, lay, Dep(tp=8), r.num_reqs)
+        else:
+            mode = "dcp_tpa" if r.tpa else "dcp"
+            want = cm.decode_break_even(dsv3, h200, mode, tp=8, dcp=8, num_reqs=r.num_reqs)
+            assert r.tokens == want and r.kv_read_efficiency == cm.DEFAULT_HBM_EFFICIENCY
+    k = {(r.decode_model, r.num_reqs, r.label): r.k_tokens for r in table}
+    assert k == {
+        ("whole-model", 1, "DCP"): 74,
+        ("whole-model", 1, "DCP + TPA"): 70,
+        ("whole-model", 16, "DCP"): 13,
+        ("whole-model", 16, "DCP + TPA"): 11,
+        ("per-layer", 1, "DCP"): 169,
+        ("per-layer", 1, "DCP + TPA"): 159,
+        ("per-layer", 16, "DCP"): 13,
+        ("per-layer", 16, "DCP + TPA"): 11,
+    }
+    one = cm.headline_break_even(table)
+    assert (one.decode_model, one.num_reqs, one.tpa, one.k_tokens) == ("whole-model", 1, False, 74)
+    # the one term between the two models: one request's KV read, occupancy-bound
+    assert one.kv_read_efficiency == cm.gpu_terms.DECODE_ATTENTION_UNIT_EFFICIENCY
+    at_eff = cm.decode_break_even(
+        dsv3, h200, "dcp", tp=8, dcp=8, knobs=cm.CostKnobs(hbm_efficiency=one.kv_read_efficiency)
+    )
+    assert abs(one.tokens / at_eff - 1) < 0.01

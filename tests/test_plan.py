@@ -492,8 +492,11 @@ def test_rule_probes_and_flowchart():
     assert not any(probes["sparse MLA"].values())
     fig = decision_flowchart(families)
     texts = {t.get_text() for ax in fig.axes for t in ax.texts}
-    assert "serves" in texts and any("pcp-mla-" in t for t in texts)
-    assert sum("dropped [" in t for t in texts) == len(pl.plan_space.DROP_RULES)
+    assert "✓" in texts and "MLA only" in texts  # short phrases, not rule ids
+    assert not any("-\n" in t or "pcp-mla" in t for t in texts)  # no word broken
+    every = [t.get_text() for ax in fig.axes for t in ax.texts]
+    assert every.count("no: dropped") == len(pl.plan_space.DROP_RULES)
+    assert min(t.get_fontsize() for ax in fig.axes for t in ax.texts) >= 11
     plt.close(fig)  # tests/test_explorer.py checks that its own explorers leave no figure open
 
 

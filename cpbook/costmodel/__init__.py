@@ -7,13 +7,21 @@ function takes), :mod:`.memory` (weights and KV per GPU, longest request, concur
 step's attention per layer, chapter 6), :mod:`.gpu_terms` (the GPU side's efficiencies and fixed
 costs, read off AIConfigurator's kernel tables), :mod:`.decode_step` (one decode step of a
 deployment), :mod:`.latency` (TTFT, TPOT and throughput of whole deployments),
-:mod:`.speculative` (what speculative decoding does to DCP's break-even) and :mod:`.calibration`
+:mod:`.speculative` (what speculative decoding does to DCP's break-even), :mod:`.break_even`
+(the book's one DCP decode break-even table, both decode models) and :mod:`.calibration`
 (α, β and throughput of this machine from ``bench/`` runs).  The deployment planner built on it
 is :mod:`cpbook.planner`.  The names the chapters use are re-exported here, so
 ``from cpbook import costmodel as cm; cm.X`` works.
 """
 
 from cpbook.costmodel import gpu_terms
+from cpbook.costmodel.break_even import (
+    DECODE_MODELS,
+    HEADLINE_DECODE_MODEL,
+    BreakEven,
+    break_even_table,
+    headline_break_even,
+)
 from cpbook.costmodel.decode import (
     COLLECTIVES,
     DECODE_MODES,
@@ -81,6 +89,11 @@ from cpbook.costmodel.specs import (
 )
 
 __all__ = [
+    "BreakEven",
+    "DECODE_MODELS",
+    "HEADLINE_DECODE_MODEL",
+    "break_even_table",
+    "headline_break_even",
     "ALLREDUCE_BENCH_BYTES",
     "ALLREDUCE_BENCH_SOURCE",
     "ALLREDUCE_BENCH_US",

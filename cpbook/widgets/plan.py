@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import html
 
-from cpbook.costmodel import GPUS
+from cpbook.costmodel import DEFAULT_HBM_EFFICIENCY, GPUS, LINKS
+from cpbook.costmodel import gpu_terms as gt
 from cpbook.planner import Plan, ServingWorkload, headline, plan
 from cpbook.planner.plan_advice import fmt_rate, fmt_s, plural
 from cpbook.viz.style import tokens_label
@@ -59,6 +60,21 @@ def plan_readout(p: Plan) -> str:
     )
 
 
+def _model_terms() -> str:
+    """The cost model's GPU-side terms in a caption's words, read from
+    :mod:`cpbook.costmodel.gpu_terms` so the caption cannot go stale."""
+    (_, gemm), _ = gt.GEMM_MFU[2]
+    (_, att_lo), (_, att_hi) = gt.ATTENTION_MFU
+    one = gt.DECODE_ATTENTION_UNIT_EFFICIENCY
+    return (
+        f"prefill GEMMs at {gemm:.0%} of the BF16 peak, attention at {att_lo:.0%} to "
+        f"{att_hi:.0%}; one request's KV read at {one:.0%} of HBM bandwidth, "
+        f"{DEFAULT_HBM_EFFICIENCY:.0%} once the GPU is busy; decode all-reduce "
+        f"{gt.DECODE_ALLREDUCE_ALPHA_S * 1e6:.1f} µs, α = "
+        f"{LINKS['NVLink4'].alpha_s * 1e6:.0f} µs per other NVLink collective"
+    ).replace("%", " %")
+
+
 def plan_explorer(
     models: tuple[str, ...] = MODELS,
     contexts: tuple[int, ...] = CONTEXTS,
@@ -89,7 +105,7 @@ def plan_explorer(
             "The planner's answer (cpbook.planner.plan): every deployment vLLM v0.33 accepts for "
             "the model on at most this many GPUs, the ones that hold the requests (prompt plus "
             f"{tokens_label(OUTPUT_TOKENS)} output tokens, 16-bit KV) ranked by output tokens "
-            "per second per GPU, no TTFT or TPOT target. Times and rates are modelled (prefill "
-            "at 50 % of peak FLOP/s, HBM at 80 %, α = 15 µs per NVLink collective)."
+            "per second per GPU, no TTFT or TPOT target. Times and rates are modelled "
+            f"({_model_terms()})."
         ),
     )
