@@ -4,6 +4,7 @@ reject bad input before communicating, and Meta's rule picks the mode it should.
 import pytest
 import torch
 
+from cpbook.core.config import ParallelConfig
 from cpbook.core.launch import run
 from cpbook.demos import demo_kwargs
 from cpbook.demos.ch05_chunked import ring_prefill_rank
@@ -276,7 +277,8 @@ def both_modes(ctx, **kw):
 @pytest.mark.torchrun
 @pytest.mark.slow
 def test_torchrun_matches_inline():
-    kw = dict(seq_lens=(45, 16, 1), context_lens=(20, 0, 7), num_q_heads=4, num_kv_heads=2)
+    cfg = ParallelConfig(num_q_heads=4, num_kv_heads=2, head_dim=16)
+    kw = dict(seq_lens=(45, 16, 1), context_lens=(20, 0, 7), parallel_config=cfg)
     inline = run(both_modes, 3, report=False, fn_kwargs=kw)
     real = run(both_modes, 3, backend="torchrun", dist_backend="gloo", report=False, fn_kwargs=kw)
     assert real.dist_backend == "gloo"
