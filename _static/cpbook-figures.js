@@ -4,7 +4,15 @@
 // data, keep their controls instead).
 document.addEventListener("DOMContentLoaded", function () {
   document.querySelectorAll("div.cell_output img, figure img").forEach(function (img) {
-    if (img.closest("a") || img.closest(".cpx") || img.src.startsWith("data:")) return;
+    if (img.closest(".cpx") || img.src.startsWith("data:")) return;
+    var link = img.closest("a");
+    if (link) {  // a MyST {figure} with a width is already a link to its own image
+      if (link.classList.contains("image-reference") && link.href === img.src) {
+        link.classList.add("cpbook-zoom");
+        link.title = "Open the figure at full size";
+      }
+      return;
+    }
     var a = document.createElement("a");
     a.href = img.getAttribute("src");
     a.className = "cpbook-zoom";
