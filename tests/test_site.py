@@ -9,7 +9,8 @@ left as text outside code; every image loads and has alt text; every explorer
 (``cpbook.widgets.explorer``) shows another panel when a control changes, and the panel of the
 original values when they come back; code and printout take at most 30 % of every chapter's
 height at 1280 px (``CODE_SHARE_JS``; the shares are printed and saved as ``code_share.json``
-beside the screenshots); no page is wider than the viewport at either width; every
+beside the screenshots) and the visible code fits its box there (``CODE_WIDTH_JS``); no page
+is wider than the viewport at either width; every
 internal link and its fragment resolve.  Saves each chapter's first screen at both widths, and
 each explorer at 1280 px, under ``_build/screenshots/`` (next to ``html/``).
 
@@ -315,6 +316,12 @@ PHONE_JS = r"""(() => {
   });
   return bad;
 })()"""
+# At 1280 px: visible code (inputs not folded away by hide-input) fits its box, no sideways scroll.
+CODE_WIDTH_JS = r"""(() => Array.from(document.querySelectorAll('div.cell_input pre'))
+  .filter(pre => pre.offsetParent !== null && !pre.closest('details:not([open])'))
+  .filter(pre => pre.scrollWidth > pre.clientWidth + 1)
+  .map(pre => (pre.textContent || '').split('\n')
+    .reduce((a, l) => (l.length > a.length ? l : a), '').trim().slice(0, 60)))()"""
 # WCAG 2 contrast of the small text readers squint at: code and text in explorer readouts, and
 # figure and table captions, against the first opaque background behind each (AA: >= 4.5);
 # and captions lighter than the body's weight (reported with ratio 0).
@@ -467,6 +474,10 @@ def test_every_page_in_chromium(browser: Browser, site: Path, server: str):
         if chapter:
             m = browser.js(CODE_SHARE_JS)
             shares[Path(page).stem] = share = (m["code"] + m["printed"]) / m["article"]
+            problems += [
+                f"{page}: visible code wider than its box at {wide}px: {line!r}"
+                for line in browser.js(CODE_WIDTH_JS)
+            ]
             if share > CODE_SHARE_MAX:
                 problems.append(
                     f"{page}: code and printout take {share:.0%} of the page's height at "

@@ -7,7 +7,9 @@ from here, so a rank, a token count or a plain number looks the same in every ch
 
 from __future__ import annotations
 
-from typing import Any
+import argparse
+from pathlib import Path
+from typing import Any, Callable
 
 import matplotlib
 import matplotlib.colors as mcolors
@@ -35,6 +37,8 @@ __all__ = [
     "style",
     "figure",
     "legible",
+    "write_png",
+    "write_main",
 ]
 
 # Okabe & Ito (2008), "Color Universal Design": distinguishable under common colour blindness.
@@ -146,3 +150,19 @@ def legible(fig: Figure, size: float = 11.0) -> Figure:
         if text.get_text() and text.get_fontsize() < size:
             text.set_fontsize(size)
     return fig
+
+
+def write_png(fig: Figure, folder: str | Path, filename: str, dpi: int = 165) -> Path:
+    """Save ``fig`` as ``folder / filename`` (a PNG for a markdown page, no software stamp so
+    a redraw changes the file only when the drawing changes); returns the path."""
+    out = Path(folder) / filename
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=dpi, metadata={"Software": None})
+    return out
+
+
+def write_main(draw: Callable[[], Figure], filename: str, doc: str) -> None:
+    """``python -m cpbook.viz.<module> --write FOLDER``: draw the module's figure into FOLDER."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--write", metavar="FOLDER", required=True, help="where to write the PNG")
+    print(write_png(draw(), p.parse_args().write, filename))

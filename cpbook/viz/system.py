@@ -14,7 +14,6 @@ Write the PNG the intro shows with ``python -m cpbook.viz.system --write book/fi
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
@@ -26,7 +25,7 @@ from cpbook.engine.scheduler import Scheduler
 from cpbook.kv.layout import slot_mapping
 from cpbook.kv.manager import KVCacheManager
 from cpbook.pcp.zigzag import PCPPartition
-from cpbook.viz.style import BLUE, ORANGE, figure, tint
+from cpbook.viz.style import BLUE, ORANGE, figure, tint, write_main, write_png
 
 __all__ = ["system_figure", "layers", "FILENAME", "write"]
 
@@ -164,13 +163,8 @@ def system_figure(**sizes):
 
 def write(folder: str | Path, dpi: int = 165) -> Path:
     """Draw :func:`system_figure` into ``folder`` / :data:`FILENAME`; returns the path."""
-    out = Path(folder) / FILENAME
-    out.parent.mkdir(parents=True, exist_ok=True)
-    system_figure().savefig(out, dpi=dpi, metadata={"Software": None})
-    return out
+    return write_png(system_figure(), folder, FILENAME, dpi)
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--write", metavar="FOLDER", required=True, help="where to write the PNG")
-    print(write(p.parse_args().write))
+    write_main(system_figure, FILENAME, __doc__)

@@ -12,14 +12,13 @@ Write the PNG the intro shows with ``python -m cpbook.viz.timeline --write book/
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 from matplotlib.patches import FancyArrowPatch, Rectangle
 
 from cpbook.kv.layout import token_owner
 from cpbook.pcp.zigzag import PCPPartition
-from cpbook.viz.style import figure, ink, rank_color, tint
+from cpbook.viz.style import figure, ink, rank_color, tint, write_main, write_png
 
 __all__ = ["request_timeline", "pcp_owners", "dcp_owners", "FILENAME", "write"]
 
@@ -142,13 +141,8 @@ def request_timeline(
 
 def write(folder: str | Path, dpi: int = 165) -> Path:
     """Draw :func:`request_timeline` into ``folder`` / :data:`FILENAME`; returns the path."""
-    out = Path(folder) / FILENAME
-    out.parent.mkdir(parents=True, exist_ok=True)
-    request_timeline().savefig(out, dpi=dpi, metadata={"Software": None})
-    return out
+    return write_png(request_timeline(), folder, FILENAME, dpi)
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--write", metavar="FOLDER", required=True, help="where to write the PNG")
-    print(write(p.parse_args().write))
+    write_main(request_timeline, FILENAME, __doc__)
