@@ -19,8 +19,10 @@ from cpbook.costmodel.break_even import (
     DECODE_MODELS,
     HEADLINE_DECODE_MODEL,
     BreakEven,
+    MeasuredKVRead,
     break_even_table,
     headline_break_even,
+    stored_kv_read,
 )
 from cpbook.costmodel.decode import (
     COLLECTIVES,
@@ -90,10 +92,12 @@ from cpbook.costmodel.specs import (
 
 __all__ = [
     "BreakEven",
+    "MeasuredKVRead",
     "DECODE_MODELS",
     "HEADLINE_DECODE_MODEL",
     "break_even_table",
     "headline_break_even",
+    "stored_kv_read",
     "ALLREDUCE_BENCH_BYTES",
     "ALLREDUCE_BENCH_SOURCE",
     "ALLREDUCE_BENCH_US",

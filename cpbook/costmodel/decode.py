@@ -142,11 +142,15 @@ def tpa_weight_costs(
     return tpa_costs(cfg, q_in, num_reqs, model.head_dim, model.weight_bytes_per_param, w_uk_t)
 
 
-def kv_read_efficiency(hbm_efficiency: float, num_reqs: int, kv_heads: int) -> float:
+def kv_read_efficiency(
+    hbm_efficiency: float, num_reqs: int, kv_heads: int, unit: float | None = None
+) -> float:
     """Fraction of HBM bandwidth decode attention streams the KV at: ``hbm_efficiency`` once
-    the GPU has enough (request x KV head) work units, less below
-    (:data:`~cpbook.costmodel.gpu_terms.DECODE_ATTENTION_UNIT_EFFICIENCY` per unit)."""
-    return min(hbm_efficiency, gt.DECODE_ATTENTION_UNIT_EFFICIENCY * num_reqs * max(kv_heads, 1))
+    the GPU has enough (request x KV head) work units, less below (``unit`` per unit: ``None``
+    for the modelled :data:`~cpbook.costmodel.gpu_terms.DECODE_ATTENTION_UNIT_EFFICIENCY`,
+    else a measured one-request, one-KV-head fraction)."""
+    unit = gt.DECODE_ATTENTION_UNIT_EFFICIENCY if unit is None else unit
+    return min(hbm_efficiency, unit * num_reqs * max(kv_heads, 1))
 
 
 def decode_layer_time(

@@ -93,9 +93,10 @@ def decode_step(
 
     Memory at ``hbm_efficiency`` of HBM: the GPU's weight shard without the embedding table (a
     lookup), its share of the KV (:func:`~cpbook.costmodel.memory.deployment_kv_bytes_per_token`,
-    at :data:`~cpbook.costmodel.gpu_terms.DECODE_ATTENTION_UNIT_EFFICIENCY` per request and KV
-    head up to ``hbm_efficiency``), TPA's extra shards, and per MoE layer the experts the batch
-    touches on the busiest GPU.  Compute at ``mfu`` (default ``GEMM_MFU``) of the weights' peak.
+    at :data:`~cpbook.costmodel.gpu_terms.DECODE_ATTENTION_UNIT_EFFICIENCY`, or
+    ``knobs.kv_unit_efficiency`` where set, per request and KV head up to ``hbm_efficiency``),
+    TPA's extra shards, and per MoE layer the experts the batch touches on the busiest GPU.
+    Compute at ``mfu`` (default ``GEMM_MFU``) of the weights' peak.
     Fixed costs: small GEMMs, elementwise kernels, GQA decode attention or the MLA block
     (:mod:`~cpbook.costmodel.gpu_terms`), and the MoE kernels' floor.  Collectives per layer:
     :func:`cpbook.dcp.tpa.tpa_comm_bytes`'s (DCP's query all-gather unless TPA, the combine,
@@ -127,7 +128,7 @@ def decode_step(
         fixed += extra * model.moe_layers
     kv = deployment_kv_bytes_per_token(model, deployment, knobs.kv_dtype) * context_tokens * b
     kv_heads = 1 if model.use_mla else max(model.num_kv_heads // cfg.tp, 1)
-    kv_eff = kv_read_efficiency(hbm_efficiency, b, kv_heads)
+    kv_eff = kv_read_efficiency(hbm_efficiency, b, kv_heads, knobs.kv_unit_efficiency)
     extra = tpa_weight_costs(model, cfg, b, act_bytes)
     tpa_bytes = extra["extra_weight_bytes"] + extra["extra_w_uk_t_bytes"]
     memory = (weights + expert_read + tpa_bytes * model.num_layers) / bw + kv / (

@@ -2,8 +2,8 @@
 
 Every function that prices time (:func:`~cpbook.costmodel.decode.decode_layer_time`,
 :func:`~cpbook.costmodel.decode_step.decode_step`, :func:`~cpbook.costmodel.latency.ttft`,
-:func:`~cpbook.costmodel.latency.tpot`) reads the same six assumptions from one
-:class:`CostKnobs` instead of six keywords each; the defaults are the book's base case.
+:func:`~cpbook.costmodel.latency.tpot`) reads the same seven assumptions from one
+:class:`CostKnobs` instead of seven keywords each; the defaults are the book's base case.
 """
 
 from __future__ import annotations
@@ -31,9 +31,13 @@ class CostKnobs:
     ``link``: the TP (and, in decode, the DCP) link, ``None`` for the default (the GPU's
     scale-up link; :func:`~cpbook.costmodel.decode.decode_layer_time`: NVLink 4);
     ``dcp_comm_backend``: vLLM's DCP combine (``"ag_rs"`` or ``"a2a"``);
-    ``act_bytes``: bytes per activation element on the wire.
-    Guarantees: a constructed value passes the rules ``hbm-efficiency``, ``mfu`` and
-    ``kv-dtype``.
+    ``act_bytes``: bytes per activation element on the wire;
+    ``kv_unit_efficiency``: the fraction of HBM one request's one KV head streams its KV at in
+    the whole-model decode step (:func:`~cpbook.costmodel.decode.kv_read_efficiency`), ``None``
+    for the modelled :data:`~cpbook.costmodel.gpu_terms.DECODE_ATTENTION_UNIT_EFFICIENCY`
+    (a measured one: :func:`~cpbook.costmodel.break_even.stored_kv_read`).
+    Guarantees: a constructed value passes the rules ``hbm-efficiency`` (also for
+    ``kv_unit_efficiency``), ``mfu`` and ``kv-dtype``.
     """
 
     kv_dtype: str = "bf16"
@@ -42,9 +46,12 @@ class CostKnobs:
     link: LinkSpec | None = None
     dcp_comm_backend: str = "ag_rs"
     act_bytes: int = 2
+    kv_unit_efficiency: float | None = None
 
     def __post_init__(self) -> None:
         check_hbm_efficiency(self.hbm_efficiency)
+        if self.kv_unit_efficiency is not None:
+            check_hbm_efficiency(self.kv_unit_efficiency)
         if self.mfu is not None and not 0 < self.mfu <= 1:
             raise RuleError("mfu", "0 < mfu <= 1", mfu=self.mfu)
         if self.kv_dtype not in KV_DTYPES:

@@ -264,15 +264,23 @@ def tpot_break_even(
     lo: int = 1024,
     hi: int = 2**19,
     resolution: int = 256,
+    *,
+    knobs: CostKnobs = CostKnobs(),
 ) -> int:
     """The context length (within ``resolution`` tokens, bisected in ``[lo, hi]``) above which
-    ``deployment``'s whole-model TPOT beats ``baseline``'s at ``batch`` requests; ``hi`` if it
-    never does below it.  Assumes one crossing (the DCP terms are linear in the context)."""
+    ``deployment``'s whole-model TPOT beats ``baseline``'s at ``batch`` requests (both priced
+    with ``knobs``); ``hi`` if it never does below it.  Assumes one crossing (the DCP terms
+    are linear in the context).
+
+    More than eight parameters: the two deployments and the batch are the question, the
+    bisection's bracket and resolution its numerics, and ``knobs`` the one assumptions object
+    every time function takes (the break-even table passes a measured KV-read efficiency).
+    """
 
     def slower(c: int) -> bool:
         return (
-            tpot(model, gpu, deployment, c, batch).total_s
-            > tpot(model, gpu, baseline, c, batch).total_s
+            tpot(model, gpu, deployment, c, batch, knobs=knobs).total_s
+            > tpot(model, gpu, baseline, c, batch, knobs=knobs).total_s
         )
 
     while hi - lo > resolution:
