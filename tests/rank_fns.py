@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import signal
+
 import torch
 
 from cpbook.core.context import RankContext
 from cpbook.core.groups import RankGrid, make_groups
 from cpbook.dcp.decode import dcp_combine
 from cpbook.demos import demo_kwargs
+from cpbook.demos.ch03_decode import gqa_decode_rank
+from cpbook.demos.ch09_engine import serve_grid_rank
 
 
 def every_collective(ctx: RankContext) -> dict:
@@ -111,3 +116,23 @@ def in_sequence(ctx: RankContext, calls: list[tuple[str, dict]]) -> list:
         fn = getattr(importlib.import_module(mod), name)
         out.append(fn(ctx, **demo_kwargs(fn, kwargs)))
     return out
+
+
+def kill_on_rank(ctx: RankContext, *, victim: int) -> float:
+    """One all-reduce with every rank alive, then ``victim`` kills its own process (SIGKILL: no
+    traceback, no result) and the others wait in a second all-reduce that cannot complete."""
+    x = ctx.world.all_reduce(torch.ones(1, dtype=torch.float64))
+    if ctx.rank == victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return float(ctx.world.all_reduce(x)[0])
+
+
+def two_node_suite(ctx: RankContext, *, decode_configs: list, grids: list, runs: list) -> dict:
+    """One launch, several checks: the groups of each ``(tp, pcp, dcp)`` grid, a GQA decode
+    step per ParallelConfig, and an engine run per :func:`serve_rank` keyword set."""
+    return {
+        "rank": ctx.rank,
+        "groups": [grid_groups(ctx, *g) for g in grids],
+        "decode": [gqa_decode_rank(ctx, parallel_config=c) for c in decode_configs],
+        "engine": serve_grid_rank(ctx, runs=runs),
+    }

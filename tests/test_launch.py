@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from cpbook.core.launch import run
+from cpbook.core.launch import Nodes, run
 from cpbook.demos.ch01_merge import merge_rank
 from tests.rank_fns import echo_timeout, fail_on_rank
 
@@ -72,3 +72,20 @@ def test_function_arguments_are_kept_apart_from_launcher_options(backend):
         report=False,
     )
     assert res == [(7, 3), (7, 3)]
+
+
+def test_nodes_spell_the_torchrun_flags():
+    """The multi-node form (run by tests/test_multinode.py) and its argument checks."""
+    assert Nodes(2, 1, "127.0.0.1:29500").torchrun_args(2) == [
+        "--nnodes=2",
+        "--node-rank=1",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=127.0.0.1:29500",
+        "--nproc-per-node=2",
+    ]
+    with pytest.raises(ValueError, match="node-rank"):
+        Nodes(2, 2, "127.0.0.1:29500")
+    with pytest.raises(ValueError, match="rdzv-endpoint"):
+        Nodes(2, 0, "127.0.0.1")
+    with pytest.raises(ValueError, match="nodes-world"):
+        run(merge_rank, 3, "torchrun", nodes=Nodes(2, 0, "127.0.0.1:29500"), report=False)

@@ -13,6 +13,12 @@ notebook.  NCCL is used when at least ``world_size`` CUDA GPUs are visible, gloo
 Results travel back through files (``torch.save``); each rank's stdout is captured and printed
 by the parent in rank order, so the report is deterministic.  When a rank raises, torchrun
 stops the job and :func:`run` raises ``RuntimeError`` carrying that rank's traceback.
+
+Several nodes: ``run(fn, world_size, "torchrun", nodes=Nodes(nnodes, node_rank, "HOST:PORT"))``
+on every node runs ``world_size // nnodes`` processes there under torchrun's c10d rendezvous;
+each node's call returns its own ranks' results (``RankResults.ranks`` are their global ranks),
+and a rank failing on any node fails every node's call naming that rank
+(:mod:`cpbook.core.nodes`).
 """
 
 from __future__ import annotations
@@ -38,12 +44,14 @@ from cpbook.core.backends import SimWorld
 from cpbook.core.comm import DEFAULT_TIMEOUT_S, CommAborted, Trace, process_group_timeout_s
 from cpbook.core.context import RankContext
 from cpbook.core.errors import RuleError
+from cpbook.core.nodes import Nodes, dead_rank, is_consequence, report_root, root_cause, write_pid
 
-__all__ = ["run", "RankResults", "pick_backend", "format_report"]
+__all__ = ["run", "RankResults", "Nodes", "pick_backend", "format_report"]
 
 
 class RankResults(list):
-    """Per-rank return values (a list, rank order) plus each rank's trace and stdout."""
+    """Per-rank return values (a list, rank order) plus each rank's trace and stdout; ``ranks``
+    are their global ranks (``0 .. n-1`` on one node, this node's ranks with :class:`Nodes`)."""
 
     def __init__(
         self,
@@ -52,26 +60,33 @@ class RankResults(list):
         stdout: Sequence[str],
         backend: str,
         dist_backend: str,
+        ranks: Sequence[int] | None = None,
     ) -> None:
         super().__init__(values)
         self.traces, self.stdout = list(traces), list(stdout)
         self.backend, self.dist_backend = backend, dist_backend
+        self.ranks = list(range(len(self)) if ranks is None else ranks)
 
     def report(self) -> str:
-        return format_report(self.backend, self.dist_backend, self.stdout, self.traces)
+        return format_report(self.backend, self.dist_backend, self.stdout, self.traces, self.ranks)
 
 
 def format_report(
-    backend: str, dist_backend: str, stdout: Sequence[str], traces: Sequence[Trace]
+    backend: str,
+    dist_backend: str,
+    stdout: Sequence[str],
+    traces: Sequence[Trace],
+    ranks: Sequence[int] | None = None,
 ) -> str:
     """Deterministic text: each rank's printed lines, then its traffic per (op, group)."""
+    ranks = list(range(len(traces)) if ranks is None else ranks)
     head = f"{backend}: {len(traces)} ranks" + (
         f", {dist_backend}" if backend == "torchrun" else ""
     )
     lines = [head]
-    for r, out in enumerate(stdout):
+    for r, out in zip(ranks, stdout):
         lines += [f"[rank {r}] {line}" for line in out.splitlines()]
-    for r, tr in enumerate(traces):
+    for r, tr in zip(ranks, traces):
         parts = [
             f"{op}[{g}] x{c}: sent {s:,} B, recv {v:,} B"
             for (op, g), (c, s, v) in tr.summary().items()
@@ -96,6 +111,7 @@ def run(
     dist_backend: str | None = None,
     threads: int = 1,
     torchrun_args: Sequence[str] = (),
+    nodes: Nodes | None = None,
     job_timeout: float = 900.0,
     report: bool = True,
     device: str | torch.device = "cpu",
@@ -107,7 +123,11 @@ def run(
     ``timeout`` bounds every collective; ``job_timeout`` bounds a whole torchrun job; ``threads``
     is each torchrun worker's ``OMP_NUM_THREADS``.  Extra ``torchrun_args`` (``--nnodes=2``,
     ``--rdzv-endpoint=host:port``, ``--node-rank=0`` ...) replace ``--standalone`` when they
-    configure a rendezvous.  With ``report=True`` the deterministic report is printed.
+    configure a rendezvous (``world_size`` is then per node).  ``nodes`` is the tested
+    multi-node form: :class:`Nodes` ``(nnodes, node_rank, rdzv_endpoint)``, ``world_size`` the
+    whole world's, ``world_size // nnodes`` processes on this node, and the results of this
+    node's ranks only (``.ranks`` their global ranks).  With ``report=True`` the deterministic
+    report is printed.
     ``device`` is the simulated ranks' device (``"cuda:0"``: every thread on one GPU); under
     torchrun each rank uses ``cuda:LOCAL_RANK`` with NCCL and the CPU with gloo.
 
@@ -127,15 +147,21 @@ def run(
                 "device='cpu' under torchrun (each rank's device follows its dist backend)",
                 device=device,
             )
+        per_node = world_size // nodes.nnodes if nodes else world_size
+        if nodes and per_node * nodes.nnodes != world_size:
+            raise RuleError(
+                "nodes-world", "world_size a multiple of nnodes", world_size=world_size, nodes=nodes
+            )
         res = _run_torchrun(
             fn,
             world_size,
             timeout,
-            dist_backend or pick_backend(world_size),
+            dist_backend or pick_backend(world_size, per_node),
             threads,
             list(torchrun_args),
             job_timeout,
             kwargs,
+            nodes,
         )
     else:
         raise RuleError("launch-backend", "backend in ('inline', 'torchrun')", backend=backend)
@@ -227,9 +253,9 @@ def _fn_path(fn) -> str:
 
 
 def _run_torchrun(
-    fn, world_size, timeout, dist_backend, threads, extra, job_timeout, kwargs
+    fn, world_size, timeout, dist_backend, threads, extra, job_timeout, kwargs, nodes=None
 ) -> RankResults:
-    rendezvous = any(
+    rendezvous = nodes is not None or any(
         a.split("=")[0]
         in ("--nnodes", "--rdzv-endpoint", "--rdzv_endpoint", "--master-addr", "--master_addr")
         for a in extra
@@ -241,15 +267,20 @@ def _run_torchrun(
                 "kwargs": kwargs,
                 "timeout": timeout,
                 "dist_backend": dist_backend,
+                "nodes": nodes is not None,
             },
             Path(tmp, "payload.pt"),
+        )
+        where = (
+            nodes.torchrun_args(world_size // nodes.nnodes)
+            if nodes
+            else [*([] if rendezvous else ["--standalone"]), f"--nproc-per-node={world_size}"]
         )
         cmd = [
             sys.executable,
             "-m",
             "torch.distributed.run",
-            *([] if rendezvous else ["--standalone"]),
-            f"--nproc-per-node={world_size}",
+            *where,
             *extra,
             "-m",
             "cpbook.core.launch",
@@ -262,31 +293,27 @@ def _run_torchrun(
                 p for p in [os.getcwd(), os.environ.get("PYTHONPATH", "")] if p
             ),
         )
-        proc = subprocess.Popen(
-            cmd,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-            start_new_session=True,
-        )
-        try:
-            out, err = proc.communicate(timeout=job_timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
-            raise RuntimeError(
-                f"torchrun job for {fn.__name__} exceeded {job_timeout:g} s; stderr tail:\n"
-                f"{err[-3000:]}"
-            ) from None
-        fails = sorted(Path(tmp).glob("error_rank*.txt"), key=lambda p: p.stat().st_mtime_ns)
-        if fails:
-            firsts = [p for p in fails if "CommAborted" not in p.read_text()] or fails
-            rank = firsts[0].stem.removeprefix("error_rank")
-            raise RuntimeError(
-                f"rank {rank} of {world_size} failed in {fn.__name__} under torchrun:\n"
-                f"{firsts[0].read_text()}"
+        out_path, err_path = Path(tmp, "torchrun.out"), Path(tmp, "torchrun.err")
+        with open(out_path, "w") as fo, open(err_path, "w") as fe:
+            proc = subprocess.Popen(
+                cmd, stdout=fo, stderr=fe, text=True, env=env, start_new_session=True
             )
+        dead, deadline = None, time.monotonic() + job_timeout
+        while proc.poll() is None:
+            if time.monotonic() > deadline:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                raise RuntimeError(
+                    f"torchrun job for {fn.__name__} exceeded {job_timeout:g} s; stderr tail:\n"
+                    f"{err_path.read_text()[-3000:]}"
+                )
+            if nodes and dead is None:
+                dead = dead_rank(tmp, nodes.node_rank)
+            time.sleep(0.05)
+        out, err = out_path.read_text(), err_path.read_text()
+        if nodes and dead is None:
+            dead = dead_rank(tmp, nodes.node_rank)
+        _raise_failure(fn, world_size, tmp, nodes, dead)
         files = {
             int(p.stem.removeprefix("result_rank")): p for p in Path(tmp).glob("result_rank*.pt")
         }
@@ -295,18 +322,43 @@ def _run_torchrun(
                 f"torchrun exited with code {proc.returncode} and no rank reported an "
                 f"error; stderr tail:\n{err[-3000:]}\nstdout tail:\n{out[-2000:]}"
             )
-        # Ranks on other nodes (multi-node runs) leave their results there: None here.
-        empty = {"value": None, "trace": Trace(), "stdout": ""}
-        got = [
-            torch.load(files[r], weights_only=False) if r in files else empty
-            for r in range(max(files) + 1 if rendezvous else world_size)
-        ]
+        if nodes:  # this node's ranks only
+            ranks = sorted(files)
+            got = [torch.load(files[r], weights_only=False) for r in ranks]
+        else:  # raw torchrun_args: ranks on other nodes leave their results there: None here
+            empty = {"value": None, "trace": Trace(), "stdout": ""}
+            ranks = list(range(max(files) + 1 if rendezvous else world_size))
+            got = [torch.load(files[r], weights_only=False) if r in files else empty for r in ranks]
     return RankResults(
         [g["value"] for g in got],
         [g["trace"] for g in got],
         [g["stdout"] for g in got],
         "torchrun",
         dist_backend,
+        ranks,
+    )
+
+
+def _raise_failure(fn, world_size, tmp, nodes, dead) -> None:
+    """Raise for the first failing rank: one that raised itself before one whose collective
+    broke because of it; with :class:`Nodes`, the job's root cause on whichever node it ran."""
+    fails = sorted(Path(tmp).glob("error_rank*.txt"), key=lambda p: p.stat().st_mtime_ns)
+    found = []
+    for p in fails:
+        text = p.read_text()
+        rank = int(p.stem.removeprefix("error_rank"))
+        if nodes:
+            who, _, text = text.partition("\n")
+            rank = int(who)
+        broken = any(k in text for k in ("CommAborted", "CommTimeout", "DistBackendError"))
+        found.append((broken, rank, text))
+    if dead is not None:
+        found.append((0.5, *dead))
+    if not found:
+        return
+    _, rank, text = sorted(found, key=lambda f: f[0])[0]
+    raise RuntimeError(
+        f"rank {rank} of {world_size} failed in {fn.__name__} under torchrun:\n{text}"
     )
 
 
@@ -362,11 +414,17 @@ def _worker_main(tmp: str) -> None:
     for part in qual.split("."):
         fn = getattr(fn, part)
     rank = int(os.environ["RANK"])
+    if payload["nodes"]:
+        write_pid(tmp, rank)
+        signal.signal(signal.SIGTERM, lambda *_: _terminated(tmp, rank))
     try:
         ctx = worker_context(payload["dist_backend"], payload["timeout"])
         mine = worker_run(fn, payload["kwargs"], ctx)
-    except BaseException:  # noqa: BLE001 - the parent raises it with this traceback
-        Path(tmp, f"error_rank{rank}.txt").write_text(traceback.format_exc())
+    except BaseException as e:  # noqa: BLE001 - the parent raises it with this traceback
+        text = traceback.format_exc()
+        if payload["nodes"]:
+            text = _node_error(rank, e, text, payload["timeout"])
+        Path(tmp, f"error_rank{rank}.txt").write_text(text)
         sys.stdout.flush()
         os._exit(1)
     torch.save(mine, Path(tmp, f"rank{rank}.tmp"))
@@ -374,6 +432,25 @@ def _worker_main(tmp: str) -> None:
     import torch.distributed as dist
 
     dist.destroy_process_group()
+
+
+def _terminated(tmp: str, rank: int) -> None:
+    """torchrun stops a node's other workers (SIGTERM) when one fails: not a root cause."""
+    Path(tmp, f"term_rank{rank}").touch()
+    os._exit(143)
+
+
+def _node_error(rank: int, e: BaseException, text: str, timeout: float) -> str:
+    """The error file's text: the root cause's rank, a newline, its text.  This rank's own
+    failure (published to every node), or, when a collective broke under it, the root cause
+    another rank or node published."""
+    if not is_consequence(e):
+        report_root(rank, text)
+        return f"{rank}\n{text}"
+    found = root_cause(min(timeout, 10.0))
+    if found is None or found[0] == rank:
+        return f"{rank}\n{text}"
+    return f"{found[0]}\n{found[1]}\n(rank {rank} saw its collective fail: {e})"
 
 
 if __name__ == "__main__":
