@@ -121,22 +121,23 @@ def test_two_nodes_equal_one():
 @pytest.mark.parametrize(
     "fn, fn_kwargs, says",
     [
-        (kill_on_rank, dict(victim=3), "(node_rank 1, host "),
+        (
+            kill_on_rank,
+            dict(victim=3),
+            "without a result or a Python error: killed by a signal",
+        ),
         (fail_on_rank, dict(bad=3), "ValueError: deliberate failure on rank 3"),
     ],
     ids=["killed", "raises"],
 )
 def test_a_rank_failing_on_one_node_fails_both(fn, fn_kwargs, says):
-    """Global rank 3 runs on node 1 (c10d orders the agents by start; node 0 starts first):
-    SIGKILL (no traceback: node 1's ``run`` sees the process gone and says so through the
-    store) or an exception (its traceback, through the store); both nodes' ``run`` raise naming
-    rank 3 within the 15 s collective timeout, without waiting for torchrun's."""
-    t0 = time.monotonic()
+    """Global rank 3 (on whichever node c10d gave ranks 2-3) is SIGKILLed (no traceback: its
+    node's ``run`` sees the process gone and says so through the store) or raises (its
+    traceback, through the store); both nodes' ``run`` raise naming rank 3 and the cause, after
+    the 15 s collective timeout at most (pytest-timeout fails a hang; no clock is asserted)."""
     nodes = two_nodes(fn, fn_kwargs, timeout=15.0)
-    wall = time.monotonic() - t0
     for res in nodes:
         assert isinstance(res, RuntimeError), res
         msg = str(res)
         assert msg.startswith(f"rank 3 of 4 failed in {fn.__name__} under torchrun"), msg
         assert says in msg, msg
-    assert wall < 60, wall
