@@ -114,7 +114,7 @@ def pcp_points(rows: Sequence[dict], cores: int = 2) -> list[Point]:
     return out
 
 
-#: the layout ``chunked_prefill.jsonl`` was measured on
+#: the deployment ``chunked_prefill.jsonl`` was measured on
 _CHUNKED = ParallelConfig(
     tensor_parallel_size=1,
     prefill_context_parallel_size=2,

@@ -24,7 +24,7 @@ from cpbook.kv.paged import shard_kv_cache
 
 __all__ = ["GQA_CONFIG", "MLA_CONFIG", "gqa_decode_rank", "mla_decode_rank", "mla_context_rank"]
 
-#: chapter 3's GQA layout (the article's example): TP 6, DCP 3, 12 query heads, 2 KV heads
+#: chapter 3's GQA deployment (the article's example): TP 6, DCP 3, 12 query heads, 2 KV heads
 GQA_CONFIG = ParallelConfig(
     tensor_parallel_size=6,
     decode_context_parallel_size=3,
@@ -34,7 +34,7 @@ GQA_CONFIG = ParallelConfig(
     block_size=8,
 )
 
-#: chapter 3's MLA layout: TP 4 = DCP 4, 8 query heads over one latent (``head_dim`` is
+#: chapter 3's MLA deployment: TP 4 = DCP 4, 8 query heads over one latent (``head_dim`` is
 #: ``qk_nope_head_dim + qk_rope_head_dim`` of the :class:`~cpbook.dcp.mla.MLAShape`)
 MLA_CONFIG = ParallelConfig(
     tensor_parallel_size=4,

@@ -19,7 +19,7 @@ from cpbook.kv.paged import shard_kv_cache
 
 __all__ = ["TPA_CONFIG", "tpa_problem", "tpa_rank"]
 
-#: chapter 6's layout: TP 4 = DCP 4, 8 query heads, 2 KV heads, with TPA
+#: chapter 6's deployment: TP 4 = DCP 4, 8 query heads, 2 KV heads, with TPA
 #: (``tensor_parallel_size_attention = tp / dcp``).  Without TPA: ``None`` (GQA needs
 #: ``num_kv_heads <= tp / dcp`` then).  MLA: ``use_mla=True``, ``num_kv_heads=1``, TPA by
 #: ``dcp_q_replicate``; its ``head_dim`` is ``qk_nope_head_dim = v_head_dim``.
