@@ -8,7 +8,7 @@ import signal
 import torch
 
 from cpbook.core.context import RankContext
-from cpbook.core.groups import RankGrid, make_groups
+from cpbook.core.groups import ANCHOR_ORDER, RankGrid, make_groups
 from cpbook.dcp.decode import dcp_combine
 from cpbook.demos import demo_kwargs
 from cpbook.demos.ch03_decode import gqa_decode_rank
@@ -65,9 +65,10 @@ def reordered_collectives(ctx: RankContext, *, legacy: bool = False) -> dict:
     }
 
 
-def grid_groups(ctx: RankContext, tp: int, pcp: int, dcp: int) -> dict:
-    """Build the TP/PCP/DCP groups and all-gather global ranks inside each."""
-    pg = make_groups(ctx, RankGrid(tp, pcp, dcp))
+def grid_groups(ctx: RankContext, tp: int, pcp: int, dcp: int, order: str = ANCHOR_ORDER) -> dict:
+    """Build the TP/PCP/DCP groups in a vLLM release's ``order`` and all-gather global ranks
+    inside each."""
+    pg = make_groups(ctx, RankGrid(tp, pcp, dcp, order))
     me = torch.tensor([float(ctx.rank)])
     return {k: [int(x) for x in getattr(pg, k).all_gather(me)] for k in ("tp", "pcp", "dcp")} | {
         "dcp_rank": pg.coords.dcp_rank,

@@ -5,16 +5,24 @@ vLLM builds every group from one tensor of global ranks (``initialize_model_para
 
 * TP groups are the rows: ranks ``[p*tp, ..., p*tp + tp - 1]`` for each PCP slice ``p``.
 * PCP groups are the columns: one TP rank across all PCP slices (stride ``tp``).
-* DCP groups depend on the vLLM version (``order``, one of :data:`GROUP_ORDERS`):
+* DCP groups depend on the vLLM release (``order``, one of :data:`GROUP_ORDERS`; the default
+  :data:`ANCHOR_ORDER` is the release the book anchors to, v0.34.0):
 
   - ``"v0.14"`` (v0.11 and v0.14): ``all_ranks.reshape(-1, dcp)``, contiguous chunks of each
     TP group, ``dcp_rank = tp_rank % dcp``.  TP=8, DCP=4 → ``[0,1,2,3], [4,5,6,7]``.
-  - ``"current"`` (v0.33, inline in ``initialize_model_parallel``): when ``dcp > 1``, transpose
+  - ``"v0.33"`` (v0.33.0, inline in ``initialize_model_parallel``): when ``dcp > 1``, transpose
     (PCP, TP) to (TP, PCP), then ``reshape(-1, dcp)``; when ``dcp == 1``, no transpose, so the
     one-rank groups are listed in rank order (TP=2, PCP=2 → ``[[0],[1],[2],[3]]``, vLLM's
-    ``tests/distributed/test_context_parallel_group_layout.py``).  Identical for PCP = 1; for
-    PCP > 1 a DCP group spans PCP first: TP=2, PCP=2, DCP=2 → ``[[0,2],[1,3]]`` (= the PCP
-    groups), DCP=4 → ``[[0,2,1,3]]``.
+    ``tests/distributed/test_context_parallel_group_layout.py``).  Identical to v0.14 for
+    PCP = 1; for PCP > 1 a DCP group spans PCP first: TP=2, PCP=2, DCP=2 → ``[[0,2],[1,3]]``
+    (= the PCP groups), DCP=4 → ``[[0,2,1,3]]``.
+  - ``"v0.34"`` (v0.34.0): the same groups, each listed in sorted rank order
+    (``[sorted(x.tolist()) ...]``): torch.distributed orders a group's members by sorted
+    global rank, so an unsorted list made ``rank_in_group`` disagree with the order of a
+    collective's output.  Only a DCP group that spans both TP > 1 and PCP > 1 changes:
+    TP=2, PCP=2, DCP=4 → ``[[0,1,2,3]]``, so there ``dcp_rank`` is the global rank.
+
+``"current"`` is accepted as another name for :data:`ANCHOR_ORDER`.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from cpbook.core.context import RankContext
 from cpbook.core.errors import RuleError
 
 __all__ = [
+    "ANCHOR_ORDER",
     "GROUP_ORDERS",
     "RankCoords",
     "RankGrid",
@@ -39,7 +48,8 @@ __all__ = [
 ]
 
 
-GROUP_ORDERS = ("v0.14", "current")
+GROUP_ORDERS = ("v0.14", "v0.33", "v0.34")
+ANCHOR_ORDER = "v0.34"  # the group order of the release the book anchors to (v0.34.0)
 
 
 @dataclass(frozen=True)
@@ -54,16 +64,16 @@ class RankCoords:
 
 @dataclass(frozen=True)
 class RankGrid:
-    """Rank lists of every group of a (tp, pcp, dcp) grid in a vLLM group ``order`` (one of
-    :data:`GROUP_ORDERS`); no communication involved."""
+    """Rank lists of every group of a (tp, pcp, dcp) grid in a vLLM release's group ``order``
+    (one of :data:`GROUP_ORDERS`, or ``"current"`` = :data:`ANCHOR_ORDER`); no communication."""
 
     tensor_parallel_size: int
     prefill_context_parallel_size: int = 1
     decode_context_parallel_size: int = 1
-    order: str = "current"
+    order: str = ANCHOR_ORDER
 
     @classmethod
-    def from_config(cls, config: ParallelConfig, order: str = "current") -> "RankGrid":
+    def from_config(cls, config: ParallelConfig, order: str = ANCHOR_ORDER) -> "RankGrid":
         return cls(config.tp, config.pcp, config.dcp, order)
 
     def __post_init__(self) -> None:
@@ -77,6 +87,8 @@ class RankGrid:
             prefill_context_parallel_size=pcp,
             decode_context_parallel_size=dcp,
         )
+        if self.order == "current":
+            object.__setattr__(self, "order", ANCHOR_ORDER)
         if self.order not in GROUP_ORDERS:
             raise ConfigError("group-order", f"order in {GROUP_ORDERS}", order=self.order)
         if (tp * pcp) % dcp:
@@ -111,10 +123,12 @@ class RankGrid:
         return self._grid().T.tolist()
 
     def dcp_groups(self) -> list[list[int]]:
+        """The DCP groups, each listed in the order ``self.order`` gives (see the module)."""
         g = self._grid()
-        if self.order == "current" and self.decode_context_parallel_size > 1:
+        if self.order != "v0.14" and self.decode_context_parallel_size > 1:
             g = g.T  # vLLM transposes only for DCP > 1
-        return g.reshape(-1, self.decode_context_parallel_size).tolist()
+        groups = g.reshape(-1, self.decode_context_parallel_size).tolist()
+        return [sorted(x) for x in groups] if self.order == "v0.34" else groups
 
     def groups(self, kind: str) -> list[list[int]]:
         """``kind`` in {"tp", "pcp", "dcp", "world"}."""
@@ -132,6 +146,7 @@ class RankGrid:
         return next(g for g in self.groups(kind) if rank in g)
 
     def coords(self, rank: int) -> RankCoords:
+        """``rank``'s PCP slice, TP rank and DCP rank (its index in its DCP group's list)."""
         tp = self.tensor_parallel_size
         dcp_group = self.group_of("dcp", rank)
         return RankCoords(rank, rank // tp, rank % tp, dcp_group.index(rank))
@@ -175,7 +190,7 @@ def pcp_of_world(world_size: int, tensor_parallel_size: int) -> int:
 
 
 def make_groups(
-    ctx: "RankContext", grid: RankGrid | ParallelConfig, order: str = "current"
+    ctx: "RankContext", grid: RankGrid | ParallelConfig, order: str = ANCHOR_ORDER
 ) -> ParallelGroups:
     """Create every group of ``grid`` on all ranks (collective: every rank must call it)."""
     if isinstance(grid, ParallelConfig):
