@@ -219,33 +219,29 @@ def partition_figure(part: PCPPartition):
     return fig
 
 
-def rank_grid_figure(
-    tensor_parallel_size: int = 4,
-    prefill_context_parallel_size: int = 2,
-    decode_context_parallel_size: int = 2,
-    orders: Sequence[str] = ("current", "v0.14"),
-):
-    """The world as PCP rows × TP columns; each cell is a global rank, filled by its DCP group.
-    TP groups are the rows, PCP groups the columns; one panel per vLLM group order."""
-    tp, pcp, dcp = tensor_parallel_size, prefill_context_parallel_size, decode_context_parallel_size
-    fig, axes = figure(1, len(orders), figsize=(_WIDTH, 0.75 * pcp + 1.5))
-    for ax, order in zip(np.atleast_1d(axes), orders):
+#: the panels of chapter 4's rank-grid figure: (tp, pcp, dcp, group order)
+RANK_GRID_PANELS = ((4, 2, 2, "v0.34"), (4, 2, 2, "v0.14"), (2, 2, 4, "v0.33"), (2, 2, 4, "v0.34"))
+
+
+def rank_grid_figure(panels: Sequence[tuple[int, int, int, str]] = RANK_GRID_PANELS):
+    """One panel per ``(tp, pcp, dcp, order)``, two per row: the world as PCP rows × TP columns,
+    each cell a global rank filled by its DCP group and labelled with its DCP rank (its index
+    in its group's list, which fixes the tokens it owns). TP groups are the rows, PCP groups
+    the columns."""
+    rows = (len(panels) + 1) // 2
+    height = sum(0.75 * max(p[1] for p in panels[2 * i : 2 * i + 2]) + 1.3 for i in range(rows))
+    fig, axes = figure(rows, 2, figsize=(_WIDTH, height + 0.4), squeeze=False)
+    for ax, (tp, pcp, dcp, order) in zip(axes.flat, panels):
         grid = RankGrid(tp, pcp, dcp, order)
         groups = grid.dcp_groups()
         for rank in range(grid.world_size):
             p, t = divmod(rank, tp)
             g = next(i for i, grp in enumerate(groups) if rank in grp)
-            ax.add_patch(Rectangle((t, pcp - 1 - p), 0.92, 0.85, facecolor=rank_color(g)))
-            ax.text(
-                t + 0.46,
-                pcp - 1 - p + 0.42,
-                str(rank),
-                ha="center",
-                va="center",
-                fontsize=12,
-                color=ink(rank_color(g)),
-                weight="bold",
-            )
+            color = rank_color(g)
+            ax.add_patch(Rectangle((t, pcp - 1 - p), 0.92, 0.85, facecolor=color))
+            label = f"{rank}\ndcp {grid.coords(rank).dcp_rank}"
+            ax.text(t + 0.46, pcp - 1 - p + 0.42, label, ha="center", va="center", fontsize=10,
+                    color=ink(color), weight="bold")  # fmt: skip
         ax.set_xlim(-0.1, tp)
         ax.set_ylim(-0.15, pcp)
         ax.set_xticks([t + 0.46 for t in range(tp)], [f"tp {t}" for t in range(tp)])
@@ -254,14 +250,14 @@ def rank_grid_figure(
         ax.grid(False)
         for side in ("left", "bottom"):
             ax.spines[side].set_visible(False)
-        same = grid.dcp_groups() == grid.pcp_groups()
-        ax.set_title(
-            f"group order {order!r}\nDCP groups {'=' if same else '≠'} PCP groups (columns)",
-            fontsize=10,
-        )
-    fig.suptitle(
-        f"TP = {tp} × PCP = {pcp}, DCP = {dcp}: colour = DCP group, rows = TP groups", fontsize=11
-    )
+        if len(groups) == 1:
+            what = "one DCP group: the world"
+        else:
+            what = f"DCP groups {'=' if groups == grid.pcp_groups() else '≠'} PCP groups"
+        ax.set_title(f"TP {tp} × PCP {pcp}, DCP {dcp}, {order}\n{what}", fontsize=10)
+    for ax in axes.flat[len(panels) :]:
+        ax.set_visible(False)
+    fig.suptitle("Colour = DCP group; in each cell the global rank and its DCP rank", fontsize=11)
     return fig
 
 
