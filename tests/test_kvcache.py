@@ -48,6 +48,42 @@ def test_vllm_hand_example():
     assert (slots[0::2] == PAD_SLOT_ID).all()
 
 
+def mrv2_slot_mappings(positions, block_table, block_size, cp_size, cp_rank, cp_interleave):
+    """The arithmetic of ``_compute_slot_mappings_kernel`` (Model Runner V2,
+    ``vllm/v1/worker/gpu/block_table.py``, v0.34.0 and unchanged from v0.33.0), line for line in
+    torch, for one real request and one DCP-sharded KV-cache group with slot mapping enabled."""
+    positions, block_table = torch.as_tensor(positions), torch.as_tensor(block_table)
+    kv_block_size = block_size
+    if cp_size == 1:
+        local_positions, is_local = positions, torch.ones_like(positions, dtype=torch.bool)
+    else:
+        virtual_block_size = kv_block_size * cp_size
+        virtual_block_indices = positions // virtual_block_size
+        virtual_block_offsets = positions % virtual_block_size
+        is_local = virtual_block_offsets // cp_interleave % cp_size == cp_rank
+        rounds = virtual_block_offsets // (cp_interleave * cp_size)
+        remainder = virtual_block_offsets % cp_interleave
+        local_offsets = rounds * cp_interleave + remainder
+        local_positions = virtual_block_indices * kv_block_size + local_offsets
+    block_indices = local_positions // kv_block_size
+    block_offsets = local_positions % kv_block_size
+    block_numbers = torch.where(
+        is_local, block_table[block_indices.clamp(max=len(block_table) - 1)], 0
+    )
+    slot_ids = block_numbers * kv_block_size + block_offsets
+    return torch.where(is_local, slot_ids, PAD_SLOT_ID)
+
+
+@PROPERTY
+@given(layouts(), st.integers(0, 2**16))
+def test_slot_mapping_is_model_runner_v2s_kernel(layout, seed):
+    dcp, interleave, block_size, seq_len, rank = layout
+    table = _table(seq_len, block_size, dcp, seed)
+    p = torch.arange(seq_len)
+    want = mrv2_slot_mappings(p, table, block_size, dcp, rank, interleave)
+    assert torch.equal(slot_mapping(p, table, block_size, dcp, rank, interleave), want)
+
+
 def test_article_table_and_decode_tokens():
     owners = token_owner(torch.arange(20), dcp=4, interleave=4)
     assert owners.tolist() == [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4 + [0] * 4
