@@ -36,8 +36,8 @@ def bench_slot_mapping(
         "tokens": tokens,
         "ms": round(statistics.median(times[1:]), 2),
         "threads": torch.get_num_threads(),
-        "device": "cpu",  # host bookkeeping in cpbook; vLLM v0.33 runs it as a GPU kernel
-        # (BlockTable.compute_slot_mapping, vllm/v1/worker/block_table.py)
+        "device": "cpu",  # host bookkeeping in cpbook; vLLM v0.34 runs it as a GPU kernel
+        # (_compute_slot_mappings_kernel, vllm/v1/worker/gpu/block_table.py)
         "block_size": block_size,
         "dcp": dcp,
         "interleave": interleave,

@@ -20,7 +20,7 @@ every import):
    break-even, calibration (chapters 1, 6, 8); tiny models, scheduler, runner, engine
    (chapter 9).
 6. ``dynamic``, ``planner`` — the length router, live migration, the workload simulator
-   (chapter 7); model shapes from ``config.json``, vLLM v0.33's deployment rules, the
+   (chapter 7); model shapes from ``config.json``, vLLM v0.34's deployment rules, the
    deployment planner ``plan`` and the article's decision path as a check on it (chapters 0, 8).
 7. ``demos`` — one module per chapter: its ``*_rank`` functions (checked against
    ``core.reference``), and the registry behind ``python -m cpbook demo``.

@@ -202,7 +202,7 @@ def merge_attn_states_(
     ``lse [T, H]``; views are fine, e.g. a slice of rows).  Exact and ``-inf``-safe.  A side
     whose weight ``exp(lse_side − lse_new)`` is 0 (an empty part, LSE ``-inf``) contributes 0
     even if its output holds NaN or inf, as vLLM's ``correct_attn_out`` and a2a combine
-    (``where(factor == 0, 0, out · factor)`` in ``vllm/v1/attention/ops/dcp.py``, v0.33.0).
+    (``where(factor == 0, 0, out · factor)`` in ``vllm/v1/attention/ops/dcp.py``, v0.34.0).
     Host-wait free (no data-dependent branch, so it stays asynchronous on a GPU); one
     output-sized temporary, the weighted ``part_out``.
     """

@@ -17,7 +17,7 @@ from cpbook.dcp.tpa import tpa_comm_bytes, tpa_costs
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 #: bytes per LSE value in vLLM's DCP combine: ``cp_lse_ag_out_rs`` all-gathers fp32 LSEs, the
-#: ``a2a`` backend packs each fp32 LSE into two 16-bit slots of the output (vLLM v0.33.0,
+#: ``a2a`` backend packs each fp32 LSE into two 16-bit slots of the output (vLLM v0.34.0,
 #: ``vllm/v1/attention/ops/dcp.py``)
 LSE_BYTES = 4
 

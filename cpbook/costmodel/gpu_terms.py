@@ -53,7 +53,7 @@ ACT_BYTES_PER_ELEMENT = 7.7
 #: take 3.0 µs each on every model and TP size.
 ELEMENTWISE_FLOOR_S = 3.0e-6
 #: vLLM's default ``max_num_batched_tokens`` for ``vllm serve`` on H100/H200-class GPUs
-#: (v0.33.0, ``vllm/engine/arg_utils.py``, ``get_batch_defaults``): the prefill chunk budget
+#: (v0.34.0, ``vllm/engine/arg_utils.py``, ``get_batch_defaults``): the prefill chunk budget
 #: of one scheduler step.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 

@@ -129,7 +129,7 @@ class ModelSpec:
     @property
     def sparse_mla(self) -> bool:
         """Whether this is a sparse-MLA model (``index_topk`` set), the one kind whose attention
-        vLLM v0.33 runs under PCP x DCP."""
+        vLLM v0.34 runs under PCP x DCP."""
         return self.use_mla and self.index_topk > 0
 
     @property

@@ -14,7 +14,7 @@ both the single-device model and one TP rank's share:
 * MoE layers (from ``first_k_dense_replace`` on): a replicated router (DeepSeek-V2 softmax
   ``greedy`` / ``group_limited_greedy``, V3 sigmoid ``noaux_tc`` with ``e_score_correction_bias``),
   routed and shared experts whose intermediate columns are split over TP, as vLLM's ``FusedMoE``
-  does without expert parallelism (``vllm/model_executor/layers/fused_moe/layer.py``, v0.33.0).
+  does without expert parallelism (``vllm/model_executor/layers/fused_moe/layer.py``, v0.34.0).
 """
 
 from __future__ import annotations

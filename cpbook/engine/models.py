@@ -14,7 +14,7 @@ RoPE convention: both models use :func:`cpbook.core.attention.rope`, the rotate-
 (pairs ``(x[i], x[i + R/2])``, vLLM's ``is_neox_style=True``).  DeepSeek's MLA checkpoints use
 the interleaved form, pairs ``(x[2i], x[2i + 1])`` of the ``qk_rope_head_dim`` part: vLLM builds
 their rotary embedding with ``get_rope(..., is_neox_style=False)`` (``DeepseekV2MLAAttention`` in
-``vllm/model_executor/models/deepseek_v2.py``, v0.33.0).  The two forms differ by one fixed
+``vllm/model_executor/models/deepseek_v2.py``, v0.34.0).  The two forms differ by one fixed
 permutation of the rope dimensions (of the query and ``k_pe`` projections' rope columns), so
 seeded weights are as valid either way; a real checkpoint needs the interleaved form or that
 permutation applied to its weights, which is what :func:`cpbook.engine.hf.from_pretrained` does.

@@ -30,7 +30,7 @@ over PCP, walk the context in pieces of at most ``workspace_size`` gathered rows
 to rank 0's count, AllGather over DCP, :func:`cpbook.kv.gather.reorg_kvcache`), fold each piece
 into the own queries' result by the LSE, then the chunk, causally.
 
-In vLLM (as of v0.33): AllGather-Q is GQA's prefill-with-context under DCP
+In vLLM (as of v0.34): AllGather-Q is GQA's prefill-with-context under DCP
 (``FlashAttentionImpl._forward_with_dcp``, ``vllm/v1/attention/backends/flash_attn.py``, PR
 #24864), where every DCP rank holds the whole chunk and attends it locally; AllGather-KV is
 MLA's ``_context_parallel_compute_prefill_context``

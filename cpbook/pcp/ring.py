@@ -1,9 +1,9 @@
 """Ring attention over the PCP group: pass-KV and pass-Q, exact, point to point only.
 
-The road vLLM did not take for PCP: as of v0.33.0 its PCP all-gathers K/V
+The road vLLM did not take for PCP: as of v0.34.0 its PCP all-gathers K/V
 (:mod:`cpbook.pcp.prefill`); a pass-KV loop over contiguous shards,
 ``vllm/v1/attention/ops/ring_attn.py``, was proposed in PR #39875 (closed, and absent from the
-v0.33.0 wheel; read at commit 0cd2be2, where only its tests import it).  Meta's
+v0.34.0 wheel; read at commit 0cd2be2, where only its tests import it).  Meta's
 context-parallel inference (Yang et al., arXiv 2411.01783) runs two exact rings over ``N``
 ranks, each step's transfer in flight (``Group.sendrecv_async``) while the block already held
 is computed:

@@ -15,7 +15,7 @@ rows included, so every rank holds the same number of rows and a plain all-gathe
 them.  :class:`PCPMetadata` is what one rank needs for attention: true global ``positions``
 (for RoPE), per-chunk ``query_lens`` and ``key_lens``, the padding mask and the restore order.
 
-Where vLLM's zigzag differs (v0.33.0, ``PCPManager`` in ``vllm/v1/worker/gpu/pcp_manager.py``,
+Where vLLM's zigzag differs (v0.34.0, ``PCPManager`` in ``vllm/v1/worker/gpu/pcp_manager.py``,
 Model Runner V2, the runner that has PCP); the real tokens of a partitioned request land on the
 same ranks and chunks in both:
 
