@@ -515,6 +515,11 @@ def test_decode_collectives_are_the_tpa_formula():
     assert std.calls[1] == ("all_gather", 8, 8 * 16 * 4 * 7)
     a2a = cm.decode_layer_time(DSV3, H200, 4096, "dcp", knobs=cm.CostKnobs(dcp_comm_backend="a2a"))
     assert a2a.calls[1] == ("all_to_all", 8, 16 * (512 * 2 + 4) * 7)
+    # from 8 requests vLLM v0.34.0's MLA a2a up-projects first: 128 values per head, not 512
+    a2a_knobs = cm.CostKnobs(dcp_comm_backend="a2a")
+    for reqs, width in ((7, 512), (8, 128)):
+        t = cm.decode_layer_time(DSV3, H200, 4096, "dcp", num_reqs=reqs, knobs=a2a_knobs)
+        assert t.calls[1] == ("all_to_all", 8, reqs * 16 * (width * 2 + 4) * 7)
     (_, _, q_bytes), *_ = std.calls
     assert math.isclose(std.comm_s - tpa.comm_s, NVL.alpha_s + q_bytes / NVL.bw_bytes_per_s)
     # TPA reads dcp - 1 more q_b_proj shards: 16 heads x 192 x 1536 fp8 bytes each

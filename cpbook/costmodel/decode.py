@@ -13,6 +13,7 @@ from cpbook.costmodel import gpu_terms as gt
 from cpbook.costmodel.knobs import DEFAULT_HBM_EFFICIENCY, CostKnobs
 from cpbook.costmodel.memory import kv_bytes_per_token
 from cpbook.costmodel.specs import LINKS, GPUSpec, LinkSpec, ModelSpec, check_tokens
+from cpbook.dcp.mla import V_UP_PROJ_FIRST_MIN_TOKENS
 from cpbook.dcp.tpa import tpa_comm_bytes, tpa_costs
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
@@ -118,10 +119,16 @@ def decode_attention_calls(
     ``(op, group_size, bytes_per_rank)``: :func:`cpbook.dcp.tpa.tpa_comm_bytes` (standard or TPA)
     with MLA's latent widths or GQA's head dim, ``cfg.dcp_comm_backend``'s combine, activations
     of ``act_bytes`` and vLLM's fp32 LSE (:data:`LSE_BYTES`), all-reduces over TP and the rest
-    over DCP."""
+    over DCP.  MLA's ``a2a`` without PCP up-projects before the All2All from
+    :data:`~cpbook.dcp.mla.V_UP_PROJ_FIRST_MIN_TOKENS` requests (vLLM v0.34.0), so it carries
+    ``v_head_dim`` (``qk_nope_head_dim`` in the MLA models priced here) values per head instead
+    of ``kv_lora_rank``; the ``W_UV`` it reads for every gathered head is not priced."""
 
     if model.use_mla:
         q_dim, out_dim = model.kv_lora_rank + model.qk_rope_head_dim, model.kv_lora_rank
+        up_first = cfg.dcp_comm_backend == "a2a" and cfg.pcp == 1
+        if up_first and num_reqs >= V_UP_PROJ_FIRST_MIN_TOKENS:
+            out_dim = model.head_dim - model.qk_rope_head_dim
     else:
         q_dim = out_dim = model.head_dim
     calls = tpa_comm_bytes(cfg, num_reqs, q_dim, out_dim, model.hidden_size, act_bytes, LSE_BYTES)
