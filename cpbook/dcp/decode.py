@@ -66,7 +66,7 @@ def correct_attn_out(
     Returns ``(out · exp(lse_rank − lse_total), lse_total [B, H])``; summing the corrected
     outputs of all ranks gives the exact attention over all keys.  NaN and ``+inf`` LSEs count
     as ``-inf`` (an empty shard).  As vLLM's kernel (``where(factor == 0, 0, out · factor)``,
-    ``vllm/v1/attention/ops/dcp.py`` v0.33.0), a rank whose factor is 0 returns 0 even where its
+    ``vllm/v1/attention/ops/dcp.py`` v0.34.0), a rank whose factor is 0 returns 0 even where its
     output holds NaN (an empty shard's kernel output); a row empty on every rank gets output 0
     and LSE ``-inf``.  The max LSE is subtracted before ``exp``, so LSEs far beyond ``exp``'s
     range (≈ 88 in float32, ≈ 709 in float64) combine exactly too.
