@@ -12,10 +12,12 @@ query ``[ql_nope, q_pe]`` (width ``C + R``) that attends the cached latents dire
 with one KV head.  Under DCP the latent queries of the group are **all-gathered over heads**,
 each rank attends its latent shard, the partial latent outputs are combined with the LSE
 (:func:`cpbook.dcp.decode.dcp_combine`), and ``_v_up_proj`` maps them through ``W_UV`` on local
-heads.  vLLM v0.34.0 adds a third combine for ``dcp_comm_backend="a2a"`` without PCP
-(:func:`dcp_a2a_v_up_proj_lse_reduce`): from 8 tokens on, every rank up-projects the partial
-outputs of all gathered heads through ``W_UV_dcp`` (``W_UV`` of the group's heads, all-gathered
-once at load), and the All2All carries ``Dv`` values per head instead of ``C``.
+heads.  vLLM v0.34.0 adds a third combine, :func:`dcp_a2a_v_up_proj_lse_reduce`, for
+``dcp_comm_backend="a2a"`` without PCP where its direct symmetric-memory All2All is off (that
+one is on by default on one CUDA node for 16-bit outputs): from 8 tokens on, every rank
+up-projects the partial outputs of all gathered heads through ``W_UV_dcp`` (``W_UV`` of the
+group's heads, all-gathered once at load), and the All2All carries ``Dv`` values per head
+instead of ``C``.
 
 **Prefill with cached context (MHA form; ``_context_parallel_compute_prefill_context``).**
 Queries stay put.  The context is walked in chunks that fit a workspace: each rank copies its
