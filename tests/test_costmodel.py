@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from cpbook import costmodel as cm
 from cpbook.core.errors import RuleError
+from cpbook.costmodel.decode import decode_attention_calls
 
 ROOT = Path(__file__).resolve().parents[1]
 APPENDIX = ROOT / "book" / "appendix_hardware_models.md"
@@ -515,6 +516,15 @@ def test_decode_collectives_are_the_tpa_formula():
     assert std.calls[1] == ("all_gather", 8, 8 * 16 * 4 * 7)
     a2a = cm.decode_layer_time(DSV3, H200, 4096, "dcp", knobs=cm.CostKnobs(dcp_comm_backend="a2a"))
     assert a2a.calls[1] == ("all_to_all", 8, 16 * (512 * 2 + 4) * 7)
+    # vLLM v0.34.0's up-projected MLA a2a: from 8 requests 128 values per head, not 512
+    cfg = cm.Deployment(tp=8, dcp=8).config(DSV3, "a2a")
+    for reqs, width in ((7, 512), (8, 128)):
+        calls = decode_attention_calls(DSV3, cfg, False, reqs, 2, v_up_proj_combine=True)
+        assert calls[1] == ("all_to_all", 8, reqs * 16 * (width * 2 + 4) * 7)
+        assert decode_attention_calls(DSV3, cfg, False, reqs)[1][2] == reqs * 16 * 1028 * 7
+    ag_rs = cm.Deployment(tp=8, dcp=8).config(DSV3)
+    with pytest.raises(ValueError, match="v-up-proj-combine-a2a"):
+        decode_attention_calls(DSV3, ag_rs, False, 8, 2, v_up_proj_combine=True)
     (_, _, q_bytes), *_ = std.calls
     assert math.isclose(std.comm_s - tpa.comm_s, NVL.alpha_s + q_bytes / NVL.bw_bytes_per_s)
     # TPA reads dcp - 1 more q_b_proj shards: 16 heads x 192 x 1536 fp8 bytes each

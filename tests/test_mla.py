@@ -1,16 +1,28 @@
 """mla: absorbed decode (moves Q) and chunked context prefill (moves latent KV) are exact;
-the traced bytes equal the formulas; the measured crossover matches the analytic one."""
+the traced bytes equal the formulas; the measured crossover matches the analytic one; vLLM
+v0.34.0's up-projected All2All combine is exact on both sides of its 8-token threshold."""
 
 import random
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cpbook.core.attention import dense_attention
 from cpbook.core.comm import comm_bytes
 from cpbook.core.config import ConfigError
+from cpbook.core.errors import RuleError
 from cpbook.core.launch import run
-from cpbook.dcp.mla import MLAWeights, crossover_context_len, kv_move_bytes, q_move_bytes
+from cpbook.dcp.mla import (
+    V_UP_PROJ_FIRST_MIN_TOKENS,
+    MLAShape,
+    MLAWeights,
+    crossover_context_len,
+    kv_move_bytes,
+    mla_decode_comm_bytes,
+    q_move_bytes,
+)
 from cpbook.demos import demo_kwargs
 from cpbook.demos.ch03_decode import mla_context_rank, mla_decode_rank
 from cpbook.kv.gather import context_chunk_len, context_gather_comm_bytes, reorg_kvcache
@@ -20,7 +32,10 @@ from tests.rank_fns import in_sequence
 def _check(res):
     assert max(r["max_abs_err"] for r in res) <= 1e-10
     for r, trace in zip(res, res.traces):
-        assert r["comm"] == r["expected"] == [(c.op, c.bytes_sent) for c in trace]
+        load = r.get("load_comm", [])
+        assert load == r.get("load_expected", [])
+        assert r["comm"] == r["expected"]
+        assert load + r["comm"] == [(c.op, c.bytes_sent) for c in trace]
         assert all(c.bytes_recv == c.bytes_sent for c in trace)
 
 
@@ -144,6 +159,84 @@ def test_measured_crossover_matches_formula():
     assert measured == 13
 
 
+@settings(max_examples=25, deadline=None)
+@given(
+    grid=st.sampled_from([(1, 1), (2, 2), (3, 3), (4, 2), (4, 4)]),
+    heads=st.sampled_from([1, 2]),
+    block=st.sampled_from([4, 8]),
+    interleave=st.sampled_from([1, 2, 4]),
+    lens=st.lists(st.integers(1, 40), min_size=1, max_size=12),
+    seed=st.integers(0, 2**31),
+)
+def test_v_up_proj_combine_exact_and_bytes(grid, heads, block, interleave, lens, seed):
+    """vLLM v0.34.0's MLA All2All: W_UV before the exchange from 8 tokens, the latent merge
+    below; exact against dense float64 on random batches (short requests leave empty shards),
+    its bytes = formula = trace, and its output equals the latent ``a2a`` combine's."""
+    tp, dcp = grid
+    kw = dict(
+        tensor_parallel_size=tp,
+        decode_context_parallel_size=dcp,
+        num_q_heads=tp * heads,
+        block_size=block,
+        cp_kv_cache_interleave_size=interleave,
+        dcp_comm_backend="a2a",
+        seq_lens=tuple(lens),
+        seed=seed,
+    )
+    up = run(
+        mla_decode_rank,
+        tp,
+        fn_kwargs=demo_kwargs(mla_decode_rank, dict(v_up_proj_combine=True, **kw)),
+        report=False,
+    )
+    _check(up)
+    latent = run(mla_decode_rank, tp, fn_kwargs=demo_kwargs(mla_decode_rank, kw), report=False)
+    _check(latent)
+    shape, h, n, e = MLAShape(), heads, dcp, 8
+    width = shape.v_head_dim if len(lens) >= V_UP_PROJ_FIRST_MIN_TOKENS else shape.kv_lora_rank
+    for a, b in zip(up, latent):
+        assert a["comm"][0] == b["comm"][0]  # the same query AllGather
+        if dcp > 1:
+            assert a["comm"][1] == ("all_to_all", len(lens) * h * (width + 1) * e * (n - 1))
+        assert a["load_comm"] == [("all_gather", 32 * h * 16 * e * (n - 1))]
+
+
+def test_v_up_proj_threshold_both_sides():
+    """7 tokens: the latent (C-wide) All2All, as the ``a2a`` combine; 8 tokens: the Dv-wide one."""
+    kw = dict(dcp_comm_backend="a2a", v_up_proj_combine=True)
+    sent = {}
+    for n in (V_UP_PROJ_FIRST_MIN_TOKENS - 1, V_UP_PROJ_FIRST_MIN_TOKENS):
+        res = run(
+            mla_decode_rank,
+            4,
+            fn_kwargs=demo_kwargs(mla_decode_rank, dict(seq_lens=(1,) * (n - 1) + (33,), **kw)),
+            report=False,
+        )
+        _check(res)
+        sent[n] = res[0]["comm"][1]
+        assert res[0]["shapes"]["out"] == (n, 2, 16)
+        assert ("out_latent" in res[0]["shapes"]) is False
+    # h = 2 heads per rank, DCP 4, float64: (C + 1) below the threshold, (Dv + 1) from it
+    assert sent == {7: ("all_to_all", 7 * 2 * 33 * 8 * 3), 8: ("all_to_all", 8 * 2 * 17 * 8 * 3)}
+    formula = mla_decode_comm_bytes(8, 2, MLAShape(), 4, "a2a", True)
+    assert formula[1] == sent[8]
+    assert mla_decode_comm_bytes(7, 2, MLAShape(), 4, "a2a", True) == mla_decode_comm_bytes(
+        7, 2, MLAShape(), 4, "a2a"
+    )
+
+
+def test_v_up_proj_combine_needs_a2a():
+    with pytest.raises(RuleError, match="v-up-proj-combine-a2a"):
+        mla_decode_comm_bytes(8, 2, MLAShape(), 4, "ag_rs", True)
+    with pytest.raises(RuntimeError, match="v-up-proj-combine-a2a"):  # the rank's RuleError
+        run(
+            mla_decode_rank,
+            4,
+            fn_kwargs=dict(v_up_proj_combine=True),  # MLA_CONFIG combines with ag_rs
+            report=False,
+        )
+
+
 @pytest.mark.torchrun
 def test_mla_under_torchrun():
     """Absorbed decode (DCP 4) and the cached-context prefill (TP 4, DCP 2, a workspace that
@@ -165,3 +258,23 @@ def test_mla_under_torchrun():
         assert all(r["comm"] == r["expected"] for r in per_rank)
         assert [(c.op, c.bytes_sent) for c in trace] == sum((r["comm"] for r in per_rank), [])
         assert all(c.bytes_recv == c.bytes_sent for c in trace)
+
+
+@pytest.mark.torchrun
+def test_v_up_proj_combine_under_torchrun():
+    """vLLM v0.34.0's up-projected MLA All2All on 4 processes, on both sides of 8 tokens."""
+    kw = dict(dcp_comm_backend="a2a", v_up_proj_combine=True)
+    fn = "cpbook.demos.ch03_decode:mla_decode_rank"
+    calls = [
+        (fn, dict(seq_lens=(40, 5, 2), **kw)),
+        (fn, dict(seq_lens=(40, 5, 2, 1, 9, 3, 17, 4), **kw)),
+    ]
+    res = run(in_sequence, 4, "torchrun", dict(calls=calls), dist_backend="gloo", report=False)
+    for per_rank, trace in zip(res, res.traces):
+        assert max(r["max_abs_err"] for r in per_rank) <= 1e-10
+        assert all(r["comm"] == r["expected"] for r in per_rank)
+        assert all(r["load_comm"] == r["load_expected"] for r in per_rank)
+        assert [(c.op, c.bytes_sent) for c in trace] == sum(
+            (r["load_comm"] + r["comm"] for r in per_rank), []
+        )
+    assert [r["comm"][1][1] for r in res[0]] == [3 * 2 * 33 * 8 * 3, 8 * 2 * 17 * 8 * 3]

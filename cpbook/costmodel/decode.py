@@ -13,6 +13,7 @@ from cpbook.costmodel import gpu_terms as gt
 from cpbook.costmodel.knobs import DEFAULT_HBM_EFFICIENCY, CostKnobs
 from cpbook.costmodel.memory import kv_bytes_per_token
 from cpbook.costmodel.specs import LINKS, GPUSpec, LinkSpec, ModelSpec, check_tokens
+from cpbook.dcp.mla import V_UP_PROJ_FIRST_MIN_TOKENS
 from cpbook.dcp.tpa import tpa_comm_bytes, tpa_costs
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
@@ -112,16 +113,36 @@ def _decode_config(
 
 
 def decode_attention_calls(
-    model: ModelSpec, cfg: ParallelConfig, tpa: bool, num_reqs: int, act_bytes: int = 2
+    model: ModelSpec,
+    cfg: ParallelConfig,
+    tpa: bool,
+    num_reqs: int,
+    act_bytes: int = 2,
+    v_up_proj_combine: bool = False,
 ) -> tuple[tuple[str, int, int], ...]:
     """One layer's decode-attention collectives on one GPU of ``cfg``, as
     ``(op, group_size, bytes_per_rank)``: :func:`cpbook.dcp.tpa.tpa_comm_bytes` (standard or TPA)
     with MLA's latent widths or GQA's head dim, ``cfg.dcp_comm_backend``'s combine, activations
     of ``act_bytes`` and vLLM's fp32 LSE (:data:`LSE_BYTES`), all-reduces over TP and the rest
-    over DCP."""
+    over DCP.  ``v_up_proj_combine`` (MLA, ``a2a``, no PCP) prices vLLM v0.34.0's
+    up-projection before the All2All (:func:`cpbook.dcp.mla.dcp_a2a_v_up_proj_lse_reduce`):
+    from :data:`~cpbook.dcp.mla.V_UP_PROJ_FIRST_MIN_TOKENS` requests it carries ``v_head_dim``
+    (``qk_nope_head_dim`` in the MLA models priced here) values per head instead of
+    ``kv_lora_rank``; the ``W_UV`` it reads for every gathered head is not priced.  vLLM takes
+    that path only where its direct symmetric-memory All2All is off (off CUDA, or across nodes
+    without symmetric memory), so it is off by default here (one H200 node)."""
 
     if model.use_mla:
         q_dim, out_dim = model.kv_lora_rank + model.qk_rope_head_dim, model.kv_lora_rank
+        if v_up_proj_combine and (cfg.dcp_comm_backend != "a2a" or cfg.pcp > 1):
+            raise RuleError(
+                "v-up-proj-combine-a2a",
+                "dcp_comm_backend == 'a2a' and no PCP",
+                dcp_comm_backend=cfg.dcp_comm_backend,
+                prefill_context_parallel_size=cfg.pcp,
+            )
+        if v_up_proj_combine and num_reqs >= V_UP_PROJ_FIRST_MIN_TOKENS:
+            out_dim = model.head_dim - model.qk_rope_head_dim
     else:
         q_dim = out_dim = model.head_dim
     calls = tpa_comm_bytes(cfg, num_reqs, q_dim, out_dim, model.hidden_size, act_bytes, LSE_BYTES)

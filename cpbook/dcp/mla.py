@@ -12,7 +12,12 @@ query ``[ql_nope, q_pe]`` (width ``C + R``) that attends the cached latents dire
 with one KV head.  Under DCP the latent queries of the group are **all-gathered over heads**,
 each rank attends its latent shard, the partial latent outputs are combined with the LSE
 (:func:`cpbook.dcp.decode.dcp_combine`), and ``_v_up_proj`` maps them through ``W_UV`` on local
-heads.
+heads.  vLLM v0.34.0 adds a third combine, :func:`dcp_a2a_v_up_proj_lse_reduce`, for
+``dcp_comm_backend="a2a"`` without PCP where its direct symmetric-memory All2All is off (that
+one is on by default on one CUDA node for 16-bit outputs): from 8 tokens on, every rank
+up-projects the partial outputs of all gathered heads through ``W_UV_dcp`` (``W_UV`` of the
+group's heads, all-gathered once at load), and the All2All carries ``Dv`` values per head
+instead of ``C``.
 
 **Prefill with cached context (MHA form; ``_context_parallel_compute_prefill_context``).**
 Queries stay put.  The context is walked in chunks that fit a workspace: each rank copies its
@@ -24,7 +29,9 @@ causal attention over the new tokens are merged with
 :func:`cpbook.core.attention.merge_attn_states`.
 
 Bytes each rank sends (``N`` = dcp, ``h`` local heads, ``C``/``R`` latent/rope widths, ``e``):
-decode ``T`` tokens by moving Q (ag_rs): ``T·h·e·(C+R + C + N·e_lse/e)·(N−1)``;
+decode ``T`` tokens by moving Q (ag_rs): ``T·h·e·(C+R + C + N·e_lse/e)·(N−1)``; with the
+up-projected ``a2a`` from 8 tokens: ``T·h·(e·(C+R) + e·Dv + e_lse)·(N−1)``
+(:func:`mla_decode_comm_bytes`);
 moving the context KV: ``Σ_chunks rows·(C+R)·e·(N−1)`` ≈ ``L/N·(C+R)·e·(N−1)``.
 """
 
@@ -38,14 +45,18 @@ import torch
 
 from cpbook.core.attention import attention_with_lse, merge_attn_states
 from cpbook.core.comm import Group
-from cpbook.dcp.decode import dcp_combine, local_attention
+from cpbook.core.errors import RuleError
+from cpbook.dcp.decode import dcp_a2a_lse_reduce, dcp_combine, decode_comm_bytes, local_attention
 from cpbook.kv.gather import context_chunk_len, reorg_kvcache
 from cpbook.kv.layout import local_seq_len
 
 __all__ = [
     "MLAShape",
     "MLAWeights",
+    "V_UP_PROJ_FIRST_MIN_TOKENS",
+    "dcp_a2a_v_up_proj_lse_reduce",
     "mla_decode_attention",
+    "mla_decode_comm_bytes",
     "mla_context_attention",
     "q_move_bytes",
     "kv_move_bytes",
@@ -72,11 +83,16 @@ class MLAShape:
 
 @dataclass(frozen=True)
 class MLAWeights:
-    """MLA's up-projections: ``W_UK [C, H, Dn]`` and ``W_UV [C, H, Dv]``; ``R`` rope dims."""
+    """MLA's up-projections: ``W_UK [C, H, Dn]`` and ``W_UV [C, H, Dv]``; ``R`` rope dims.
+
+    ``W_UV_dcp [C, N·h, Dv]`` (vLLM v0.34.0's attribute of that name): ``W_UV`` of the DCP
+    group's heads in group order, set by :meth:`with_w_uv_dcp` when the combine up-projects
+    before the All2All; ``None`` otherwise."""
 
     W_UK: torch.Tensor
     W_UV: torch.Tensor
     qk_rope_head_dim: int
+    W_UV_dcp: torch.Tensor | None = None
 
     @classmethod
     def random(
@@ -107,9 +123,17 @@ class MLAWeights:
         self, device: torch.device | str | None = None, dtype: torch.dtype | None = None
     ) -> "MLAWeights":
         """The same up-projections on ``device`` and in ``dtype`` (``None``: unchanged)."""
+        dcp = None if self.W_UV_dcp is None else self.W_UV_dcp.to(device, dtype)
         return MLAWeights(
-            self.W_UK.to(device, dtype), self.W_UV.to(device, dtype), self.qk_rope_head_dim
+            self.W_UK.to(device, dtype), self.W_UV.to(device, dtype), self.qk_rope_head_dim, dcp
         )
+
+    def with_w_uv_dcp(self, heads: slice, group: Group) -> "MLAWeights":
+        """These weights with ``W_UV_dcp``: ``W_UV`` of ``heads`` all-gathered over the DCP
+        ``group`` (one AllGather of ``C·h·Dv`` values, at load time in vLLM v0.34.0's
+        ``process_weights_after_loading``), in the order the query AllGather stacks heads."""
+        w_uv_dcp = group.all_gather(self.W_UV[:, heads].contiguous(), dim=1)
+        return MLAWeights(self.W_UK, self.W_UV, self.qk_rope_head_dim, w_uv_dcp)
 
     @property
     def kv_lora_rank(self) -> int:
@@ -163,27 +187,70 @@ def mla_decode_attention(
 
     ``q_nope [B, h, Dn]``, ``q_pe [B, h, R]``: one token per request; ``latents[i] [n_i, C+R]``:
     this rank's cached rows of request ``i``.  Collectives: AllGather of the latent query, then
-    the combine (two collectives for ``ag_rs``, one for ``a2a``).
+    the combine (two collectives for ``ag_rs``, one for ``a2a``).  When ``mla.W_UV_dcp`` is set
+    (``a2a`` only, as vLLM v0.34.0's ``mla_attention.py``), the combine is
+    :func:`dcp_a2a_v_up_proj_lse_reduce`, which returns the up-projected heads itself.
     """
+    if mla.W_UV_dcp is not None and dcp_comm_backend != "a2a":
+        raise RuleError(
+            "v-up-proj-combine-a2a",
+            "dcp_comm_backend == 'a2a' when W_UV_dcp is set",
+            dcp_comm_backend=dcp_comm_backend,
+        )
     decode_q = mla.absorb_q(q_nope, q_pe, heads)  # [B, h, C+R]
     q_all = group.all_gather(decode_q, dim=1)  # [B, N·h, C+R]
     c = mla.kv_lora_rank
     o, lse = local_attention(
         q_all, [x[:, None] for x in latents], [x[:, None, :c] for x in latents], mla.scale
     )
-    o_latent = dcp_combine(o, lse.to(o.dtype), group, dcp_comm_backend)  # [B, h, C]
     if shapes is not None:
         shapes.update(
             q=tuple(decode_q.shape),
             q_gathered=tuple(q_all.shape),
             kv_local=[tuple(x.shape) for x in latents],
             out_partial=tuple(o.shape),
-            out_latent=tuple(o_latent.shape),
         )
+    if mla.W_UV_dcp is not None:
+        out = dcp_a2a_v_up_proj_lse_reduce(o, lse.to(o.dtype), mla.W_UV_dcp, group)
+        if shapes is not None:
+            shapes["out"] = tuple(out.shape)
+        return out
+    o_latent = dcp_combine(o, lse.to(o.dtype), group, dcp_comm_backend)  # [B, h, C]
+    if shapes is not None:
+        shapes["out_latent"] = tuple(o_latent.shape)
     out = mla.v_up_proj(o_latent, heads)
     if shapes is not None:
         shapes["out"] = tuple(out.shape)
     return out
+
+
+#: vLLM v0.34.0's ``_V_UP_PROJ_FIRST_MIN_TOKENS`` (``vllm/v1/attention/ops/dcp.py``): below
+#: this many tokens "reading every head's W_UV costs more than the smaller All-to-All saves
+#: (measured on MI355X, DCP8)", so the combine merges the latent outputs first
+V_UP_PROJ_FIRST_MIN_TOKENS = 8
+
+
+def dcp_a2a_v_up_proj_lse_reduce(
+    out: torch.Tensor, lse: torch.Tensor, w_uv_dcp: torch.Tensor, group: Group
+) -> torch.Tensor:
+    """vLLM v0.34.0's MLA combine: up-project by ``W_UV``, then All2All and merge by LSE.
+
+    ``out [B, N·h, C]``, ``lse [B, N·h]``: this rank's partial latent outputs of the group's
+    heads; ``w_uv_dcp [C, N·h, Dv]``: those heads' ``W_UV`` in group order.  Returns this rank's
+    ``h`` heads (the ``group.rank``-th block of ``h``) up-projected, ``[B, h, Dv]``, exact: the
+    LSE merge is a per-head weighted sum and ``W_UV`` is linear per head, so projecting first
+    gives the same result.  From :data:`V_UP_PROJ_FIRST_MIN_TOKENS` tokens on, each rank
+    projects all ``N·h`` heads and the All2All (:func:`~cpbook.dcp.decode.dcp_a2a_lse_reduce`)
+    carries ``Dv`` values (+ the LSE) per head; below, it merges the ``C``-wide latent first and
+    projects only its own ``h`` heads.
+    """
+    if out.shape[0] < V_UP_PROJ_FIRST_MIN_TOKENS:
+        latent = dcp_a2a_lse_reduce(out, lse, group)  # [B, h, C]
+        h = latent.shape[1]
+        mine = w_uv_dcp[:, group.rank * h : (group.rank + 1) * h]
+        return torch.einsum("thc,chv->thv", latent, mine)
+    v = torch.einsum("thc,chv->thv", out, w_uv_dcp)  # [B, N·h, Dv]: every head of the group
+    return dcp_a2a_lse_reduce(v, lse, group)
 
 
 def mla_context_attention(
@@ -242,6 +309,35 @@ def mla_context_attention(
     if stats is not None:
         stats.update(chunk_len=chunk, num_chunks=num_chunks, rows_per_chunk=rows)
     return outs
+
+
+def mla_decode_comm_bytes(
+    num_tokens: int,
+    heads_per_rank: int,
+    shape: MLAShape,
+    dcp: int,
+    dcp_comm_backend: str = "ag_rs",
+    v_up_proj_combine: bool = False,
+    elem_bytes: int = 8,
+    lse_bytes: int | None = None,
+) -> list[tuple[str, int]]:
+    """Bytes each rank sends in one absorbed decode step, ``[(op, bytes), ...]`` in call order:
+    :func:`cpbook.dcp.decode.decode_comm_bytes` with the query width ``C + R`` and a combined
+    width of ``C``, or ``Dv`` (``v_head_dim``) when ``v_up_proj_combine`` (``a2a`` only) and
+    ``num_tokens >= V_UP_PROJ_FIRST_MIN_TOKENS``.  ``lse_bytes`` defaults to ``elem_bytes``."""
+    if v_up_proj_combine and dcp_comm_backend != "a2a":
+        raise RuleError(
+            "v-up-proj-combine-a2a",
+            "dcp_comm_backend == 'a2a' for the up-projected combine",
+            dcp_comm_backend=dcp_comm_backend,
+        )
+    c = shape.kv_lora_rank
+    first = v_up_proj_combine and num_tokens >= V_UP_PROJ_FIRST_MIN_TOKENS
+    out_dim = shape.v_head_dim if first else c
+    q_dim = c + shape.qk_rope_head_dim
+    return decode_comm_bytes(
+        num_tokens, heads_per_rank, q_dim, out_dim, dcp, dcp_comm_backend, elem_bytes, lse_bytes
+    )
 
 
 def q_move_bytes(

@@ -13,12 +13,19 @@ import torch
 
 from cpbook.core.config import ParallelConfig
 from cpbook.core.context import RankContext
+from cpbook.core.errors import RuleError
 from cpbook.core.groups import make_groups
 from cpbook.core.heads import kv_heads_of, q_heads_of
 from cpbook.core.problems import gqa_decode_problem, mla_problem
 from cpbook.core.reference import decode_reference, mla_reference
 from cpbook.dcp.decode import dcp_decode_attention, decode_comm_bytes
-from cpbook.dcp.mla import MLAShape, MLAWeights, mla_context_attention, mla_decode_attention
+from cpbook.dcp.mla import (
+    MLAShape,
+    MLAWeights,
+    mla_context_attention,
+    mla_decode_attention,
+    mla_decode_comm_bytes,
+)
 from cpbook.kv.gather import context_gather_comm_bytes
 from cpbook.kv.paged import shard_kv_cache
 
@@ -162,6 +169,7 @@ def mla_decode_rank(
     parallel_config: ParallelConfig = MLA_CONFIG,
     mla_shape: MLAShape = MLAShape(),
     seq_lens: Sequence[int] = (40, 5, 2),
+    v_up_proj_combine: bool = False,
     dtype: str = "float64",
     seed: int = 0,
 ) -> dict[str, Any]:
@@ -169,20 +177,33 @@ def mla_decode_rank(
 
     Each request's last token is the query; its latent row is cached (by its owner) with the
     rest, as vLLM writes the KV before attending.  ``parallel_config``'s ``head_dim`` is taken
-    from ``mla_shape``.  Returns shapes, local token counts, traced ``(op, bytes_sent)``, the
-    formula's prediction and the max error.
+    from ``mla_shape``.  ``v_up_proj_combine`` (``dcp_comm_backend="a2a"``, vLLM v0.34.0's
+    MLA All2All): gather ``W_UV_dcp`` once before the step (``load_comm``) and up-project
+    before the exchange from 8 tokens on.  Returns shapes, local token counts, traced
+    ``(op, bytes_sent)``, the formula's prediction and the max error.
     """
     cfg, groups, mla, heads = _mla_setup(ctx, parallel_config, mla_shape, dtype, seed)
     ctx_lens = [n - 1 for n in seq_lens]
     qn, qp, lat = mla_problem(mla, [1] * len(seq_lens), ctx_lens, seed + 1)
     local, cache = _latent_shards(ctx, cfg, groups, lat)
+    weights = mla.to(ctx.device)
+    if v_up_proj_combine and (cfg.dcp_comm_backend != "a2a" or cfg.pcp > 1):
+        raise RuleError(
+            "v-up-proj-combine-a2a",
+            "dcp_comm_backend == 'a2a' and no PCP (vLLM v0.34.0's MLADCPManager)",
+            dcp_comm_backend=cfg.dcp_comm_backend,
+            prefill_context_parallel_size=cfg.pcp,
+        )
+    with ctx.traced() as load:  # at load time in vLLM: once, not per step
+        if v_up_proj_combine:
+            weights = weights.with_w_uv_dcp(heads, groups.dcp)
     shapes = {}
     with ctx.traced() as step:
         out = mla_decode_attention(
             torch.cat(qn)[:, heads].to(ctx.device),
             torch.cat(qp)[:, heads].to(ctx.device),
             [k[:, 0] for k, _, _ in local],
-            mla.to(ctx.device),
+            weights,
             heads,
             groups.dcp,
             cfg.dcp_comm_backend,
@@ -199,20 +220,21 @@ def mla_decode_rank(
     print(
         f"local latent rows {local_tokens} of {list(seq_lens)}, == dense (<= 1e-10): {err <= 1e-10}"
     )
+    e, h, n = out.element_size(), cfg.q_heads_per_rank, cfg.dcp
     return {
         "max_abs_err": err,
         "shapes": shapes,
         "local_tokens": local_tokens,
         "kv_bytes": sum(local_tokens) * cache.bytes_per_token,
+        "load_comm": load,
+        "load_expected": (
+            [("all_gather", mla_shape.kv_lora_rank * h * mla_shape.v_head_dim * e * (n - 1))]
+            if v_up_proj_combine
+            else []
+        ),
         "comm": step,
-        "expected": decode_comm_bytes(
-            len(seq_lens),
-            cfg.q_heads_per_rank,
-            mla.latent_dim,
-            mla.kv_lora_rank,
-            cfg.dcp,
-            cfg.dcp_comm_backend,
-            out.element_size(),
+        "expected": mla_decode_comm_bytes(
+            len(seq_lens), h, mla_shape, n, cfg.dcp_comm_backend, v_up_proj_combine, e
         ),
     }
 
