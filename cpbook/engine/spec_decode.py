@@ -8,14 +8,17 @@
   DCP, default the target's; ``vllm/config/speculative.py`` v0.34.0).
 * :class:`NgramProposer` — prompt lookup, no model: the longest suffix n-gram
   (``prompt_lookup_min ≤ n ≤ prompt_lookup_max``) that occurred earlier, at its *earliest*
-  occurrence, and the up to ``k`` tokens that followed it (the rule of vLLM's
-  ``_find_longest_matched_ngram_and_propose_tokens``, ``vllm/v1/spec_decode/ngram_proposer.py``;
-  written here as a plain scan).
+  occurrence, and the up to ``k`` tokens that followed it (the rule of
+  ``_find_longest_matched_ngram_and_propose_tokens``, ``vllm/v1/spec_decode/ngram_proposer.py``
+  of v0.33.0's Model Runner V1; written here as a plain scan).  v0.34.0 has only Model Runner
+  V2, whose ``NgramGPUSpeculator`` (``vllm/v1/worker/gpu/spec_decode/ngram/speculator.py``)
+  takes the *rightmost* occurrence and pads short drafts with the last sampled token.
 * :class:`DraftModelProposer` — ``k`` greedy steps of a small model per request over its own
   KV cache, at the target's TP: at draft DCP 1 every rank holds the request's whole draft KV
   (**replicated**), at the target's DCP its interleaved share (**sharded**; each draft forward
   is a DCP decode).  Its cache is rolled back to the tokens the target accepted.
-* :func:`greedy_accept` — the greedy rule of vLLM's rejection sampler: accept the longest
+* :func:`greedy_accept` — the greedy rule of vLLM's rejection sampler (``RejectionSampler``,
+  ``vllm/v1/worker/gpu/spec_decode/rejection_sampler.py`` v0.34.0): accept the longest
   prefix of drafts that equals the target's argmax, then add the target's token after it (the
   bonus token).
 
