@@ -11,16 +11,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cpbook.core.config import ConfigError
+from cpbook.core.config import ConfigError, ParallelConfig
 from cpbook.core.launch import run
 from cpbook.demos.ch09_engine import serve_grid_rank
-from cpbook.demos.ch10_spec import spec_grid_runs
+from cpbook.demos.ch10_spec import draft_engine_rank, spec_grid_runs
 from cpbook.engine.engine import Engine, make_prompts, serve_rank
 from cpbook.engine.models import TinyModel, reference_generate
 from cpbook.engine.spec_decode import (
     DraftModelProposer,
     NgramProposer,
     SpeculativeConfig,
+    check_vllm_spec_interleave,
     first_layer_drafter,
     greedy_accept,
 )
@@ -31,7 +32,8 @@ from tests.test_engine import references, sizes
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 NGRAM = dict(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1)
-DRAFT = dict(method="draft", num_speculative_tokens=2)
+DRAFT = dict(method="draft", num_speculative_tokens=2)  # vLLM's default: the target's DCP
+DRAFT_REPLICATED = dict(DRAFT, draft_decode_context_parallel_size=1)
 WORK = dict(num_requests=6, max_new_tokens=6)
 CACHE = dict(num_gpu_blocks=16)  # preempts on one rank
 
@@ -185,7 +187,8 @@ def _check_grid(runs, worlds, backend, refs) -> int:
 
 def test_inline_grid_subset_token_exact():
     """DCP inside TP (GQA 4x2x1, MLA 2x2x1), over PCP (GQA 1x2x2) and world-wide MLA (2x4x2),
-    n-gram and draft; all 23 layouts x both drafters run in notebooks/10_spec_decode.ipynb."""
+    n-gram and a draft at DCP = the target's (sharded) and at DCP 1 (replicated); all 23
+    layouts x the three run in notebooks/10_spec_decode.ipynb."""
     pick = {
         ("tiny-gqa", 1, 2, 2),
         ("tiny-mla", 2, 2, 1),
@@ -194,14 +197,14 @@ def test_inline_grid_subset_token_exact():
     }
     refs = references(WORK)
     n = 0
-    for spec in (NGRAM, DRAFT):
+    for spec in (NGRAM, DRAFT, DRAFT_REPLICATED):
         runs = [
             r
             for r in spec_grid_runs(spec, workload=WORK, cache_config=CACHE)
             if (r["model"], *sizes(r)) in pick
         ]
         n += _check_grid(runs, [2, 4], "inline", refs)
-    assert n == 8
+    assert n == 12
 
 
 @pytest.mark.torchrun
@@ -213,6 +216,81 @@ def test_torchrun_world_2_subset_token_exact():
         if (r["model"], *sizes(r)) in {("tiny-gqa", 1, 2, 2), ("tiny-mla", 2, 2, 1)}
     ]
     assert _check_grid(runs, [2], "torchrun", references(small)) == 2
+
+
+# -- the draft's DCP: vLLM v0.34.0's draft_decode_context_parallel_size ---------------------
+def test_draft_dcp_is_one_or_the_targets():
+    assert SpeculativeConfig("draft").draft_dcp(4) == 4  # default: the target's
+    assert SpeculativeConfig("draft", draft_decode_context_parallel_size=1).draft_dcp(4) == 1
+    assert SpeculativeConfig("draft", draft_decode_context_parallel_size=4).draft_dcp(4) == 4
+    with pytest.raises(ConfigError, match=r"\[draft-dcp-one-or-target\].*=2.*=4"):
+        SpeculativeConfig("draft", draft_decode_context_parallel_size=2).draft_dcp(4)
+    with pytest.raises(ConfigError, match=r"\[draft-dcp-positive\]"):
+        SpeculativeConfig("draft", draft_decode_context_parallel_size=0)
+    with pytest.raises(RuntimeError, match=r"\[draft-dcp-one-or-target\]"):  # the engine asks
+        run(
+            draft_engine_rank,
+            2,
+            fn_kwargs=dict(draft_decode_context_parallel_size=4, num_requests=1),
+            report=False,
+        )
+
+
+@pytest.mark.parametrize(
+    "model, sizes, world",
+    [
+        ("tiny-mla", None, 2),
+        ("tiny-mla", dict(tensor_parallel_size=2, decode_context_parallel_size=2,
+                          prefill_context_parallel_size=2, dcp_comm_backend="a2a"), 4),
+        ("tiny-gqa", dict(tensor_parallel_size=4, decode_context_parallel_size=2,
+                          cp_kv_cache_interleave_size=2, block_size=4), 4),
+    ],
+)  # fmt: skip
+@pytest.mark.parametrize("draft_dcp", [1, None])
+def test_draft_placements_token_exact_rows_and_bytes(model, sizes, world, draft_dcp):
+    """Replicated (draft DCP 1) and sharded (vLLM's default, the target's DCP): plain greedy
+    tokens on every rank, the draft KV rows each rank holds = ``draft_kv_rows`` after every
+    step, and the drafting's traced collectives = ``draft_step_comm_bytes``."""
+    kw = dict(model=model, parallel_config=sizes, draft_decode_context_parallel_size=draft_dcp)
+    res = run(draft_engine_rank, world, fn_kwargs=kw, report=False)
+    for r in res:
+        assert r["token_exact"] and r["rows_match"] and r["comm"] == r["expected"]
+        assert r["placement"] == ("replicated" if draft_dcp == 1 else "sharded")
+        dcp_ops = [op for op, _ in r["comm"] if op != "all_reduce"]
+        assert (dcp_ops == []) == (draft_dcp == 1)
+    peak = [r["peak_rows"] for r in res]
+    if draft_dcp == 1:  # every rank holds every row
+        assert len(set(peak)) == 1
+    else:  # a share of them
+        assert max(peak) < res[0]["longest"] * 4 and sum(peak) > 0
+
+
+def test_vllm_refuses_any_speculation_with_cp_interleave_above_one():
+    """``check_attention_cp_compatibility`` (vllm/v1/worker/cp_utils.py, v0.34.0)."""
+    cfg = dict(num_q_heads=8, num_kv_heads=1, head_dim=16, use_mla=True, block_size=4)
+    ok = [
+        ParallelConfig(tensor_parallel_size=2, decode_context_parallel_size=2, **cfg),
+        ParallelConfig(tensor_parallel_size=2, cp_kv_cache_interleave_size=2, **cfg),
+    ]
+    for c in ok:
+        check_vllm_spec_interleave(c)
+    bad = ParallelConfig(
+        tensor_parallel_size=2, decode_context_parallel_size=2, cp_kv_cache_interleave_size=2, **cfg
+    )
+    with pytest.raises(ConfigError, match=r"\[spec-cp-interleave-one\]"):
+        check_vllm_spec_interleave(bad)
+    check_vllm_spec_interleave(bad, backend_supports_interleave=True)  # FlashMLA sparse
+
+
+@pytest.mark.torchrun
+def test_torchrun_replicated_draft_token_exact():
+    """The replicated draft under torchrun (2 processes, gloo): plain greedy tokens, no DCP
+    collective, traced bytes = formula."""
+    kw = dict(draft_decode_context_parallel_size=1, num_requests=2, max_new_tokens=6)
+    res = run(draft_engine_rank, 2, "torchrun", fn_kwargs=kw, report=False)
+    for r in res:
+        assert r["token_exact"] and r["rows_match"] and r["comm"] == r["expected"]
+        assert {op for op, _ in r["comm"]} == {"all_reduce"}
 
 
 def test_engine_builds_a_separately_seeded_draft():

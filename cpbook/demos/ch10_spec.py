@@ -7,6 +7,9 @@ token-exact grid.
   :func:`cpbook.dcp.verify.verify_comm_bytes`.
 * :func:`draft_placement_rank` — ``k`` draft decode steps over a replicated or a DCP-sharded
   draft KV, traced against :func:`cpbook.dcp.draft_placement.draft_comm_bytes`.
+* :func:`draft_engine_rank` — the engine with a draft model at DCP 1 (replicated draft KV) or
+  at the target's DCP (sharded): token-exact against plain greedy decoding, draft KV rows held
+  and the drafting's traced bytes against :func:`cpbook.dcp.draft_placement.draft_step_comm_bytes`.
 * :func:`spec_grid_runs` — chapter 9's grid of engine runs with a ``speculative_config``.
 """
 
@@ -25,7 +28,7 @@ from cpbook.core.heads import kv_heads_of, q_heads_of
 from cpbook.core.problems import gqa_decode_problem, mla_problem
 from cpbook.core.reference import mla_reference, verify_reference
 from cpbook.dcp.decode import dcp_decode_attention, local_attention
-from cpbook.dcp.draft_placement import draft_comm_bytes, draft_kv_rows
+from cpbook.dcp.draft_placement import draft_comm_bytes, draft_kv_rows, draft_step_comm_bytes
 from cpbook.dcp.mla import MLAShape
 from cpbook.dcp.verify import (
     dcp_verify_attention,
@@ -35,9 +38,11 @@ from cpbook.dcp.verify import (
 )
 from cpbook.demos.ch03_decode import _latent_shards, _mla_setup
 from cpbook.demos.ch09_engine import grid_runs
+from cpbook.engine.engine import Engine, make_prompts
+from cpbook.engine.models import reference_generate
 from cpbook.kv.paged import shard_kv_cache
 
-__all__ = ["spec_verify_rank", "draft_placement_rank", "spec_grid_runs"]
+__all__ = ["spec_verify_rank", "draft_placement_rank", "draft_engine_rank", "spec_grid_runs"]
 
 
 def spec_verify_rank(
@@ -207,3 +212,63 @@ def spec_grid_runs(speculative_config: dict, **kwargs: Any) -> list[dict[str, An
     """:func:`~cpbook.demos.ch09_engine.grid_runs` (every valid grid of both models, both
     combines; ``kwargs`` as there) with ``speculative_config`` added to each run."""
     return grid_runs(speculative_config=speculative_config, **kwargs)
+
+
+def draft_engine_rank(
+    ctx: RankContext,
+    *,
+    model: str = "tiny-mla",
+    parallel_config: dict[str, Any] | None = None,
+    draft_decode_context_parallel_size: int | None = None,
+    num_speculative_tokens: int = 3,
+    num_requests: int = 4,
+    max_new_tokens: int = 8,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Greedy generation with a ``"draft"`` speculative config (the model's first layer as the
+    draft) on this rank of ``parallel_config`` (default: TP = DCP = the world); the draft runs
+    at ``draft_decode_context_parallel_size`` (``None``: vLLM's default, the target's DCP).
+    Returns whether every request's tokens equal :func:`reference_generate`'s, the draft
+    ``placement``, the most draft KV rows per layer held at once (``peak_rows``), whether after
+    every step each request's rows equal :func:`draft_kv_rows` (``rows_match``), the drafting's
+    traced ``comm`` and ``expected`` (:func:`draft_step_comm_bytes` of the forwards' rows)."""
+    n = ctx.world_size
+    sizes = parallel_config or dict(tensor_parallel_size=n, decode_context_parallel_size=n)
+    spec = dict(
+        method="draft",
+        num_speculative_tokens=num_speculative_tokens,
+        draft_decode_context_parallel_size=draft_decode_context_parallel_size,
+    )
+    eng = Engine(model, sizes, speculative_config=spec, ctx=ctx)
+    prompts = make_prompts(num_requests, seed, eng.model.config.vocab_size)
+    ids = [eng.add_request(p, max_new_tokens) for p in prompts]
+    prop, mc, rows_match = eng.proposer, eng.model.config, True
+    while eng.has_unfinished:
+        eng.step()
+        for rid, (held, _) in prop.cache.items():  # rows held = the placement's formula
+            s = prop.shard
+            want = draft_kv_rows(prop.placement, len(held), s.dcp, s.dcp_rank, s.interleave)
+            rows_match &= prop.rows_held(rid) == want
+    outs = [eng.output(i) for i in ids]
+    ref = [reference_generate(eng.model, p, max_new_tokens) for p in prompts]
+    q_dim = mc.kv_cache_dim if mc.use_mla else mc.head_dim
+    out_dim = mc.kv_lora_rank if mc.use_mla else mc.head_dim
+    return {
+        "token_exact": [list(o.tokens) for o in outs] == ref,
+        "placement": prop.placement,
+        "draft_dcp": prop.config.dcp,
+        "peak_rows": prop.peak_rows,
+        "rows_match": rows_match,
+        "longest": max(len(p) for p in prompts) + max_new_tokens,
+        "comm": prop.comm,
+        "expected": draft_step_comm_bytes(
+            prop.rows_per_call,
+            prop.config,
+            q_dim,
+            out_dim,
+            mc.hidden_size,
+            eng.model.embed.element_size(),
+            prop.draft.config.num_hidden_layers,
+        ),
+        "spec": eng.spec_metrics,
+    }

@@ -138,7 +138,9 @@ class Engine:
         draft = None
         if spec is not None and spec.method == "draft" and spec.model:
             draft = load_model(spec.model, run.dtype, run.seed + 1).to(self.ctx.device)
-        self.proposer = None if spec is None else make_proposer(spec, self.model, draft)
+        self.proposer = (
+            None if spec is None else make_proposer(spec, self.model, draft, cfg, self.groups)
+        )
         self.logits: dict[str, list[torch.Tensor]] = {}
         self.history: list[StepRecord] = []
         self._next_id = 0
