@@ -9,12 +9,12 @@ decision path as tests of the right ones, every vLLM v0.33 rule by name, and the
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 import math
 import re
 import shlex
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
