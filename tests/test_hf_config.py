@@ -160,6 +160,7 @@ DSV3 = {  # deepseek-ai/DeepSeek-V3
     "num_nextn_predict_layers": 1,
     "quantization_config": FP8,
     "rope_scaling": {"factor": 40, "type": "yarn", "original_max_position_embeddings": 4096},
+    "max_position_embeddings": 163840,
     "vocab_size": 129280,
     "tie_word_embeddings": False,
     "torch_dtype": "bfloat16",
@@ -169,6 +170,7 @@ DSV32 |= {"index_head_dim": 128, "index_n_heads": 64, "index_topk": 2048}  # V3.
 KIMI_K2 = {**DSV3, "model_type": "kimi_k2", "num_attention_heads": 64, "num_key_value_heads": 64}
 KIMI_K2 |= {"n_routed_experts": 384, "first_k_dense_replace": 1, "vocab_size": 163840}
 KIMI_K2 |= {"n_group": 1, "topk_group": 1, "num_nextn_predict_layers": 0}  # Kimi-K2-Instruct
+KIMI_K2 |= {"max_position_embeddings": 131072}
 DSV2 = {  # deepseek-ai/DeepSeek-V2
     "model_type": "deepseek_v2",
     "hidden_size": 5120,

@@ -14,6 +14,7 @@ import re
 import shlex
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -37,6 +38,7 @@ DSV3, L8B, L70B = (cm.MODELS[k] for k in ("DeepSeek-V3", "Llama-3.1-8B", "Llama-
 V32 = model_from_hf_config(DSV32, name="DeepSeek-V3.2-Exp")
 H200 = cm.GPUS["H200"]
 OBJ = ("throughput", "ttft", "tpot")
+FP8_KV = ("bf16", "fp8")
 
 
 def best_value(p, objective):
@@ -183,9 +185,17 @@ def test_128k_16_users_needs_capacity_not_one_request():
     # TP8 (the smallest TP whose weights fit without EP) already uses all 8 GPUs
     t = explorer(128 * K, 16, ttft_target_s=10)
     assert t.winner is None and t.would_fit.rule == "ttft-target"
-    assert t.would_fit.num_gpus == 16 and t.would_fit.gpus_deployment.ttft_s <= 10
     assert t.would_fit.ttft_target_s == pytest.approx(best_tp8.ttft_s)
-    assert plan(DSV3, H200, 16, t.workload, advise=False).winner is not None
+    # in one 16-GPU NVLink domain 16 GPUs would; on 8-GPU nodes the 16-wide groups cross RDMA
+    # and the advice prices them so: 16 GPUs miss 10 s, the advice's count serves it
+    one = replace(t.workload, gpus_per_node=16)
+    wide = plan(DSV3, H200, 8, one).would_fit
+    assert wide.num_gpus == 16 and wide.gpus_deployment.ttft_s <= 10
+    assert plan(DSV3, H200, 16, one, advise=False).winner is not None
+    assert plan(DSV3, H200, 16, t.workload, advise=False).winner is None
+    f = t.would_fit
+    assert f.num_gpus > 16 and f.gpus_deployment.ttft_s <= 10
+    assert plan(DSV3, H200, f.num_gpus, t.workload, advise=False).winner is not None
 
 
 def test_1m_one_user_pcp_is_impossible_on_8_gpus():
@@ -253,7 +263,7 @@ def test_llama_8b_128k_ttft_2s_ranks_tp8_first():
         pl.check_deployment(L8B, Deployment(tp=1, pcp=8))
 
 
-# ------------------------------------------------------------------------ vLLM v0.33 rules
+# ------------------------------------------------------------------------ vLLM v0.34 rules
 
 
 @pytest.mark.parametrize(
@@ -261,7 +271,11 @@ def test_llama_8b_128k_ttft_2s_ranks_tp8_first():
     [
         (L8B, Deployment(tp=1, pcp=2), "bf16", "pcp-mla-only"),
         (DSV3, Deployment(tp=4, pcp=2, dcp=2), "bf16", "pcp-dcp-sparse-mla-only"),
-        (V32, Deployment(tp=4, pcp=2, dcp=2, tpa=True), "bf16", "dcp-q-replicate-needs-pcp-1"),
+        (V32, Deployment(tp=4, pcp=2, dcp=2, tpa=True), "fp8", "dcp-q-replicate-needs-pcp-1"),
+        (V32, Deployment(tp=4, pcp=2, dcp=2), "bf16", "sparse-mla-pcp-dcp-fp8-ds-mla"),
+        (V32, Deployment(tp=2, dcp=2), "fp8", "sparse-mla-dcp-fp8-heads"),
+        (V32, Deployment(tp=8, dcp=8), "fp8", "sparse-mla-dcp-fp8-head-padding"),
+        (V32, Deployment(tp=4, pcp=2, dcp=8), "fp8", "sparse-mla-dcp-fp8-head-padding"),
         (L70B, Deployment(tp=16, dcp=2, tpa=True), "bf16", "tpa-gqa-unreleased"),
         (L8B, Deployment(tp=2, ep=True), "bf16", "ep-needs-moe"),
         (DSV3, Deployment(tp=1, ep=True), "bf16", "ep-needs-several-gpus"),
@@ -280,26 +294,34 @@ def test_every_rule_is_a_named_config_error(model, deployment, kv, rule):
 
 
 def test_rules_admit_what_vllm_runs():
-    for model, deployment in [
-        (V32, Deployment(tp=4, pcp=2, dcp=2)),  # sparse MLA: PCP x DCP spanning PCP
-        (V32, Deployment(tp=4, pcp=2, dcp=8)),  # ... or the whole TP x PCP block
-        (DSV3, Deployment(tp=4, pcp=2)),  # dense MLA: PCP without DCP
-        (DSV3, Deployment(tp=8, dcp=8, tpa=True)),  # query replication
-        (L70B, Deployment(tp=16, dcp=2)),  # GQA: DCP within the KV-head copies
-        (DSV3, Deployment(tp=1, dp=8, ep=True)),
+    for model, deployment, kv in [
+        (V32, Deployment(tp=4, pcp=2, dcp=2), "fp8"),  # sparse MLA: PCP x DCP spanning PCP
+        (V32, Deployment(tp=1, pcp=8, dcp=8), "fp8"),  # ... or the whole TP x PCP block
+        (V32, Deployment(tp=2, dcp=2), "bf16"),  # v0.34: bf16 DCP at 64 heads per rank
+        (V32, Deployment(tp=8, dcp=4), "fp8"),  # 16 heads, gathered 64: one FP8 kernel
+        (DSV3, Deployment(tp=4, pcp=2), "bf16"),  # dense MLA: PCP without DCP
+        (DSV3, Deployment(tp=8, dcp=8, tpa=True), "bf16"),  # query replication
+        (L70B, Deployment(tp=16, dcp=2), "bf16"),  # GQA: DCP within the KV-head copies
+        (DSV3, Deployment(tp=1, dp=8, ep=True), "bf16"),
     ]:
-        pl.check_deployment(model, deployment)
+        pl.check_deployment(model, deployment, kv)
     with pytest.raises(ConfigError, match=r"\[pcp-needs-model-runner-v2\]"):
         pl.check_deployment(DSV3, Deployment(tp=4, pcp=2), model_runner_v2=False)
 
 
 def test_planner_counts_rejections_by_rule():
-    p = plan(V32, H200, 16, ServingWorkload(128 * K, 1 * K, 16), advise=False)
+    p = plan(V32, H200, 16, ServingWorkload(128 * K, 1 * K, 16, kv_dtypes=FP8_KV), advise=False)
     assert set(p.rejected) <= {
         "heads-divisible-by-tp",
         "ep-needs-several-gpus",
         "dcp-q-replicate-needs-pcp-1",
+        "sparse-mla-pcp-dcp-fp8-ds-mla",
+        "sparse-mla-dcp-fp8-heads",
+        "sparse-mla-dcp-fp8-head-padding",
+        "nnodes-divides-world",
     }
+    assert p.rejected["sparse-mla-pcp-dcp-fp8-ds-mla"] > 0  # the bf16 PCP x DCP candidates
+    assert p.rejected["nnodes-divides-world"] > 0  # e.g. 9 GPUs on two 8-GPU nodes
     d = plan(DSV3, H200, 16, ServingWorkload(128 * K, 1 * K, 16), advise=False)
     assert d.rejected["pcp-dcp-sparse-mla-only"] > 0
     g = plan(L70B, H200, 16, ServingWorkload(128 * K, 1 * K, 16), advise=False)
@@ -314,11 +336,14 @@ def test_serve_command_flags():
     w = ServingWorkload(M, 1 * K, 1)
     p = plan(DSV3, H200, 8, w)
     cmd = p.command()
-    assert cmd.startswith("vllm serve deepseek-ai/DeepSeek-V3 --tensor-parallel-size 8 ")
+    # 1,049,600 tokens > DeepSeek-V3's 163,840 positions: the line carries vLLM's override
+    head = "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 vllm serve deepseek-ai/DeepSeek-V3 "
+    assert cmd.startswith(head + "--tensor-parallel-size 8 ")
     for flag in ("--decode-context-parallel-size 8", "--dcp-comm-backend ag_rs",
-                 "--cp-kv-cache-interleave-size 1", "--max-model-len 1049600",
-                 "--gpu-memory-utilization 0.9"):  # fmt: skip
+                 "--max-model-len 1049600", "--gpu-memory-utilization 0.9"):  # fmt: skip
         assert flag in cmd
+    assert "--cp-kv-cache-interleave-size" not in cmd  # vLLM's default (1) and its P/D choice
+    assert "--nnodes" not in cmd  # one node
     assert ("--dcp-q-replicate" in cmd.split()) == p.winner.deployment.tpa
     short = "vllm serve x -tp 4 -dcp 2 -pcp 2 -dp 2 -ep --kv-cache-dtype fp8_ds_mla"
     assert pl.parse_serve_command(short) == (Deployment(tp=4, dcp=2, pcp=2, dp=2, ep=True), "fp8")
@@ -348,8 +373,13 @@ def test_headlines():
     assert pl.headline(explorer(M, 16)).startswith("nothing fits [holds-concurrency]: ")
     p = plan(L8B, H200, 8, ServingWorkload(4 * K, 256, 16))
     assert pl.headline(p).startswith(f"no CP: TP{p.winner.deployment.tp} holds ")
-    sparse = plan(V32, H200, 16, ServingWorkload(M, 1 * K, 1), objective="ttft")
+    # sparse MLA's PCP x DCP needs the fp8_ds_mla cache (FlashMLA-sparse)
+    w = ServingWorkload(M, 1 * K, 1, kv_dtypes=FP8_KV)
+    sparse = plan(V32, H200, 16, w, objective="ttft")
     assert sparse.winner.deployment.pcp > 1 and "PCP" in pl.headline(sparse)
+    assert sparse.winner.kv_dtype == "fp8" and "--kv-cache-dtype fp8_ds_mla" in sparse.command()
+    bf16 = plan(V32, H200, 16, replace(w, kv_dtypes=("bf16",)), objective="ttft")
+    assert bf16.winner.deployment.pcp == 1
 
 
 def test_idle_gpus_are_said():

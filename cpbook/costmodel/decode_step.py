@@ -17,7 +17,8 @@ from cpbook.costmodel.memory import (
     deployment_kv_bytes_per_token,
     deployment_weight_bytes,
 )
-from cpbook.costmodel.specs import GPUSpec, ModelSpec, check_moe_shape, check_tokens, link_of
+from cpbook.costmodel.nodes import group_link, spans_nodes
+from cpbook.costmodel.specs import GPUSpec, ModelSpec, check_moe_shape, check_tokens
 
 
 @dataclass(frozen=True)
@@ -102,15 +103,22 @@ def decode_step(
     :func:`cpbook.dcp.tpa.tpa_comm_bytes`'s (DCP's query all-gather unless TPA, the combine,
     the ``o_proj`` all-reduce) plus the MLP's all-reduce, all-reduces at the CUDA-graph
     latency :data:`~cpbook.costmodel.gpu_terms.DECODE_ALLREDUCE_ALPHA_S`, the others at the
-    link's α; EP adds a dispatch and a combine all-to-all per MoE layer.
+    link's α; EP adds a dispatch and a combine all-to-all per MoE layer.  With ``knobs.nodes``
+    a TP, DCP or EP group that spans nodes runs on the inter-node link (its own α, no CUDA-graph
+    latency) instead (:func:`~cpbook.costmodel.nodes.group_link`).
     """
     check_tokens("context_tokens", context_tokens, minimum=1)
     check_tokens("batch", batch, minimum=1)
     check_moe_shape(model)
     cfg = deployment.config(model, knobs.dcp_comm_backend)
     hbm_efficiency, mfu, act_bytes = knobs.hbm_efficiency, knobs.mfu, knobs.act_bytes
-    link = knobs.link or link_of(gpu)
-    graph_link = replace(link, alpha_s=gt.DECODE_ALLREDUCE_ALPHA_S)
+    link = group_link(gpu, deployment, "dcp", knobs.nodes, knobs.link)
+    tp_link = group_link(gpu, deployment, "tp", knobs.nodes, knobs.link)
+    ep_link = group_link(gpu, deployment, "ep", knobs.nodes, knobs.link)
+    # CUDA-graph all-reduces inside a node; a TP group across nodes keeps the RDMA link's alpha
+    nodes = knobs.nodes
+    tp_across = nodes is not None and spans_nodes(deployment, "tp", nodes.gpus_per_node)
+    graph_link = tp_link if tp_across else replace(tp_link, alpha_s=gt.DECODE_ALLREDUCE_ALPHA_S)
     shards = deployment.dp * (cfg.pcp if cfg.dcp == 1 else 1)
     b = -(-batch // shards)
     bw = gpu.hbm_bw_bytes_per_s * hbm_efficiency
@@ -158,5 +166,5 @@ def decode_step(
     if deployment.ep and model.expert_params:
         ep = deployment.num_gpus
         sent = b * model.num_experts_per_tok * model.hidden_size * act_bytes * (ep - 1) / ep
-        comm += 2 * model.moe_layers * gt.all_to_all_s(sent, ep, link.bw_bytes_per_s)
+        comm += 2 * model.moe_layers * gt.all_to_all_s(sent, ep, ep_link.bw_bytes_per_s)
     return DecodeTime(memory, compute, comm, b, fixed)

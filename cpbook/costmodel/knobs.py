@@ -2,8 +2,8 @@
 
 Every function that prices time (:func:`~cpbook.costmodel.decode.decode_layer_time`,
 :func:`~cpbook.costmodel.decode_step.decode_step`, :func:`~cpbook.costmodel.latency.ttft`,
-:func:`~cpbook.costmodel.latency.tpot`) reads the same seven assumptions from one
-:class:`CostKnobs` instead of seven keywords each; the defaults are the book's base case.
+:func:`~cpbook.costmodel.latency.tpot`) reads the same eight assumptions from one
+:class:`CostKnobs` instead of eight keywords each; the defaults are the book's base case.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cpbook.core.errors import RuleError
+from cpbook.costmodel.nodes import Nodes
 from cpbook.costmodel.specs import KV_DTYPES, LinkSpec, check_hbm_efficiency
 
 __all__ = ["CostKnobs", "DEFAULT_HBM_EFFICIENCY"]
@@ -35,7 +36,10 @@ class CostKnobs:
     ``kv_unit_efficiency``: the fraction of HBM one request's one KV head streams its KV at in
     the whole-model decode step (:func:`~cpbook.costmodel.decode.kv_read_efficiency`), ``None``
     for the modelled :data:`~cpbook.costmodel.gpu_terms.DECODE_ATTENTION_UNIT_EFFICIENCY`
-    (a measured one: :func:`~cpbook.costmodel.break_even.stored_kv_read`).
+    (a measured one: :func:`~cpbook.costmodel.break_even.stored_kv_read`);
+    ``nodes``: how the GPUs sit in nodes (:class:`~cpbook.costmodel.nodes.Nodes`): a TP, PCP,
+    DCP or EP group that spans nodes runs on its inter-node link; ``None`` (the default) prices
+    every group on the scale-up link, one domain however many GPUs.
     Guarantees: a constructed value passes the rules ``hbm-efficiency`` (also for
     ``kv_unit_efficiency``), ``mfu`` and ``kv-dtype``.
     """
@@ -47,6 +51,7 @@ class CostKnobs:
     dcp_comm_backend: str = "ag_rs"
     act_bytes: int = 2
     kv_unit_efficiency: float | None = None
+    nodes: Nodes | None = None
 
     def __post_init__(self) -> None:
         check_hbm_efficiency(self.hbm_efficiency)

@@ -10,13 +10,13 @@ from cpbook.costmodel.decode import collective_time
 from cpbook.costmodel.decode_step import DecodeTime, decode_step
 from cpbook.costmodel.knobs import CostKnobs
 from cpbook.costmodel.memory import Deployment, kv_bytes_per_token_per_gpu, weight_bytes_per_gpu
+from cpbook.costmodel.nodes import group_link
 from cpbook.costmodel.specs import (
     GPUSpec,
     LinkSpec,
     ModelSpec,
     check_moe_shape,
     check_tokens,
-    link_of,
 )
 from cpbook.pcp.prefill import pcp_comm_bytes, pcp_restore_bytes
 from cpbook.pcp.ring_plan import RingShards, ring_comm_bytes
@@ -147,7 +147,9 @@ def ttft(
     all-gather before attention (:func:`cpbook.pcp.prefill.pcp_comm_bytes`, not overlapped),
     ``"ring"`` Meta's pass-KV ring (:func:`cpbook.pcp.ring_plan.ring_comm_bytes`), each step
     hidden behind that step's attention.  ``knobs.link`` is TP's, ``cp_link`` the CP group's
-    (defaults: the GPU's scale-up link); activations are ``knobs.act_bytes`` wide, the gathered
+    (defaults: the GPU's scale-up link); with ``knobs.nodes``, a TP, PCP or EP group that spans
+    nodes runs on the inter-node link instead (:func:`~cpbook.costmodel.nodes.group_link`);
+    activations are ``knobs.act_bytes`` wide, the gathered
     K/V ``kv_bytes`` (the other knobs are decode's).
     """
 
@@ -158,8 +160,9 @@ def ttft(
     if mfu is None:
         check_moe_shape(model)
     cfg = deployment.config(model)
-    link = knobs.link or link_of(gpu)
-    cp_link = cp_link or link
+    link = group_link(gpu, deployment, "tp", knobs.nodes, knobs.link)
+    cp_link = group_link(gpu, deployment, "pcp", knobs.nodes, cp_link or knobs.link)
+    ep_link = group_link(gpu, deployment, "ep", knobs.nodes, knobs.link)
     n, layers = cfg.pcp, model.num_layers
     compute, attn_s = _prefill_compute_s(model, gpu, deployment, prompt_tokens, mfu)
     rows = padded_len(prompt_tokens, n) // n
@@ -197,7 +200,7 @@ def ttft(
     if deployment.ep and model.expert_params:
         ep = deployment.num_gpus
         sent = rows * model.num_experts_per_tok * model.hidden_size * act_bytes * (ep - 1) / ep
-        ep_s = 2 * model.moe_layers * gt.all_to_all_s(sent, ep, link.bw_bytes_per_s)
+        ep_s = 2 * model.moe_layers * gt.all_to_all_s(sent, ep, ep_link.bw_bytes_per_s)
     return PrefillTime(compute, tp_s, cp_s, elem, ep_s)
 
 

@@ -33,10 +33,14 @@ def kv_bytes_per_token(model: ModelSpec, kv_dtype: str = "bf16") -> int:
     GQA: ``2 * num_kv_heads * head_dim * num_layers * bytes``.
     MLA: ``(kv_lora_rank + qk_rope_head_dim) * num_layers * bytes``: with ``kv_dtype="fp8"``
     (vLLM's ``fp8`` / ``fp8_e4m3`` on FlashMLA) 576 B per token and layer for DeepSeek-V3;
-    ``kv_dtype="fp8_ds_mla"`` is sparse MLA's KV layout (DeepSeek-V3.2), 656 B per token and layer.
+    ``kv_dtype="fp8_ds_mla"`` is sparse MLA's KV layout (DeepSeek-V3.2), 656 B per token and layer;
+    ``"fp8"`` of a sparse-MLA model is the same layout (FlashMLA-sparse lists vLLM's ``fp8`` as
+    an alias of ``fp8_ds_mla``, ``vllm/v1/attention/backends/mla/flashmla_sparse.py``).
     """
     if kv_dtype not in KV_DTYPES:
         raise RuleError("kv-dtype", f"kv_dtype in {sorted(KV_DTYPES)}", kv_dtype=kv_dtype)
+    if kv_dtype == "fp8" and model.sparse_mla:
+        kv_dtype = "fp8_ds_mla"
     if kv_dtype == "fp8_ds_mla":
         if not model.use_mla:
             raise RuleError(

@@ -42,6 +42,9 @@ class GPUSpec:
     #: FP8 dense tensor FLOP/s (twice BF16 on Hopper and Blackwell); 0 where the datasheet gives
     #: none, and FP8 GEMMs then run at the BF16 rate
     fp8_flops: float = 0.0
+    #: GPUs one scale-up domain joins (one HGX / DGX node: 8); a collective group wider than
+    #: that crosses the inter-node link (:mod:`cpbook.costmodel.nodes`)
+    gpus_per_node: int = 8
 
     def peak_flops(self, weight_bytes_per_param: float) -> float:
         """Dense peak of GEMMs on weights of ``weight_bytes_per_param`` bytes: the FP8 peak for
@@ -65,7 +68,11 @@ GPUS: dict[str, GPUSpec] = {
     # 3.2 TB/s and ~0.7 TB/s per chip. Other sources disagree on the link
     # (392 GB/s unidirectional, 400 GB/s, 784 GB/s) and whether 0.7 TB/s is
     # per direction is not confirmed: treat the link figure as approximate.
-    "Ascend910C": GPUSpec("Ascend 910C", 128 * GB, 3.2e12, 780e12, 0.7e12, "zuo2025cloudmatrix"),
+    # One CloudMatrix384 supernode joins its 384 chips on the UB fabric (the paper's scale-up
+    # domain), so 384 chips count as one node.
+    "Ascend910C": GPUSpec(
+        "Ascend 910C", 128 * GB, 3.2e12, 780e12, 0.7e12, "zuo2025cloudmatrix", gpus_per_node=384
+    ),
 }
 
 
@@ -103,6 +110,11 @@ class ModelSpec:
     num_experts: int = 0  #: MoE: routed experts per MoE layer
     num_experts_per_tok: int = 0  #: MoE: routed experts each token picks (top-k)
     moe_layers: int = 0  #: MoE: layers with routed experts
+    #: ``max_position_embeddings`` of ``config.json``: the longest ``--max-model-len`` vLLM
+    #: accepts without ``VLLM_ALLOW_LONG_MAX_MODEL_LEN`` (its YaRN and ``llama3`` RoPE scalings
+    #: are already folded in, ``_get_and_verify_max_len`` in ``vllm/config/model.py``); 0 if
+    #: unknown
+    max_position_embeddings: int = 0
 
     @property
     def lm_head_params(self) -> float:
@@ -148,11 +160,13 @@ def _gqa(
     hidden: int = 0,
     vocab: int = 0,
     inter: int = 0,
+    positions: int = 131072,
 ) -> ModelSpec:
-    """A GQA model with 128-dim heads, bf16 weights and an untied LM head."""
+    """A GQA model with 128-dim heads, bf16 weights and an untied LM head (``positions``: its
+    ``max_position_embeddings``)."""
     return ModelSpec(
         name, layers, q, kv, 128, False, 0, 0, params, 2, source, hidden,
-        vocab_size=vocab, intermediate_size=inter,
+        vocab_size=vocab, intermediate_size=inter, max_position_embeddings=positions,
     )  # fmt: skip
 
 
@@ -165,6 +179,7 @@ def _mla(
     active: float,
     moe: tuple[int, int],
     vocab: int,
+    positions: int = 163840,
 ) -> ModelSpec:
     """A DeepSeek-V3-shaped MLA model with FP8 weights (hidden 7168, ``q_lora_rank`` 1536,
     dense MLP 18432 wide, experts 2048 wide, 8 per token); ``moe``: ``(MoE layers, routed
@@ -175,6 +190,7 @@ def _mla(
         name, layers, q, 1, 192, True, 512, 64, params, 1, source, 7168, 1536, active,
         _routed(moe_layers, experts, 7168, 2048), vocab_size=vocab, intermediate_size=18432,
         num_experts=experts, num_experts_per_tok=8, moe_layers=moe_layers,
+        max_position_embeddings=positions,
     )  # fmt: skip
 
 
@@ -188,12 +204,22 @@ MODELS: dict[str, ModelSpec] = {
     # Active parameters per token: 37B (DeepSeek-V3), 32B (Kimi-K2), 22B (Qwen3-235B-A22B),
     # from the papers; routed experts from each config.json (layers after
     # ``first_k_dense_replace`` x ``n_routed_experts`` x 3 x hidden x ``moe_intermediate_size``);
-    # ``vocab_size``, ``intermediate_size`` and the expert counts from the same config.json.
+    # ``vocab_size``, ``intermediate_size``, the expert counts and ``max_position_embeddings``
+    # (DeepSeek-V3 163840, Kimi-K2-Instruct and Llama-3.1 131072, Qwen2.5-7B-Instruct-1M
+    # 1010000, Qwen3-235B-A22B 40960) from the same config.json.
     "DeepSeek-V3": _mla(
         "DeepSeek-V3", 61, 128, 671e9, "hf_deepseek_v3,deepseekai2024v3", 37e9, (58, 256), 129280
     ),
     "Kimi-K2": _mla(
-        "Kimi-K2", 61, 64, 1.04e12, "hf_kimi_k2,kimiteam2025k2", 32e9, (60, 384), 163840
+        "Kimi-K2",
+        61,
+        64,
+        1.04e12,
+        "hf_kimi_k2,kimiteam2025k2",
+        32e9,
+        (60, 384),
+        163840,
+        positions=131072,
     ),
     "Llama-3.1-8B": _gqa(
         "Llama-3.1-8B",
@@ -238,9 +264,20 @@ MODELS: dict[str, ModelSpec] = {
         3584,
         152064,
         18944,
+        1010000,
     ),  # fmt: skip
     "Qwen3-235B-A22B": replace(
-        _gqa("Qwen3-235B-A22B", 94, 64, 4, 235e9, "hf_qwen3_235b,yang2025qwen3", 4096, 151936),
+        _gqa(
+            "Qwen3-235B-A22B",
+            94,
+            64,
+            4,
+            235e9,
+            "hf_qwen3_235b,yang2025qwen3",
+            4096,
+            151936,
+            positions=40960,
+        ),
         active_params=22e9,
         expert_params=_routed(94, 128, 4096, 1536),
         num_experts=128,

@@ -157,6 +157,7 @@ def model_from_hf_config(
         expert_params=float(routed),
         index_topk=c.index_topk,
         vocab_size=c.vocab_size,
+        max_position_embeddings=c.max_position_embeddings or 0,
         tie_word_embeddings=c.tie_word_embeddings,
         intermediate_size=c.intermediate_size,
         num_experts=experts,

@@ -28,7 +28,7 @@ from cpbook.planner.plan_space import (
     search,
 )
 from cpbook.planner.search_space import ServingWorkload
-from cpbook.planner.serve_flags import serve_command
+from cpbook.planner.serve_flags import Launch, serve_command
 from cpbook.planner.vllm_rules import check_deployment
 
 RUNNERS_UP = 4
@@ -78,6 +78,7 @@ class Plan:
             max_model_len=w.request_tokens,
             max_num_seqs=math.ceil(w.concurrency / e.deployment.dp),
             gpu_memory_utilization=w.gpu_memory_utilization,
+            launch=Launch(w.nodes(self.gpu).gpus_per_node),
         )
 
 

@@ -35,7 +35,7 @@ from cpbook.costmodel.memory import (
 )
 from cpbook.costmodel.specs import GPUSpec, ModelSpec
 from cpbook.planner.search_space import ServingWorkload, check_num_gpus, deployments
-from cpbook.planner.vllm_rules import check_deployment
+from cpbook.planner.vllm_rules import check_deployment, check_nodes
 
 OBJECTIVES = ("throughput", "ttft", "tpot")
 #: why an evaluated deployment is dropped, in the order they are tested
@@ -207,11 +207,17 @@ def estimate(
     batch = min(w.concurrency, capacity)
     if batch == 0 or (capacity < w.concurrency and not time_dropped):
         return dropped("holds-concurrency", capacity, budget)
-    # EP spreads the experts over every GPU, so its prefill depends on DP too
-    dp = deployment.dp if deployment.ep else 1
+    # EP spreads the experts over every GPU, and the nodes a replica's groups span depend on
+    # the world size, so prefill depends on DP then
+    nodes = w.nodes(gpu)
+    knobs = CostKnobs(kv_dtype=kv_dtype, nodes=nodes)
+    wide = deployment.ep or deployment.num_gpus > nodes.gpus_per_node
+    dp = deployment.dp if wide else 1
     shape = ("ttft", w.prompt_tokens, deployment.tp, deployment.pcp, deployment.dcp, dp)
-    shape += (deployment.ep, deployment.tpa)
-    first = _cached(cache, shape, lambda: ttft(model, gpu, deployment, w.prompt_tokens))
+    shape += (deployment.ep, deployment.tpa, nodes)
+    first = _cached(
+        cache, shape, lambda: ttft(model, gpu, deployment, w.prompt_tokens, knobs=knobs)
+    )
     late = w.ttft_target_s is not None and first.total_s > w.ttft_target_s
     step = None
     if time_dropped or not late:
@@ -221,7 +227,7 @@ def estimate(
             deployment,
             w.request_tokens,
             batch,
-            knobs=CostKnobs(kv_dtype=kv_dtype),
+            knobs=knobs,
             batching=ContinuousBatching(w.prompt_tokens, w.output_tokens),
         )
     drop = None
@@ -283,7 +289,7 @@ def search(
     cache = {} if cache is None else cache
     rows = [
         estimate(model, gpu, deployment, kv, w, time_dropped=time_dropped, cache=cache)
-        for deployment, kv in deployments(model, num_gpus, w, rejected)
+        for deployment, kv in deployments(model, num_gpus, w, rejected, w.nodes(gpu).gpus_per_node)
     ]
     return rows, rejected
 
@@ -306,6 +312,7 @@ def brute_force(
             deployment = Deployment(tp=tp, dcp=dcp, pcp=pcp, dp=dp, ep=ep, tpa=tpa)
             try:
                 check_deployment(model, deployment, kv, model_runner_v2=w.model_runner_v2)
+                check_nodes(deployment, w.nodes(gpu).gpus_per_node, num_gpus)
             except ConfigError:
                 continue
             e = estimate(model, gpu, deployment, kv, w)

@@ -1,5 +1,5 @@
 """What the planner searches: the workload a deployment must serve, and every deployment on at
-most ``num_gpus`` GPUs that vLLM v0.33.0 serves for a model.
+most ``num_gpus`` GPUs that vLLM v0.34.0 serves for a model.
 
 :func:`deployments` is a flat generator over the product of the deployment axes (TP x PCP, the DCP
 sizes ``ParallelConfig`` admits, query replication for MLA with DCP, then DP x EP), filtered by
@@ -17,8 +17,15 @@ from dataclasses import dataclass, replace
 from cpbook.core.config import ConfigError
 from cpbook.core.errors import RuleError
 from cpbook.costmodel.memory import Deployment
-from cpbook.costmodel.specs import DEFAULT_GPU_MEMORY_UTILIZATION, ModelSpec, check_tokens
-from cpbook.planner.vllm_rules import check_deployment, check_kv_dtype
+from cpbook.costmodel.nodes import Nodes
+from cpbook.costmodel.specs import (
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    LINKS,
+    GPUSpec,
+    ModelSpec,
+    check_tokens,
+)
+from cpbook.planner.vllm_rules import check_deployment, check_kv_dtype, check_nodes
 
 __all__ = ["ServingWorkload", "check_num_gpus", "deployments"]
 
@@ -28,8 +35,10 @@ class ServingWorkload:
     """What a deployment must serve: ``concurrency`` requests in flight, each a prompt of
     ``prompt_tokens`` tokens followed by ``output_tokens`` generated ones; optional targets on
     time to first token and time per output token; the KV cache dtypes allowed (cpbook's
-    names, ``bf16`` and ``fp8``); vLLM's ``gpu_memory_utilization``; and whether Model Runner V2
-    (vLLM v0.33's default, the only one that runs PCP) is on."""
+    names, ``bf16`` and ``fp8``); vLLM's ``gpu_memory_utilization``; whether Model Runner V2
+    (vLLM's default, the only one that runs PCP) is on; and how the GPUs sit in nodes:
+    ``gpus_per_node`` (``None``: the GPU's own, 8 for an HGX / DGX node) joined by
+    ``inter_node_link`` (a key of :data:`~cpbook.costmodel.specs.LINKS`), see :meth:`nodes`."""
 
     prompt_tokens: int
     output_tokens: int = 1
@@ -39,6 +48,8 @@ class ServingWorkload:
     kv_dtypes: tuple[str, ...] = ("bf16",)
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     model_runner_v2: bool = True
+    gpus_per_node: int | None = None
+    inter_node_link: str = "RDMA400"
 
     def __post_init__(self) -> None:
         check_tokens("prompt_tokens", self.prompt_tokens, minimum=1)
@@ -60,6 +71,18 @@ class ServingWorkload:
                 "0 < gpu_memory_utilization <= 1",
                 gpu_memory_utilization=self.gpu_memory_utilization,
             )
+        if self.inter_node_link not in LINKS:
+            raise RuleError(
+                "inter-node-link", f"a key of LINKS {sorted(LINKS)}", link=self.inter_node_link
+            )
+        if self.gpus_per_node is not None:
+            Nodes(self.gpus_per_node)  # rule gpus-per-node
+
+    def nodes(self, gpu: GPUSpec) -> Nodes:
+        """The nodes the cost model prices with: ``gpus_per_node`` (default ``gpu``'s) GPUs per
+        node, joined by ``inter_node_link``."""
+        per_node = self.gpus_per_node or gpu.gpus_per_node
+        return Nodes(per_node, LINKS[self.inter_node_link])
 
     @property
     def request_tokens(self) -> int:
@@ -114,22 +137,49 @@ def _served(
     return True
 
 
+def _launches(
+    d: Deployment, gpus_per_node: int, num_gpus: int, rejected: Counter | None, weight: int
+) -> bool:
+    """Whether vLLM's multi-node launch can run ``d`` in the pool
+    (:func:`~cpbook.planner.vllm_rules.check_nodes`); if not, ``rejected[rule] += weight``."""
+    try:
+        check_nodes(d, gpus_per_node, num_gpus)
+    except ConfigError as e:
+        if rejected is not None:
+            rejected[e.rule] += weight
+        return False
+    return True
+
+
 def deployments(
-    model: ModelSpec, num_gpus: int, w: ServingWorkload, rejected: Counter | None = None
+    model: ModelSpec,
+    num_gpus: int,
+    w: ServingWorkload,
+    rejected: Counter | None = None,
+    gpus_per_node: int | None = None,
 ) -> Iterator[tuple[Deployment, str]]:
     """Every ``(deployment, kv_dtype)`` on at most ``num_gpus`` GPUs that vLLM serves for
     ``model``.  DCP sizes tried: divisors of TP (PCP = 1), or ``{1, pcp, tp * pcp}`` (the only
     ones ``ParallelConfig`` admits with PCP); EP for MoE models, query replication for MLA with
-    DCP.  Each replica shape goes through :func:`check_deployment` once (its rules do not read
-    DP), each EP deployment again; ``rejected`` counts the candidates each rule rejects."""
+    DCP.  Each replica shape goes through :func:`check_deployment` once per KV dtype (its rules
+    read the KV dtype, not DP), each EP deployment again; with ``gpus_per_node`` (default:
+    ``w.gpus_per_node``, else one node) a deployment wider than a node must be launchable on
+    the pool's nodes (:func:`~cpbook.planner.vllm_rules.check_nodes`); ``rejected`` counts the
+    candidates each rule rejects."""
     eps = (False, True) if model.expert_params else (False,)
-    kv0, kvs = w.kv_dtypes[0], len(w.kv_dtypes)
+    per_node = gpus_per_node or w.gpus_per_node or num_gpus
     for shape in _replica_shapes(model, num_gpus):
         dps = range(1, num_gpus // shape.num_gpus + 1)
-        weight = len(dps) * len(eps) * kvs
-        if not _served(model, shape, kv0, rejected, weight, model_runner_v2=w.model_runner_v2):
+        weight = len(dps) * len(eps)
+        kvs = [
+            kv
+            for kv in w.kv_dtypes
+            if _served(model, shape, kv, rejected, weight, model_runner_v2=w.model_runner_v2)
+        ]
+        if not kvs:
             continue
         for dp, ep in itertools.product(dps, eps):
             d = replace(shape, dp=dp, ep=ep)
-            if not ep or _served(model, d, kv0, rejected, kvs):
-                yield from ((d, kv) for kv in w.kv_dtypes)
+            if not _launches(d, per_node, num_gpus, rejected, len(kvs)):
+                continue
+            yield from ((d, kv) for kv in kvs if not ep or _served(model, d, kv, rejected, 1))

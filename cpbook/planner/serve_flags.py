@@ -1,25 +1,37 @@
 """A deployment as a ``vllm serve`` command line, and back.
 
-Flag names are vLLM v0.33.0's (``EngineArgs.add_cli_args`` in ``vllm/engine/arg_utils.py``;
+Flag names are vLLM v0.34.0's (``EngineArgs.add_cli_args`` in ``vllm/engine/arg_utils.py``;
 fields of ``vllm/config/parallel.py`` and ``vllm/config/cache.py``):
 ``--tensor-parallel-size`` (``-tp``), ``--decode-context-parallel-size`` (``-dcp``),
 ``--prefill-context-parallel-size`` (``-pcp``), ``--data-parallel-size`` (``-dp``),
 ``--enable-expert-parallel`` (``-ep``), ``--dcp-q-replicate`` / ``--no-dcp-q-replicate`` (MLA's
 query replication, ``ParallelConfig.dcp_q_replicate``, a ``BooleanOptionalAction``),
 ``--dcp-comm-backend``, ``--cp-kv-cache-interleave-size``, ``--kv-cache-dtype``,
-``--max-model-len``, ``--max-num-seqs`` and ``--gpu-memory-utilization``.
+``--max-model-len``, ``--max-num-seqs`` and ``--gpu-memory-utilization``; for a deployment
+wider than a node, vLLM's multiprocessing multi-node launch: the same line on every node with
+``--nnodes N --node-rank R --master-addr ADDR`` (``ParallelConfig.nnodes`` / ``node_rank`` /
+``master_addr``), ``--headless`` on the nodes other than 0 (``run_headless`` in
+``vllm/entrypoints/cli/serve.py`` starts their workers); no Ray needed.  A
+``--max-model-len`` beyond the model's ``max_position_embeddings`` is prefixed with
+``VLLM_ALLOW_LONG_MAX_MODEL_LEN=1``, the variable vLLM asks for
+(:func:`~cpbook.planner.vllm_rules.check_max_model_len`).
 :func:`parse_serve_command` reads those flags (long or short) back into the deployment.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import shlex
 from collections.abc import Sequence
+from dataclasses import dataclass
 
+from cpbook.core.config import ConfigError
 from cpbook.core.errors import RuleError
 from cpbook.costmodel.memory import Deployment
+from cpbook.costmodel.nodes import node_count
 from cpbook.costmodel.specs import ModelSpec
+from cpbook.planner.vllm_rules import check_max_model_len
 
 #: Hugging Face repositories of the built-in models (book/references.bib, ``hf_*``)
 HF_REPOS = {
@@ -51,6 +63,28 @@ def vllm_kv_cache_dtype(model: ModelSpec, kv_dtype: str) -> str:
     return "bfloat16" if model.sparse_mla else "auto"
 
 
+#: the head node's address in a printed multi-node line, for the reader to replace
+HEAD_NODE_ADDR = "HEAD_NODE_IP"
+#: the environment variable vLLM asks for to start beyond ``max_position_embeddings``
+ALLOW_LONG_MAX_MODEL_LEN = "VLLM_ALLOW_LONG_MAX_MODEL_LEN"
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Where one ``vllm serve`` line runs: nodes of ``gpus_per_node`` GPUs (``None``: one node,
+    however many GPUs), this line's ``node_rank`` and the head node's ``master_addr``."""
+
+    gpus_per_node: int | None = None
+    node_rank: int = 0
+    master_addr: str = HEAD_NODE_ADDR
+
+    def nnodes(self, deployment: Deployment) -> int:
+        """The ``--nnodes`` of ``deployment`` (:func:`~cpbook.costmodel.nodes.node_count`)."""
+        if self.gpus_per_node is None:
+            return 1
+        return node_count(deployment.num_gpus, self.gpus_per_node)
+
+
 def serve_args(
     model: ModelSpec,
     deployment: Deployment,
@@ -59,13 +93,17 @@ def serve_args(
     max_model_len: int,
     max_num_seqs: int,
     gpu_memory_utilization: float,
-    cp_kv_cache_interleave_size: int = 1,
+    cp_kv_cache_interleave_size: int | None = None,
+    launch: Launch = Launch(),
 ) -> list[str]:
     """``vllm serve``'s arguments for ``deployment``: sizes above 1, the DCP options when DCP is on
     (``ag_rs``, the backend the cost model prices and PCP x DCP requires; query replication on
-    or off explicitly, as some models default it on), the interleave size (1: token-level
-    balance; a P/D decode instance sets it to its block size, chapter 2), and the memory
-    settings the plan assumed (vLLM's own ``gpu_memory_utilization`` default differs)."""
+    or off explicitly, as some models default it on), the interleave size only when given
+    (omitted, vLLM v0.34 uses 1, token-level balance, and picks the block size itself for a
+    NIXL P/D decode instance, ``VllmConfig.adjust_dcp_kv_cache_interleave_size``; an explicit
+    value turns that choice off), the memory settings the plan assumed (vLLM's own
+    ``gpu_memory_utilization`` default differs) and, when ``launch`` puts it on several nodes,
+    ``--nnodes --node-rank --master-addr`` (and ``--headless`` off the head node)."""
     args = ["--tensor-parallel-size", str(deployment.tp)]
     for flag, size in (
         ("--prefill-context-parallel-size", deployment.pcp),
@@ -78,10 +116,15 @@ def serve_args(
         args += ["--dcp-comm-backend", "ag_rs"]
         if model.use_mla and deployment.pcp == 1:
             args.append("--dcp-q-replicate" if deployment.tpa else "--no-dcp-q-replicate")
-    if deployment.dcp > 1 or deployment.pcp > 1:
+    if cp_kv_cache_interleave_size is not None and (deployment.dcp > 1 or deployment.pcp > 1):
         args += ["--cp-kv-cache-interleave-size", str(cp_kv_cache_interleave_size)]
     if deployment.ep:
         args.append("--enable-expert-parallel")
+    nnodes = launch.nnodes(deployment)
+    if nnodes > 1:
+        args += ["--nnodes", str(nnodes), "--node-rank", str(launch.node_rank)]
+        args += ["--master-addr", launch.master_addr]
+        args += ["--headless"] if launch.node_rank else []
     return args + [
         "--kv-cache-dtype",
         vllm_kv_cache_dtype(model, kv_dtype),
@@ -123,10 +166,46 @@ def deployment_flags(model: ModelSpec, deployment: Deployment, kv_dtype: str) ->
     return " ".join(keep)
 
 
+def long_context_env(model: ModelSpec, max_model_len: int) -> list[str]:
+    """``["VLLM_ALLOW_LONG_MAX_MODEL_LEN=1"]`` when ``max_model_len`` exceeds the model's
+    ``max_position_embeddings`` (rule ``max-model-len-within-positions``), else ``[]``."""
+    try:
+        check_max_model_len(model, max_model_len)
+    except ConfigError:
+        return [f"{ALLOW_LONG_MAX_MODEL_LEN}=1"]
+    return []
+
+
+def max_model_len_note(model: ModelSpec, max_model_len: int) -> str | None:
+    """One sentence for a line that needs ``VLLM_ALLOW_LONG_MAX_MODEL_LEN=1``: what vLLM checks
+    and what makes the answers right beyond the trained positions; ``None`` when not needed."""
+    if not long_context_env(model, max_model_len):
+        return None
+    return (
+        f"--max-model-len {max_model_len:,} exceeds {model.name}'s max_position_embeddings "
+        f"({model.max_position_embeddings:,}): vLLM starts only with "
+        f"{ALLOW_LONG_MAX_MODEL_LEN}=1, and positions past it need a RoPE scaling that covers "
+        "them (e.g. YaRN through --hf-overrides) for the answers to be right."
+    )
+
+
 def serve_command(model: ModelSpec, deployment: Deployment, kv_dtype: str, **kwargs) -> str:
-    """The shell line ``vllm serve REPO ARGS`` (``kwargs``: those of :func:`serve_args`)."""
+    """The shell line ``[VLLM_ALLOW_LONG_MAX_MODEL_LEN=1] vllm serve REPO ARGS`` (``kwargs``:
+    those of :func:`serve_args`; the variable when ``max_model_len`` needs it)."""
     repo = HF_REPOS.get(model.name, model.name)
-    return shlex.join(["vllm", "serve", repo, *serve_args(model, deployment, kv_dtype, **kwargs)])
+    env = long_context_env(model, kwargs["max_model_len"])
+    args = serve_args(model, deployment, kv_dtype, **kwargs)
+    return shlex.join([*env, "vllm", "serve", repo, *args])
+
+
+def node_commands(model: ModelSpec, deployment: Deployment, kv_dtype: str, **kwargs) -> list[str]:
+    """:func:`serve_command` for every node of ``kwargs["launch"]`` (one line on one node),
+    node 0 first."""
+    launch = kwargs.pop("launch", Launch())
+    return [
+        serve_command(model, deployment, kv_dtype, launch=Launch(launch.gpus_per_node, r), **kwargs)
+        for r in range(launch.nnodes(deployment))
+    ]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -142,6 +221,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dcp-q-replicate", action=argparse.BooleanOptionalAction)
     p.add_argument("--dcp-comm-backend", choices=["ag_rs", "a2a"])
     p.add_argument("--cp-kv-cache-interleave-size", type=int, default=1)
+    p.add_argument("--nnodes", "-n", type=int, default=1)
+    p.add_argument("--node-rank", "-r", type=int, default=0)
+    p.add_argument("--master-addr")
+    p.add_argument("--master-port", type=int)
+    p.add_argument("--headless", action="store_true")
     p.add_argument("--kv-cache-dtype", choices=sorted(KV_FROM_VLLM), default="auto")
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--max-num-seqs", type=int)
@@ -151,8 +235,11 @@ def _parser() -> argparse.ArgumentParser:
 
 def parse_serve_command(command: str | Sequence[str]) -> tuple[Deployment, str]:
     """``(deployment, kv_dtype)`` of a ``vllm serve`` line written with the flags above (the
-    ``vllm serve`` prefix optional); ValueError naming any other argument."""
+    ``vllm serve`` prefix and ``NAME=VALUE`` environment assignments before it optional);
+    ValueError naming any other argument."""
     argv = shlex.split(command) if isinstance(command, str) else list(command)
+    while argv and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", argv[0]):
+        argv = argv[1:]
     if argv[:2] == ["vllm", "serve"]:
         argv = argv[2:]
     try:

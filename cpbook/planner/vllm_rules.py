@@ -1,16 +1,16 @@
-"""What vLLM v0.33.0 accepts for a model: the deployment rules beyond ``ParallelConfig``'s.
+"""What vLLM v0.34.0 accepts for a model: the deployment rules beyond ``ParallelConfig``'s.
 
 :func:`check_deployment` first builds the deployment's
 :class:`~cpbook.core.config.ParallelConfig` (every TP / DCP / PCP rule there: the DCP size rules
 with and without PCP, ``tp % dcp``, the GQA rules on KV heads, ``pcp-dcp-combination``), then
-applies the rules vLLM v0.33.0 adds at run time for a *model*, each a
+applies the rules vLLM v0.34.0 adds at run time for a *model*, each a
 :class:`~cpbook.core.config.ConfigError` naming it:
 
 ``kv-cache-dtype``
     The KV cache is 16-bit (the model's dtype) or FP8: the two choices the planner weighs.
 ``pcp-needs-model-runner-v2``
     PCP runs only on Model Runner V2: ``VllmConfig._get_v1_model_runner_unsupported_features``
-    lists "prefill context parallel" (``vllm/config/vllm.py``).  V2 is the default in v0.33;
+    lists "prefill context parallel" (``vllm/config/vllm.py``).  V2 is the default;
     ``VLLM_USE_V2_MODEL_RUNNER=0`` turns it off.
 ``pcp-mla-only``
     PCP > 1 needs an MLA model: ``PCPManager.validate_config`` raises "MRV2 PCP currently
@@ -21,13 +21,26 @@ applies the rules vLLM v0.33.0 adds at run time for a *model*, each a
     (#53573), and ``MLAAttention.__init__`` rejects PCP + DCP for attention classes whose
     ``supports_pcp_dcp`` is false (only ``DeepseekV32Attention`` sets it,
     ``vllm/models/deepseek_v32/attention.py``).
+``sparse-mla-pcp-dcp-fp8-ds-mla``, ``sparse-mla-dcp-fp8-heads``, ``sparse-mla-dcp-fp8-head-padding``
+    Sparse MLA with DCP runs on FlashMLA-sparse (on SM90 the other sparse backend,
+    FlashAttention-MLA-sparse, "does not support DCP", and on SM100 FlashInfer's "does not
+    support combined PCP+DCP" nor ``fp8_ds_mla``), whose ``FlashMLASparseMetadataBuilder``
+    raises ``NotImplementedError`` at start-up
+    (``vllm/v1/attention/backends/mla/flashmla_sparse.py``): PCP x DCP "gathers the KV through
+    the fp8_ds_mla upconvert", so it needs ``--kv-cache-dtype fp8_ds_mla``; and with an FP8
+    cache, DCP without PCP needs the mixed-batch kernel, ``heads = num_q_heads // tp < 32``
+    (``MIN_HEADS_FOR_BF16_PREFILL``), and the local and DCP-gathered head counts must pad to
+    the same FP8 decode kernel (``64 if h <= 64 else 128``; gathered: ``h * dcp``, or with
+    PCP ``h * tp`` when ``dcp > pcp``).  In v0.33.0 the two head rules held for a bf16 cache
+    too.  The planner does not switch a bf16 cache to FP8 on its own: with ``fp8`` allowed, the
+    same deployment is searched with ``fp8_ds_mla`` (656 B per token and layer).
 ``dcp-q-replicate-needs-pcp-1``
     Query replication (``--dcp-q-replicate``, MLA) takes effect only without PCP:
     ``DeepseekV2MLAAttention.__init__`` enables it only when
     ``prefill_context_parallel_size <= 1`` (``vllm/model_executor/models/deepseek_v2.py``) and
     silently ignores it otherwise, so the planner keeps only the deployment that runs.
 ``tpa-gqa-unreleased``
-    TPA for GQA (``tensor_parallel_size_attention``, PR #36287) is not in v0.33.0: no such
+    TPA for GQA (``tensor_parallel_size_attention``, PR #36287) is not in v0.34.0: no such
     field in ``vllm/config/parallel.py``.  MLA's form, ``dcp_q_replicate``, is.
 ``ep-needs-moe``
     ``--enable-expert-parallel`` needs routed experts:
@@ -38,14 +51,20 @@ applies the rules vLLM v0.33.0 adds at run time for a *model*, each a
     GPU vLLM accepts the flag and changes nothing, so the planner keeps the deployment without it.
 
 PCP x DCP also requires ``--dcp-comm-backend ag_rs`` (``PCPManager.validate_config``): the
-cost model prices ``ag_rs`` and :mod:`cpbook.planner.serve_flags` prints it.
+cost model prices ``ag_rs`` and :mod:`cpbook.planner.serve_flags` prints it.  Two more rules
+are about the launch, not the deployment: :func:`check_nodes` (``nnodes-divides-world``) and
+:func:`check_max_model_len` (``max-model-len-within-positions``).
 """
 
 from __future__ import annotations
 
 from cpbook.core.config import ConfigError, ParallelConfig
 from cpbook.costmodel.memory import Deployment
+from cpbook.costmodel.nodes import node_count
 from cpbook.costmodel.specs import ModelSpec
+
+#: FlashMLA-sparse's ``MIN_HEADS_FOR_BF16_PREFILL``: below it, the mixed-batch FP8 kernel
+SPARSE_MLA_MIN_HEADS_FOR_BF16_PREFILL = 32
 
 #: the KV cache dtypes the planner weighs (cpbook's names; serve_flags maps them to vLLM's)
 PLAN_KV_DTYPES = ("bf16", "fp8")
@@ -64,7 +83,7 @@ def check_deployment(
     *,
     model_runner_v2: bool = True,
 ) -> ParallelConfig:
-    """The replica's :class:`ParallelConfig` if vLLM v0.33.0 serves ``model`` as ``deployment``
+    """The replica's :class:`ParallelConfig` if vLLM v0.34.0 serves ``model`` as ``deployment``
     with a ``kv_dtype`` cache; else :class:`ConfigError` naming the first violated rule
     (``ParallelConfig``'s, then this module's in the order of its docstring)."""
     cfg = deployment.config(model)
@@ -91,6 +110,8 @@ def check_deployment(
             prefill_context_parallel_size=cfg.pcp,
             decode_context_parallel_size=cfg.dcp,
         )
+    if model.sparse_mla and cfg.dcp > 1:
+        check_sparse_mla_dcp(model, cfg, kv_dtype)
     if deployment.tpa and model.use_mla and cfg.pcp > 1:
         raise ConfigError(
             "dcp-q-replicate-needs-pcp-1",
@@ -100,7 +121,7 @@ def check_deployment(
     if deployment.tpa and not model.use_mla:
         raise ConfigError(
             "tpa-gqa-unreleased",
-            "MLA for TPA in vLLM v0.33.0 (GQA's tensor_parallel_size_attention is PR #36287)",
+            "MLA for TPA in vLLM v0.34.0 (GQA's tensor_parallel_size_attention is PR #36287)",
             model=model.name,
         )
     if deployment.ep and not model.expert_params:
@@ -114,6 +135,95 @@ def check_deployment(
             num_gpus=deployment.num_gpus,
         )
     return cfg
+
+
+def fp8_decode_padded_heads(num_heads: int) -> int:
+    """FlashMLA-sparse's ``_compute_fp8_decode_padded_heads``: the FP8 decode kernel runs 64
+    or 128 query heads."""
+    return 64 if num_heads <= 64 else 128
+
+
+def check_sparse_mla_dcp(model: ModelSpec, cfg: ParallelConfig, kv_dtype: str) -> None:
+    """FlashMLA-sparse's start-up checks for DCP > 1 (``FlashMLASparseMetadataBuilder.__init__``,
+    v0.34.0), with cpbook's ``fp8`` as vLLM's ``fp8_ds_mla``: rules
+    ``sparse-mla-pcp-dcp-fp8-ds-mla``, ``sparse-mla-dcp-fp8-heads`` and
+    ``sparse-mla-dcp-fp8-head-padding`` (see the module docstring)."""
+    heads = model.num_q_heads // cfg.tp  # ModelConfig.get_num_attention_heads
+    pcp_dcp = cfg.pcp > 1 and cfg.dcp > 1
+    sizes = dict(
+        tensor_parallel_size=cfg.tp,
+        prefill_context_parallel_size=cfg.pcp,
+        decode_context_parallel_size=cfg.dcp,
+    )
+    if pcp_dcp and kv_dtype != "fp8":
+        raise ConfigError(
+            "sparse-mla-pcp-dcp-fp8-ds-mla",
+            "--kv-cache-dtype fp8_ds_mla for sparse MLA with PCP x DCP (FlashMLA-sparse gathers "
+            "the KV through the fp8_ds_mla upconvert)",
+            kv_cache_dtype=kv_dtype,
+            **sizes,
+        )
+    if kv_dtype != "fp8":
+        return
+    if not pcp_dcp and heads >= SPARSE_MLA_MIN_HEADS_FOR_BF16_PREFILL:
+        raise ConfigError(
+            "sparse-mla-dcp-fp8-heads",
+            f"num_q_heads // tp < {SPARSE_MLA_MIN_HEADS_FOR_BF16_PREFILL} for sparse MLA DCP with "
+            "an fp8_ds_mla cache (FlashMLA-sparse's mixed-batch kernel)",
+            num_heads_per_rank=heads,
+            **sizes,
+        )
+    if cfg.pcp > 1:
+        gathered = heads * cfg.tp if cfg.dcp > cfg.pcp else heads
+    else:
+        gathered = heads * cfg.dcp
+    if fp8_decode_padded_heads(heads) != fp8_decode_padded_heads(gathered):
+        raise ConfigError(
+            "sparse-mla-dcp-fp8-head-padding",
+            "local and DCP-gathered heads padded to the same FP8 decode kernel (64 or 128)",
+            num_heads_per_rank=heads,
+            gathered_num_heads=gathered,
+            **sizes,
+        )
+
+
+def check_nodes(deployment: Deployment, gpus_per_node: int, num_gpus: int) -> int:
+    """The nodes vLLM's multi-node launch runs ``deployment`` on
+    (:func:`~cpbook.costmodel.nodes.node_count`) when the pool is ``num_gpus`` GPUs in nodes of
+    ``gpus_per_node``; rule ``nnodes-divides-world``: those nodes exist in the pool (vLLM's
+    ``--nnodes`` must evenly divide the world size, ``EngineArgs.create_engine_config``, so 9
+    GPUs on two 8-GPU nodes cannot be launched)."""
+    n = node_count(deployment.num_gpus, gpus_per_node)
+    available = -(-num_gpus // gpus_per_node)
+    if n > available:
+        raise ConfigError(
+            "nnodes-divides-world",
+            "world_size % nnodes == 0 with at most gpus_per_node ranks per node, on the nodes "
+            "of the pool",
+            world_size=deployment.num_gpus,
+            gpus_per_node=gpus_per_node,
+            nnodes=n,
+            nodes_in_pool=available,
+        )
+    return n
+
+
+def check_max_model_len(model: ModelSpec, max_model_len: int) -> None:
+    """Rule ``max-model-len-within-positions``: ``--max-model-len`` at most the model's
+    ``max_position_embeddings`` (its YaRN or ``llama3`` RoPE scaling already folded in), else
+    vLLM v0.34.0 refuses to start "To allow overriding this maximum, set the env var
+    VLLM_ALLOW_LONG_MAX_MODEL_LEN=1" (``_get_and_verify_max_len``, ``vllm/config/model.py``).
+    A model whose positions are unknown (0) passes."""
+    limit = model.max_position_embeddings
+    if limit and max_model_len > limit:
+        raise ConfigError(
+            "max-model-len-within-positions",
+            "max_model_len <= max_position_embeddings, or VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 (and "
+            "a RoPE scaling that covers the positions, for the answers to be right)",
+            model=model.name,
+            max_model_len=max_model_len,
+            max_position_embeddings=limit,
+        )
 
 
 def _probes(model: ModelSpec) -> dict[str, Deployment]:
@@ -130,13 +240,17 @@ def _probes(model: ModelSpec) -> dict[str, Deployment]:
 
 def rule_probes(model: ModelSpec) -> dict[str, str | None]:
     """Six probe deployments and what :func:`check_deployment` says of each for ``model``: ``None``
-    (vLLM v0.33 serves it) or the rule that rejects it.  The decision page's figure and table
-    draw the model families' differences from this."""
+    (vLLM v0.34 serves it with one of :data:`PLAN_KV_DTYPES`) or the rule that rejects it (with
+    a bf16 cache).  The decision page's figure and table draw the model families' differences
+    from this."""
     out: dict[str, str | None] = {}
     for name, deployment in _probes(model).items():
-        try:
-            check_deployment(model, deployment)
-            out[name] = None
-        except ConfigError as e:
-            out[name] = e.rule
+        out[name] = None
+        for kv in reversed(PLAN_KV_DTYPES):  # bf16 last: its rule is the one reported
+            try:
+                check_deployment(model, deployment, kv)
+                out[name] = None
+                break
+            except ConfigError as e:
+                out[name] = e.rule
     return out
