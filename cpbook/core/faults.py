@@ -53,7 +53,7 @@ def _waits(store, ranks: list[int]) -> dict[int, dict]:
     return out
 
 
-def blame(rank: int, where: dict, grace: float) -> tuple[list[int], str] | tuple[None, str]:
+def blame(rank: int, where: dict, grace: float) -> tuple[list[int] | None, str]:
     """For this ``rank`` whose call ``where`` (:attr:`CommTimeout.where`) failed: record it in
     the job's store, wait up to ``grace`` seconds for the group's other members' records, and
     return ``(blamed ranks, one line)`` — the members that recorded nothing (they never entered
