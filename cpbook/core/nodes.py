@@ -13,7 +13,9 @@ A node sees only its own ranks' processes, so a failure travels through the job'
 * a rank that dies without a word (killed, crashed) is seen by its node's ``run`` (its process
   is gone and it left neither a result nor an error file), which writes the same key;
 * a rank whose collective failed because a peer went away waits a little for that key and
-  reports the root cause instead of its own broken-pipe error.
+  reports the root cause instead of its own broken-pipe error; when no rank publishes one (a
+  rank stopped answering), the peers name the rank they waited for
+  (:func:`cpbook.core.faults.blame`).
 
 So every node's ``run`` raises naming the rank that failed first, on whichever node it ran.
 """
