@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from cpbook.__main__ import main
@@ -190,3 +192,17 @@ def test_max_model_len_follows_vllm():
 def test_the_loaded_config_carries_the_limit(folders):
     raw = json.loads((folders["one"] / "config.json").read_text())
     assert hf_config(raw)[0].max_model_len == 64
+
+
+@settings(
+    max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(cut=st.integers(min_value=0, max_value=10**9))
+def test_any_truncation_is_a_named_rule(folders, tmp_path_factory, cut):
+    """A safetensors file cut anywhere short of its end fails the header check with one of the
+    two named rules — never a raw exception, never a partial load."""
+    data = (folders["one"] / "model.safetensors").read_bytes()
+    path = tmp_path_factory.mktemp("cut") / "model.safetensors"
+    path.write_bytes(data[: cut % len(data)])
+    with pytest.raises(ConfigError, match=r"^\[safetensors-(header|data)\] .*file='model"):
+        read_header(path)

@@ -170,3 +170,15 @@ def test_autotokenizer_from_tokenizer_config(llama, tmp_path):
     assert codec.hf and isinstance(codec.tokenizer, type(AutoTokenizer.from_pretrained(folder)))
     good, bad = read_requests(['{"prompt": "w3 w4"}'], "-", 128, 2, codec)
     assert bad == [] and good[0].prompt == [3, 4]
+
+
+def test_workload_takes_one_budget_and_id_per_prompt():
+    from cpbook.engine.config import ServeWorkload
+
+    ServeWorkload(prompts=[[1], [2]], max_new_tokens=[1, 2], request_ids=["a", "b"])
+    with pytest.raises(ValueError, match=r"\[workload-per-prompt\].*max_new_tokens=2"):
+        ServeWorkload(prompts=[[1]], max_new_tokens=[1, 2])
+    with pytest.raises(ValueError, match=r"\[workload-per-prompt\].*request_ids=2"):
+        ServeWorkload(prompts=[[1]], request_ids=["a", "b"])
+    with pytest.raises(ValueError, match=r"\[positive-sizes\]"):
+        ServeWorkload(num_requests=2, max_new_tokens=[0, 1])

@@ -121,19 +121,22 @@ class ServeWorkload:
 
     def __post_init__(self) -> None:
         check_positive(num_requests=self.num_requests)
+        count = len(self.prompts) if self.prompts is not None else self.num_requests
+        per_prompt = {"request_ids": self.request_ids}
         if isinstance(self.max_new_tokens, int):
             check_positive(max_new_tokens=self.max_new_tokens)
-            return
-        for n in self.max_new_tokens:
-            check_positive(max_new_tokens=n)
-        count = len(self.prompts) if self.prompts is not None else self.num_requests
-        if len(self.max_new_tokens) != count:
-            raise ConfigError(
-                "max-new-tokens-per-prompt",
-                "one max_new_tokens per prompt",
-                prompts=count,
-                max_new_tokens=len(self.max_new_tokens),
-            )
+        else:
+            for n in self.max_new_tokens:
+                check_positive(max_new_tokens=n)
+            per_prompt["max_new_tokens"] = self.max_new_tokens
+        for name, values in per_prompt.items():
+            if values is not None and len(values) != count:
+                raise ConfigError(
+                    "workload-per-prompt",
+                    f"one of {name} per prompt",
+                    prompts=count,
+                    **{name: len(values)},
+                )
 
 
 def request_fits_model(
