@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 
 import torch
 
@@ -125,6 +126,16 @@ def kill_on_rank(ctx: RankContext, *, victim: int) -> float:
     x = ctx.world.all_reduce(torch.ones(1, dtype=torch.float64))
     if ctx.rank == victim:
         os.kill(os.getpid(), signal.SIGKILL)
+    return float(ctx.world.all_reduce(x)[0])
+
+
+def block_on_rank(ctx: RankContext, *, victim: int) -> float:
+    """One all-reduce with every rank alive, then ``victim`` stops answering (waits forever
+    outside any collective) while the others enter a second all-reduce: they must time out
+    and blame ``victim``."""
+    x = ctx.world.all_reduce(torch.ones(1, dtype=torch.float64))
+    if ctx.rank == victim:
+        threading.Event().wait()
     return float(ctx.world.all_reduce(x)[0])
 
 

@@ -142,3 +142,28 @@ def test_flat_parameters_build_the_config_objects():
     assert demo_kwargs(fn, {}) == {}
     with pytest.raises(ValueError, match=r"^\[pcp-dcp-combination\]"):
         demo_kwargs(fn, {"prefill_context_parallel_size": 3})
+
+
+@pytest.mark.torchrun
+def test_cli_torchrun_names_the_failing_rank_and_its_cause(tmp_path):
+    """``demo merge --world-size 4 --backend torchrun`` with rank 2's ``merge_rank`` raising
+    (injected at interpreter start by a ``sitecustomize`` on the workers' path): exit 2 and one
+    line naming rank 2, the exception's type and its message; no traceback without --debug."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import os\n"
+        "if os.environ.get('RANK') == '2':\n"
+        "    import cpbook.demos.ch01_merge as m\n"
+        "    def merge_rank(ctx, **kw):\n"
+        "        raise ValueError('injected on rank 2')\n"
+        "    m.merge_rank = merge_rank\n"
+    )
+    path = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
+    out = _cli(
+        "demo", "merge", "--world-size", "4", "--backend", "torchrun", "--dist-backend", "gloo",
+        env={**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert out.returncode == 2, out.stderr
+    assert out.stderr == (
+        "cpbook: error: RuntimeError: rank 2 of 4 failed in merge_rank under torchrun: "
+        "ValueError: injected on rank 2\n"
+    )

@@ -1,12 +1,13 @@
 """launch: the same per-rank function on simulated ranks and on torchrun processes."""
 
+import re
 import time
 
 import pytest
 
 from cpbook.core.launch import Nodes, run
 from cpbook.demos.ch01_merge import merge_rank
-from tests.rank_fns import echo_timeout, fail_on_rank
+from tests.rank_fns import block_on_rank, echo_timeout, fail_on_rank, kill_on_rank
 
 
 @pytest.mark.parametrize(
@@ -38,8 +39,37 @@ def test_failing_rank_raises_with_its_traceback(backend):
         )
     assert time.monotonic() - t0 < 60
     msg = str(err.value)
-    assert msg.startswith("rank 2 of 4 failed in fail_on_rank")
-    assert "Traceback" in msg and "ValueError: deliberate failure on rank 2" in msg
+    first = msg.splitlines()[0]
+    assert first.startswith("rank 2 of 4 failed in fail_on_rank")
+    assert first.endswith(": ValueError: deliberate failure on rank 2")  # the cause, one line
+    assert "Traceback" in msg
+
+
+@pytest.mark.torchrun
+@pytest.mark.parametrize(
+    ("fn", "says"),
+    [
+        (kill_on_rank, "ended without a result or a Python error: killed by signal 9 (SIGKILL)"),
+        (
+            block_on_rank,
+            "waited for rank(s) [2] in all_reduce #2 on group 'world' [0, 1, 2] (timeout 5 s); "
+            "they never entered it, ranks [0, 1] did",
+        ),
+    ],
+    ids=["sigkill", "blocks"],
+)
+def test_a_killed_or_silent_rank_is_the_one_named(fn, says):
+    """Rank 2 of 3 is SIGKILLed after a first all-reduce, or stops answering (waits outside
+    any collective): the error's first line names rank 2 and the signal, or the call its peers
+    waited in for it (not the peer that timed out first).  Nothing hangs: the 5 s collective
+    timeout ends the job (pytest-timeout fails a hang; no clock is asserted)."""
+    with pytest.raises(RuntimeError) as err:
+        run(fn, 3, "torchrun", {"victim": 2}, timeout=5, dist_backend="gloo", report=False)
+    first = str(err.value).splitlines()[0]
+    assert first.startswith(f"rank 2 of 3 failed in {fn.__name__} under torchrun: "), first
+    assert says in first, first
+    if fn is block_on_rank:  # the peer that timed out says whom it waited for
+        assert re.search(r"under torchrun: stopped answering: rank [01] waited", first), first
 
 
 def test_notebook_functions_are_rejected_for_torchrun():

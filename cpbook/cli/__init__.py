@@ -8,6 +8,8 @@ simulated ranks on one GPU; under torchrun each rank's device follows its dist b
 ``--model FOLDER`` serves a Hugging Face checkpoint (:func:`cpbook.engine.hf.from_pretrained`);
 with the folder's ``tokenizer.json`` and the ``tokenizers`` extra, ``--prompt TEXT`` is
 encoded and the output printed as text; ``--json`` request lines carry the prompt's token ids.
+``--input FILE|-`` serves JSON lines of requests (:mod:`.requests`; bad lines skipped with
+their line number, ``--strict`` stops); when every request is refused, ``serve`` exits 2.
 ``--spec ngram|draft --num-spec-tokens K`` serves with speculative decoding (chapter 10;
 ``--draft-model`` an engine model name or folder) and adds the acceptance rate and the mean
 tokens per decode step to the summary.

@@ -1,12 +1,21 @@
 """``python -m cpbook serve``: greedy generation with the chapter 9 engine on ``tp·pcp`` ranks
 (inline, ``--backend torchrun``, or as torchrun's worker), rank 0's result printed as a table
-or JSON lines."""
+or JSON lines, one per request.
+
+What it serves: ``--requests N`` generated prompts (the default), ``--prompt TEXT`` or
+``--input FILE|-`` JSON lines (:mod:`cpbook.cli.requests`).  Everything is checked before any
+process starts: the grid, a model folder's checkpoint against its ``config.json``
+(:func:`cpbook.engine.hf.check_folder`) and each input line (a bad one is reported with its
+line number and skipped, or stops the run with ``--strict``).  A request the model's positions
+or the KV cache cannot hold is refused alone, with its rule, before any step; when every
+request is refused the command says how many and exits 2."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import sys
 
 from cpbook.cli.options import (
     add_debug,
@@ -16,10 +25,13 @@ from cpbook.cli.options import (
     start_worker,
     under_torchrun,
 )
+from cpbook.cli.requests import InputRequest, load_tokenizer, read_requests
 from cpbook.core.errors import RuleError
 from cpbook.core.groups import check_grid_world
 from cpbook.core.launch import run
 from cpbook.engine.engine import engine_config, model_config
+from cpbook.engine.hf import check_folder
+from cpbook.engine.models import ENGINE_MODELS
 from cpbook.engine.spec_decode import SpeculativeConfig, check_draft_vocab
 from cpbook.timing import serve_timing
 
@@ -42,7 +54,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument(
         "--prompt",
         action="append",
-        help="a text prompt (repeatable; needs the folder's tokenizer.json and `tokenizers`)",
+        help="a text prompt (repeatable; needs the model folder's tokenizer)",
+    )
+    s.add_argument(
+        "--input",
+        metavar="FILE|-",
+        default=None,
+        help='requests as JSON lines, {"prompt": TEXT or [ids], "max_new_tokens": N, "id": '
+        "ID} (max_new_tokens and id optional); - reads stdin",
+    )
+    s.add_argument(
+        "--strict", action="store_true", help="--input: a bad line stops the run (default: skip)"
     )
     s.add_argument(
         "--dtype",
@@ -53,7 +75,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
     s.add_argument("--dcp", type=int, default=1, help="decode_context_parallel_size")
     s.add_argument("--pcp", type=int, default=1, help="prefill_context_parallel_size")
-    s.add_argument("--requests", type=int, default=6, help="number of generated prompts")
+    s.add_argument(
+        "--requests", type=int, default=6, help="number of generated prompts (without --input)"
+    )
     s.add_argument("--seed", type=int, default=0, help="seed of the weights and the prompts")
     s.add_argument("--max-new-tokens", type=int, default=8)
     s.add_argument("--num-kv-blocks", type=int, default=20, help="KV blocks per rank")
@@ -82,18 +106,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_debug(s)
 
 
-def _tokenizer(model: str):
-    """The folder's ``tokenizer.json`` through the optional ``tokenizers`` package, or None."""
-    path = os.path.join(model, "tokenizer.json")
-    if not os.path.isfile(path):
-        return None
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:
-        return None
-    return Tokenizer.from_file(path)
-
-
 def _summary(res: dict) -> dict:
     summary = {
         "name": "engine_summary",
@@ -105,6 +117,8 @@ def _summary(res: dict) -> dict:
         "tokens_per_s": round(res["tokens_per_s"], 1),
         "prefix_hit_tokens": res["prefix_hit_tokens"],
         "preemptions": res["preemptions"],
+        "requests": len(res["errors"]),
+        "refused": sum(e is not None for e in res["errors"]),
     }
     if res.get("spec"):
         summary["acceptance_rate"] = round(res["spec"]["acceptance_rate"], 4)
@@ -112,7 +126,7 @@ def _summary(res: dict) -> dict:
     return summary
 
 
-def _json_lines(res: dict, summary: dict, tok=None) -> list[str]:
+def _json_lines(res: dict, summary: dict, ids: list, tok=None) -> list[str]:
     lines = [
         json.dumps(
             {
@@ -125,24 +139,27 @@ def _json_lines(res: dict, summary: dict, tok=None) -> list[str]:
                 **({"error": e} if e else {}),
             }
         )
-        for i, (p, t, e) in enumerate(zip(res["prompts"], res["tokens"], res["errors"]))
+        for i, p, t, e in zip(ids, res["prompts"], res["tokens"], res["errors"])
     ]
     return lines + [json.dumps(summary)]
 
 
-def _serve_lines(res: dict, as_json: bool, tok=None) -> list[str]:
-    """Rank 0's result as JSON lines (one per request with its prompt's token ids, then the
-    summary) or a short table; with a tokenizer also the decoded text."""
+def _serve_lines(res: dict, as_json: bool, ids: list, tok=None) -> list[str]:
+    """Rank 0's result as JSON lines (one per request with its id and prompt's token ids, then
+    the summary) or a short table; with a tokenizer also the decoded text; a refused request
+    shows its rule instead of tokens."""
     summary = _summary(res)
     if as_json:
-        return _json_lines(res, summary, tok)
+        return _json_lines(res, summary, ids, tok)
     lines = [f"{res['model']}  tp={res['tp']} dcp={res['dcp']} pcp={res['pcp']}"]
-    for i, (p, t, e) in enumerate(zip(res["prompts"], res["tokens"], res["errors"])):
+    for i, p, t, e in zip(ids, res["prompts"], res["tokens"], res["errors"]):
         shown = e or (repr(tok.decode(t)) if tok and t else t)
         lines.append(f"  request {i}: prompt {len(p):3d} tokens -> {shown}")
+    refused = f", {summary['refused']} of {summary['requests']} requests refused"
     lines.append(
         f"  {res['steps']} steps, {summary['tokens_per_s']} tokens/s, prefix hits "
         f"{res['prefix_hit_tokens']} tokens, {res['preemptions']} preemptions"
+        + (refused if summary["refused"] else "")
         + (
             f", acceptance {summary['acceptance_rate']:.2f}, "
             f"{summary['mean_accepted_tokens']:.2f} tokens per decode step"
@@ -172,9 +189,18 @@ def _spec_config(a: argparse.Namespace) -> dict | None:
 
 
 def _serve_kwargs(
-    a: argparse.Namespace, prompts: list[list[int]] | None, spec: dict | None
+    a: argparse.Namespace, requests: list[InputRequest] | None, spec: dict | None
 ) -> dict:
-    """:func:`cpbook.timing.serve_timing`'s keyword arguments from the options."""
+    """:func:`cpbook.timing.serve_timing`'s keyword arguments from the options (``requests``:
+    the given prompts with their token budgets; None: ``--requests`` generated prompts)."""
+    work: dict = dict(num_requests=a.requests, max_new_tokens=a.max_new_tokens)
+    if requests is not None:
+        work = dict(
+            num_requests=len(requests),
+            max_new_tokens=[r.max_new_tokens for r in requests],
+            prompts=[r.prompt for r in requests],
+            request_ids=[r.request_id for r in requests],
+        )
     return dict(
         model=a.model,
         parallel_config=dict(
@@ -190,43 +216,92 @@ def _serve_kwargs(
             seed=a.seed,
             strategy=a.strategy,
         ),
-        workload=dict(num_requests=a.requests, max_new_tokens=a.max_new_tokens, prompts=prompts),
+        workload=work,
     )
 
 
-def command(a: argparse.Namespace, p: argparse.ArgumentParser | None = None) -> int:
-    """Serve on ``tp·pcp`` ranks and print rank 0's result; 0 when it ran (errors raise)."""
-    engine_config(a.model, a.tp, a.dcp, a.pcp)  # a bad grid fails here, before any process
-    spec = _spec_config(a)
-    tok = _tokenizer(a.model) if os.path.isdir(a.model) else None
-    prompts = None
+def _requests(a: argparse.Namespace, tok) -> list[InputRequest] | None:
+    """The ``--prompt`` or ``--input`` requests (None: generated prompts).  Bad input lines are
+    printed to stderr and skipped (``--strict``: the first one raises); no valid line at all
+    raises ``serve-input-empty``."""
+    if a.prompt and a.input:
+        raise RuleError("serve-input-one", "--prompt or --input, not both", input=a.input)
     if a.prompt:
-        if tok is None:
-            raise RuleError(
-                "serve-prompt-text",
-                "--model FOLDER with tokenizer.json and the `tokenizers` package installed",
-                model=a.model,
-            )
-        prompts = [tok.encode(t).ids for t in a.prompt]
-    kwargs = _serve_kwargs(a, prompts, spec)
+        lines = [json.dumps({"prompt": t}) for t in a.prompt]
+        source = "--prompt"
+    elif a.input:
+        if a.input == "-":
+            if under_torchrun():
+                raise RuleError("serve-input-stdin", "--input FILE under torchrun's workers")
+            lines, source = sys.stdin.read().splitlines(), "<stdin>"
+        else:
+            if not os.path.isfile(a.input):
+                raise RuleError("serve-input-file", "an existing --input file", input=a.input)
+            with open(a.input, encoding="utf-8") as f:
+                lines, source = f.read().splitlines(), a.input
+    else:
+        return None
+    vocab = model_config(a.model).vocab_size
+    good, bad = read_requests(lines, source, vocab, a.max_new_tokens, tok)
+    if bad and (a.strict or a.prompt):
+        raise bad[0]
+    for e in bad:
+        print(f"cpbook: skipped: {e}", file=sys.stderr)
+    if not good:
+        raise RuleError(
+            "serve-input-empty", "at least one valid request line", input=source, bad=len(bad)
+        )
+    if a.prompt:
+        good = [InputRequest(str(i), r.prompt, r.max_new_tokens) for i, r in enumerate(good)]
+    return good
+
+
+def _all_refused(res: dict) -> RuleError | None:
+    """The error when no request was served (each was refused with its own rule)."""
+    errors = res["errors"]
+    if errors and all(e is not None for e in errors):
+        return RuleError(
+            "serve-some-request",
+            "at least one request the model and the KV cache can hold (each refusal above)",
+            refused=len(errors),
+            requests=len(errors),
+        )
+    return None
+
+
+def command(a: argparse.Namespace, p: argparse.ArgumentParser | None = None) -> int:
+    """Serve on ``tp·pcp`` ranks and print rank 0's result; 0 when at least one request was
+    served (errors raise, and so does a run whose every request was refused)."""
+    engine_config(a.model, a.tp, a.dcp, a.pcp)  # a bad grid fails here, before any process
+    folder = a.model not in ENGINE_MODELS and os.path.isdir(a.model)
+    if folder:
+        check_folder(a.model)  # the checkpoint against config.json, before any process
+    spec = _spec_config(a)
+    tok = load_tokenizer(a.model) if folder else None
+    requests = _requests(a, tok)
+    ids = [r.request_id for r in requests] if requests else list(range(a.requests))
+    kwargs = _serve_kwargs(a, requests, spec)
     world = a.tp * a.pcp
     if under_torchrun():  # we are a torchrun worker; rank 0 prints
         check_grid_world(world, int(os.environ["WORLD_SIZE"]))
         ctx = start_worker(a, world)
         res = serve_timing(ctx, **kwargs)
-        if ctx.rank == 0:
-            print("\n".join(_serve_lines(res, a.json, tok)))
         end_worker()
-        return 0
-    res = run(
-        serve_timing,
-        world,
-        a.backend,
-        kwargs,
-        timeout=a.timeout,
-        dist_backend=a.dist_backend,
-        report=False,
-        device=a.device,
-    )[0]
-    print("\n".join(_serve_lines(res, a.json, tok)))
+        if ctx.rank != 0:
+            return 0 if _all_refused(res) is None else 2
+    else:
+        res = run(
+            serve_timing,
+            world,
+            a.backend,
+            kwargs,
+            timeout=a.timeout,
+            dist_backend=a.dist_backend,
+            report=False,
+            device=a.device,
+        )[0]
+    print("\n".join(_serve_lines(res, a.json, ids, tok)))
+    refused = _all_refused(res)
+    if refused is not None:
+        raise refused
     return 0

@@ -215,10 +215,18 @@ class TorchGroup(Group):
         try:
             work.wait(timeout=datetime.timedelta(seconds=self.timeout))
         except RuntimeError as e:
-            raise CommTimeout(
+            err = CommTimeout(
                 f"{what} on group {self.name!r} {list(self.ranks)} failed or timed out "
                 f"(timeout {self.timeout:g} s) at global rank {self.ranks[self.rank]}: {e}"
-            ) from e
+            )
+            err.where = dict(
+                op=what,
+                group=self.name,
+                ranks=list(self.ranks),
+                call=self.calls,
+                timeout=self.timeout,
+            )
+            raise err from e
 
     def _to_pg_order(self, t: torch.Tensor) -> torch.Tensor:
         """``t``'s ``size`` chunks (dim 0, chunk ``i`` for group rank ``i``) in process-group

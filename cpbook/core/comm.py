@@ -65,7 +65,12 @@ def comm_bytes(comm, op: str | None = None) -> int:
 
 
 class CommTimeout(RuntimeError):
-    """A collective or point-to-point call did not complete within the timeout."""
+    """A collective or point-to-point call did not complete within the timeout.  ``where``
+    (torch backend) names it: ``op``, ``group``, ``ranks`` (global), ``call`` (the group's
+    ``calls`` count at it, 1-based) and ``timeout`` — what a fault report compares between
+    ranks."""
+
+    where: dict | None = None
 
 
 class CommAborted(RuntimeError):
@@ -141,11 +146,13 @@ class Group(ABC):
     ) -> None:
         self.name, self.ranks, self.trace, self.timeout = name, tuple(ranks), trace, timeout
         self.rank, self.size = self.ranks.index(global_rank), len(self.ranks)
+        self.calls = 0  # communication calls this rank entered on this group (a fault names it)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r}, ranks={list(self.ranks)}, rank={self.rank})"
 
     def _record(self, op: str, t: torch.Tensor, sent: int, recv: int) -> None:
+        self.calls += 1
         self.trace.append(
             CommRecord(
                 op,

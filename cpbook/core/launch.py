@@ -11,8 +11,11 @@ subprocess (``OMP_NUM_THREADS`` set, ``PYTHONPATH`` passed through plus the curr
 Workers import ``fn`` by its module path, so ``fn`` must live in an importable module, not in a
 notebook.  NCCL is used when at least ``world_size`` CUDA GPUs are visible, gloo otherwise.
 Results travel back through files (``torch.save``); each rank's stdout is captured and printed
-by the parent in rank order, so the report is deterministic.  When a rank raises, torchrun
-stops the job and :func:`run` raises ``RuntimeError`` carrying that rank's traceback.
+by the parent in rank order, so the report is deterministic.  When a rank fails, torchrun
+stops the job and :func:`run` raises one ``RuntimeError`` naming the guilty rank and the cause
+on its first line (:mod:`cpbook.core.faults`): the exception a rank raised (its traceback
+follows), the signal that killed it, or, when a rank stops answering, the call its peers
+waited in for it.
 
 Several nodes: ``run(fn, world_size, "torchrun", nodes=Nodes(nnodes, node_rank, "HOST:PORT"))``
 on every node runs ``world_size // nnodes`` processes there under torchrun's c10d rendezvous;
@@ -44,7 +47,8 @@ from cpbook.core.backends import SimWorld
 from cpbook.core.comm import DEFAULT_TIMEOUT_S, CommAborted, Trace, process_group_timeout_s
 from cpbook.core.context import RankContext
 from cpbook.core.errors import RuleError
-from cpbook.core.nodes import Nodes, dead_rank, is_consequence, report_root, root_cause, write_pid
+from cpbook.core.faults import error_text, raise_failure, summary
+from cpbook.core.nodes import Nodes, dead_rank, write_pid
 
 __all__ = ["run", "RankResults", "Nodes", "pick_backend", "format_report"]
 
@@ -229,7 +233,9 @@ def _run_inline(
     if errors:
         errors.sort(key=lambda e: (isinstance(e[2], CommAborted), e[0]))
         _, r, e, tb = errors[0]
-        raise RuntimeError(f"rank {r} of {world_size} failed in {fn.__name__}:\n{tb}") from e
+        raise RuntimeError(
+            f"rank {r} of {world_size} failed in {fn.__name__}: {summary(e)}\n{tb}"
+        ) from e
     return RankResults(
         values, [c.trace for c in ctxs], [b.getvalue() for b in bufs], "inline", "threads"
     )
@@ -313,7 +319,7 @@ def _run_torchrun(
         out, err = out_path.read_text(), err_path.read_text()
         if nodes and dead is None:
             dead = dead_rank(tmp, nodes.node_rank)
-        _raise_failure(fn, world_size, tmp, nodes, dead)
+        raise_failure(fn.__name__, world_size, tmp, err, dead)
         files = {
             int(p.stem.removeprefix("result_rank")): p for p in Path(tmp).glob("result_rank*.pt")
         }
@@ -336,29 +342,6 @@ def _run_torchrun(
         "torchrun",
         dist_backend,
         ranks,
-    )
-
-
-def _raise_failure(fn, world_size, tmp, nodes, dead) -> None:
-    """Raise for the first failing rank: one that raised itself before one whose collective
-    broke because of it; with :class:`Nodes`, the job's root cause on whichever node it ran."""
-    fails = sorted(Path(tmp).glob("error_rank*.txt"), key=lambda p: p.stat().st_mtime_ns)
-    found = []
-    for p in fails:
-        text = p.read_text()
-        rank = int(p.stem.removeprefix("error_rank"))
-        if nodes:
-            who, _, text = text.partition("\n")
-            rank = int(who)
-        broken = any(k in text for k in ("CommAborted", "CommTimeout", "DistBackendError"))
-        found.append((broken, rank, text))
-    if dead is not None:
-        found.append((0.5, *dead))
-    if not found:
-        return
-    _, rank, text = sorted(found, key=lambda f: f[0])[0]
-    raise RuntimeError(
-        f"rank {rank} of {world_size} failed in {fn.__name__} under torchrun:\n{text}"
     )
 
 
@@ -414,17 +397,19 @@ def _worker_main(tmp: str) -> None:
     for part in qual.split("."):
         fn = getattr(fn, part)
     rank = int(os.environ["RANK"])
-    if payload["nodes"]:
-        write_pid(tmp, rank)
-        signal.signal(signal.SIGTERM, lambda *_: _terminated(tmp, rank))
+    write_pid(tmp, rank)  # a rank that dies without a word is found by its pid (core/faults.py)
+    signal.signal(signal.SIGTERM, lambda *_: _terminated(tmp, rank))
     try:
         ctx = worker_context(payload["dist_backend"], payload["timeout"])
         mine = worker_run(fn, payload["kwargs"], ctx)
     except BaseException as e:  # noqa: BLE001 - the parent raises it with this traceback
-        text = traceback.format_exc()
-        if payload["nodes"]:
-            text = _node_error(rank, e, text, payload["timeout"])
-        Path(tmp, f"error_rank{rank}.txt").write_text(text)
+        tb = traceback.format_exc()
+        try:
+            text = error_text(rank, e, tb, payload["timeout"])
+        except Exception:  # noqa: BLE001 - the report itself failed: this rank's own error
+            text = f"{rank} raised\n{summary(e)}\n{tb}"
+        Path(tmp, f"error_rank{rank}.tmp").write_text(text)
+        os.replace(Path(tmp, f"error_rank{rank}.tmp"), Path(tmp, f"error_rank{rank}.txt"))
         sys.stdout.flush()
         os._exit(1)
     torch.save(mine, Path(tmp, f"rank{rank}.tmp"))
@@ -435,22 +420,9 @@ def _worker_main(tmp: str) -> None:
 
 
 def _terminated(tmp: str, rank: int) -> None:
-    """torchrun stops a node's other workers (SIGTERM) when one fails: not a root cause."""
+    """torchrun stops the other workers (SIGTERM) when one fails: not a root cause."""
     Path(tmp, f"term_rank{rank}").touch()
     os._exit(143)
-
-
-def _node_error(rank: int, e: BaseException, text: str, timeout: float) -> str:
-    """The error file's text: the root cause's rank, a newline, its text.  This rank's own
-    failure (published to every node), or, when a collective broke under it, the root cause
-    another rank or node published."""
-    if not is_consequence(e):
-        report_root(rank, text)
-        return f"{rank}\n{text}"
-    found = root_cause(min(timeout, 10.0))
-    if found is None or found[0] == rank:
-        return f"{rank}\n{text}"
-    return f"{found[0]}\n{found[1]}\n(rank {rank} saw its collective fail: {e})"
 
 
 if __name__ == "__main__":

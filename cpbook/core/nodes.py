@@ -13,7 +13,9 @@ A node sees only its own ranks' processes, so a failure travels through the job'
 * a rank that dies without a word (killed, crashed) is seen by its node's ``run`` (its process
   is gone and it left neither a result nor an error file), which writes the same key;
 * a rank whose collective failed because a peer went away waits a little for that key and
-  reports the root cause instead of its own broken-pipe error.
+  reports the root cause instead of its own broken-pipe error; when no rank publishes one (a
+  rank stopped answering), the peers name the rank they waited for
+  (:func:`cpbook.core.faults.blame`).
 
 So every node's ``run`` raises naming the rank that failed first, on whichever node it ran.
 """
@@ -30,7 +32,7 @@ from pathlib import Path
 from cpbook.core.comm import CommAborted, CommTimeout
 from cpbook.core.errors import RuleError
 
-__all__ = ["Nodes", "ROOT_KEY", "root_cause", "report_root", "dead_rank"]
+__all__ = ["Nodes", "ROOT_KEY", "job_store", "root_cause", "report_root", "dead_rank"]
 
 ROOT_KEY = "cpbook/root_cause"
 
@@ -64,7 +66,8 @@ class Nodes:
         ]
 
 
-def _store(timeout: float, addr: str | None = None, port: str | None = None):
+def job_store(timeout: float, addr: str | None = None, port: str | None = None):
+    """A client of the job's key-value store (torchrun's ``MASTER_ADDR:MASTER_PORT``)."""
     import torch.distributed as dist
 
     return dist.TCPStore(
@@ -85,7 +88,7 @@ def is_consequence(e: BaseException) -> bool:
 def report_root(rank: int, text: str, addr: str | None = None, port: str | None = None) -> None:
     """Record ``text`` as the job's root cause unless another rank's came first."""
     try:
-        _store(5.0, addr, port).compare_set(ROOT_KEY, "", f"{rank}\n{text}")
+        job_store(5.0, addr, port).compare_set(ROOT_KEY, "", f"{rank}\n{text}")
     except Exception:  # noqa: BLE001 - the store may be gone with its node; report locally
         pass
 
@@ -94,7 +97,7 @@ def root_cause(wait_s: float) -> tuple[int, str] | None:
     """The job's root cause ``(rank, text)``, waiting up to ``wait_s`` for a node to report it."""
     deadline = time.monotonic() + wait_s
     try:
-        store = _store(5.0)
+        store = job_store(5.0)
         while True:
             if store.check([ROOT_KEY]):
                 rank, _, text = store.get(ROOT_KEY).decode().partition("\n")

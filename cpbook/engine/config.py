@@ -28,7 +28,6 @@ value raises :class:`~cpbook.core.config.ConfigError` naming the rule.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence, TypeVar
@@ -36,7 +35,8 @@ from typing import Any, Sequence, TypeVar
 import torch
 
 from cpbook.core.config import ConfigError, ParallelConfig, check_positive
-from cpbook.engine.hf import from_pretrained, hf_config
+from cpbook.core.errors import RuleError
+from cpbook.engine.hf import from_pretrained, hf_config, read_config_json
 from cpbook.engine.models import ENGINE_MODELS, ModelConfig, TinyModel, get_engine_model
 
 __all__ = [
@@ -50,6 +50,7 @@ __all__ = [
     "load_model",
     "model_config",
     "valid_grid",
+    "request_fits_model",
 ]
 
 T = TypeVar("T")
@@ -110,14 +111,56 @@ class RunnerConfig:
 class ServeWorkload:
     """What :func:`~cpbook.engine.engine.serve_rank` serves: ``prompts`` (token lists), or
     ``num_requests`` prompts of :func:`~cpbook.engine.engine.make_prompts` (seeded by the
-    runner's ``seed``), each generating ``max_new_tokens`` greedy tokens."""
+    runner's ``seed``), each generating ``max_new_tokens`` greedy tokens (one count for all,
+    or one per prompt); ``request_ids`` name the prompts (default ``"0"``, ``"1"``, ...)."""
 
     num_requests: int = 6
-    max_new_tokens: int = 8
+    max_new_tokens: int | Sequence[int] = 8
     prompts: Sequence[Sequence[int]] | None = None
+    request_ids: Sequence[str] | None = None
 
     def __post_init__(self) -> None:
-        check_positive(num_requests=self.num_requests, max_new_tokens=self.max_new_tokens)
+        check_positive(num_requests=self.num_requests)
+        count = len(self.prompts) if self.prompts is not None else self.num_requests
+        per_prompt = {"request_ids": self.request_ids}
+        if isinstance(self.max_new_tokens, int):
+            check_positive(max_new_tokens=self.max_new_tokens)
+        else:
+            for n in self.max_new_tokens:
+                check_positive(max_new_tokens=n)
+            per_prompt["max_new_tokens"] = self.max_new_tokens
+        for name, values in per_prompt.items():
+            if values is not None and len(values) != count:
+                raise ConfigError(
+                    "workload-per-prompt",
+                    f"one of {name} per prompt",
+                    prompts=count,
+                    **{name: len(values)},
+                )
+
+
+def request_fits_model(
+    model: ModelConfig, prompt_len: int, max_new_tokens: int, request_id: str = "0"
+) -> str | None:
+    """None when a request of ``prompt_len`` tokens generating ``max_new_tokens`` stays within
+    the model's positions (``model.max_model_len``; None: no limit), else the refusal
+    (rule ``request-fits-model``).  vLLM v0.34.0 refuses a prompt longer than
+    ``max_model_len`` (``vllm/renderers/params.py``) and caps ``max_tokens`` at
+    ``max_model_len - prompt`` (``get_max_tokens``, ``vllm/entrypoints/serve/utils/
+    api_utils.py``); cpbook refuses the whole request instead, so no request silently gets
+    fewer tokens than it asked for."""
+    limit = model.max_model_len
+    if limit is None or prompt_len + max_new_tokens <= limit:
+        return None
+    return str(
+        RuleError(
+            "request-fits-model",
+            "prompt + max_new_tokens <= the model's max_model_len (max_position_embeddings)",
+            request_id=request_id,
+            tokens=prompt_len + max_new_tokens,
+            max_model_len=limit,
+        )
+    )
 
 
 def engine_config(
@@ -157,9 +200,7 @@ def model_config(model: str) -> ModelConfig:
     ``config.json`` (validated by :func:`cpbook.engine.hf.hf_config`, no weights read)."""
     if not _is_hf_folder(model):
         return get_engine_model(model)
-    if not (Path(model) / "config.json").is_file():
-        raise ConfigError("hf-folder", "a folder with config.json", path=model)
-    return hf_config(json.loads((Path(model) / "config.json").read_text()), Path(model).name)[0]
+    return hf_config(read_config_json(model), Path(model).name)[0]
 
 
 def load_model(model: str | TinyModel, dtype: str = "float64", seed: int = 0) -> TinyModel:

@@ -35,6 +35,7 @@ from cpbook.engine.config import (  # noqa: F401  (engine_config ... re-exported
     engine_parallel_config,
     load_model,
     model_config,
+    request_fits_model,
     valid_grid,
 )
 from cpbook.engine.models import TinyModel
@@ -148,7 +149,9 @@ class Engine:
     def add_request(
         self, prompt: Sequence[int], max_new_tokens: int, request_id: str | None = None
     ) -> str:
-        """Queue a prompt; returns its id.  A request too long for the cache fails alone."""
+        """Queue a prompt; returns its id.  A request too long for the model
+        (:func:`~cpbook.engine.config.request_fits_model`) or the cache fails alone, before
+        any step."""
         rid = request_id if request_id is not None else str(self._next_id)
         self._next_id += 1
         bad = [t for t in prompt if not 0 <= int(t) < self.model.config.vocab_size]
@@ -159,7 +162,10 @@ class Engine:
                 token=bad[0],
                 vocab_size=self.model.config.vocab_size,
             )
-        self.scheduler.add_request(Request(rid, [int(t) for t in prompt], max_new_tokens))
+        refused = request_fits_model(self.model.config, len(prompt), max_new_tokens, rid)
+        self.scheduler.add_request(
+            Request(rid, [int(t) for t in prompt], max_new_tokens, error=refused)
+        )
         self.logits[rid] = []
         return rid
 
@@ -219,10 +225,19 @@ class Engine:
         )
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], max_new_tokens: int, max_steps: int = 10_000
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int | Sequence[int],
+        max_steps: int = 10_000,
+        request_ids: Sequence[str] | None = None,
     ) -> list[RequestOutput]:
-        """Greedy-generate ``max_new_tokens`` for every prompt (all queued at once)."""
-        ids = [self.add_request(p, max_new_tokens) for p in prompts]
+        """Greedy-generate ``max_new_tokens`` (one count, or one per prompt) for every prompt
+        (all queued at once, named ``request_ids`` if given)."""
+        news = (
+            [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else max_new_tokens
+        )
+        names = request_ids or [None] * len(prompts)
+        ids = [self.add_request(*a) for a in zip(prompts, news, names, strict=True)]
         for _ in range(max_steps):
             if not self.has_unfinished:
                 break
@@ -314,7 +329,7 @@ def serve_rank(
                 work.num_requests, eng.runner_config.seed, eng.model.config.vocab_size
             )
         prompts = [list(map(int, p)) for p in prompts]
-        outs = eng.generate(prompts, work.max_new_tokens)
+        outs = eng.generate(prompts, work.max_new_tokens, request_ids=work.request_ids)
     cfg = eng.config
     c = eng.groups.coords
     spec = eng.spec_metrics if eng.speculative_config is not None else None

@@ -25,9 +25,18 @@ from safetensors.torch import load_file
 from cpbook.core.config import ConfigError
 from cpbook.core.hf_config import read_hf_config
 from cpbook.dcp.mla import MLAWeights
+from cpbook.engine.checkpoint import check_checkpoint
 from cpbook.engine.hf_model import HFConfig, HFModel
 
-__all__ = ["ARCHITECTURES", "hf_config", "rope_inv_freq", "from_pretrained"]
+__all__ = [
+    "ARCHITECTURES",
+    "check_folder",
+    "hf_config",
+    "read_config_json",
+    "max_model_len",
+    "rope_inv_freq",
+    "from_pretrained",
+]
 
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -124,6 +133,28 @@ def rope_inv_freq(p: dict, dim: int) -> tuple[torch.Tensor, float]:
     return inv, float(factor)
 
 
+#: rope types whose ``factor`` does not scale ``max_position_embeddings`` (it already counts
+#: the extended context), as vLLM v0.34.0 reads them (``vllm/config/model.py``,
+#: ``_get_and_verify_max_len``)
+_SCALED_ALREADY = ("su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling")
+#: vLLM's assumption when ``config.json`` names no length (same function)
+DEFAULT_MAX_MODEL_LEN = 2048
+
+
+def max_model_len(config: dict) -> int:
+    """The longest sequence (prompt + generated tokens) the model of ``config.json`` serves,
+    derived as vLLM v0.34.0 derives ``max_model_len`` (``vllm/config/model.py``,
+    ``_get_and_verify_max_len``): ``max_position_embeddings`` (2048 when absent), times the
+    RoPE ``factor`` only for rope types whose length does not already include it (so for the
+    ``default``, ``llama3`` and ``yarn`` types the loader supports, ``max_position_embeddings``
+    itself)."""
+    derived = config.get("max_position_embeddings") or DEFAULT_MAX_MODEL_LEN
+    p = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if (p.get("rope_type") or p.get("type") or "default") not in _SCALED_ALREADY:
+        derived *= p.get("factor") or 1.0
+    return int(derived)
+
+
 def hf_config(config: dict, name: str = "hf") -> tuple[HFConfig, torch.Tensor]:
     """The engine's :class:`HFConfig` and RoPE ``inv_freq`` of a ``config.json`` dict.  Raises
     :class:`ConfigError` (rule ``hf-config-supported``) on an architecture, field or value the
@@ -154,6 +185,7 @@ def hf_config(config: dict, name: str = "hf") -> tuple[HFConfig, torch.Tensor]:
         num_q_heads=c.num_q_heads,
         intermediate_size=c.intermediate_size,
         rms_norm_eps=c.rms_norm_eps,
+        max_model_len=max_model_len(config),
     )
     p = dict(c.rope_parameters)
     if not mla:
@@ -203,19 +235,9 @@ def hf_config(config: dict, name: str = "hf") -> tuple[HFConfig, torch.Tensor]:
     return cfg, inv
 
 
-def _tensors(path: Path) -> dict[str, torch.Tensor]:
-    index = path / "model.safetensors.index.json"
-    files = (
-        sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        if index.exists()
-        else [p.name for p in sorted(path.glob("*.safetensors"))]
-    )
-    if not files:
-        raise ConfigError(
-            "hf-folder", "a folder with config.json and *.safetensors", path=str(path)
-        )
+def _tensors(path: Path, files: set[str]) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
-    for f in files:
+    for f in sorted(files):
         out.update(load_file(str(path / f)))
     return out
 
@@ -225,18 +247,48 @@ def _interleaved_to_half(R: int) -> torch.Tensor:
     return torch.cat([torch.arange(0, R, 2), torch.arange(1, R, 2)])
 
 
+def check_folder(
+    path: str | Path, name: str | None = None
+) -> tuple[dict, HFConfig, torch.Tensor, dict[str, str]]:
+    """Model folder ``path`` checked without reading a weight: ``config.json`` (JSON, and
+    :func:`hf_config`'s rules) and every safetensors header against it
+    (:func:`cpbook.engine.checkpoint.check_checkpoint`).  Returns the raw config, the
+    :class:`HFConfig`, RoPE ``inv_freq`` and ``{tensor: file}``; raises
+    :class:`ConfigError` naming the rule and the file."""
+    path = Path(path)
+    raw = read_config_json(path)
+    cfg, inv = hf_config(raw, name or path.name)
+    return raw, cfg, inv, check_checkpoint(path, cfg, raw)
+
+
+def read_config_json(path: str | Path) -> dict:
+    """Folder ``path``'s ``config.json`` as a dict; rule ``hf-folder`` (no such file) or
+    ``hf-config-json`` (not a JSON object) naming the file."""
+    file = Path(path) / "config.json"
+    if not file.is_file():
+        raise ConfigError("hf-folder", "a folder with config.json", path=str(path))
+    try:
+        raw = json.loads(file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(
+            "hf-config-json", "config.json to be a JSON object", file=str(file), error=str(e)
+        ) from None
+    if not isinstance(raw, dict):
+        raise ConfigError("hf-config-json", "config.json to be a JSON object", file=str(file))
+    return raw
+
+
 def from_pretrained(
     path: str | Path, dtype: torch.dtype = torch.float32, name: str | None = None
 ) -> HFModel:
     """The checkpoint in folder ``path`` as an :class:`HFModel` in ``dtype`` (float64 for the
-    exactness checks).  Every tensor of the folder is used or the load fails (rule
-    ``hf-weights-used``); a missing one raises ``KeyError`` naming it."""
+    exactness checks).  The folder is checked against ``config.json`` before any weight is read
+    (:func:`cpbook.engine.checkpoint.check_checkpoint`: every tensor's name, dtype and shape,
+    the index, whole safetensors files); every tensor of the folder is used or the load fails
+    (rule ``hf-weights-used``)."""
     path = Path(path)
-    if not (path / "config.json").is_file():
-        raise ConfigError("hf-folder", "a folder with config.json", path=str(path))
-    raw = json.loads((path / "config.json").read_text())
-    cfg, inv = hf_config(raw, name or path.name)
-    sd = _tensors(path)
+    raw, cfg, inv, where = check_folder(path, name)
+    sd = _tensors(path, set(where.values()))
     used: set[str] = set()
 
     def t(key: str) -> torch.Tensor:

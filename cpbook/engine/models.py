@@ -64,6 +64,7 @@ class ModelConfig:
     qk_rope_head_dim: int = 8
     v_head_dim: int = 16
     o_proj_gain: float = 1.0  # larger: attention weighs more than the last token (less repetition)
+    max_model_len: int | None = None  # positions a request may reach (None: no limit)
 
     @property
     def attention_shape(self) -> dict[str, Any]:

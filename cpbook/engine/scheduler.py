@@ -127,14 +127,18 @@ class Scheduler:
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, request: Request) -> Request:
-        """Queue ``request``; one that can never fit the cache is failed at once (status
-        ``"error"``, rule ``request-fits-cache``), the others are unaffected."""
+        """Queue ``request``; one that arrives refused (``error`` set) or can never fit the cache
+        is failed at once (status ``"error"``, rule ``request-fits-cache``), the others are
+        unaffected."""
         if request.request_id in self.requests:
             raise ConfigError(
                 "new-request-id", "a request id not already added", request_id=request.request_id
             )
         check_positive(prompt_len=len(request.prompt), max_new_tokens=request.max_new_tokens)
         self.requests[request.request_id] = request
+        if request.error is not None:  # refused by the engine (the model's positions)
+            request.status = "error"
+            return request
         total = len(request.prompt) + request.max_new_tokens
         need = num_virtual_blocks(total, self.kv.block_size, self.kv.dcp)
         if need > self.kv.num_blocks:
