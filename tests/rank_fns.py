@@ -129,13 +129,13 @@ def kill_on_rank(ctx: RankContext, *, victim: int) -> float:
     return float(ctx.world.all_reduce(x)[0])
 
 
-def block_on_rank(ctx: RankContext, *, victim: int) -> float:
-    """One all-reduce with every rank alive, then ``victim`` stops answering (waits forever
-    outside any collective) while the others enter a second all-reduce: they must time out
-    and blame ``victim``."""
+def block_on_rank(ctx: RankContext, *, victim: int, block_s: float = 600.0) -> float:
+    """One all-reduce with every rank alive, then ``victim`` stops answering (waits
+    ``block_s`` seconds outside any collective: for ever, as far as a test goes) while the
+    others enter a second all-reduce: they must time out and blame ``victim``."""
     x = ctx.world.all_reduce(torch.ones(1, dtype=torch.float64))
     if ctx.rank == victim:
-        threading.Event().wait()
+        threading.Event().wait(block_s)
     return float(ctx.world.all_reduce(x)[0])
 
 

@@ -72,6 +72,18 @@ def test_a_killed_or_silent_rank_is_the_one_named(fn, says):
         assert re.search(r"under torchrun: stopped answering: rank [01] waited", first), first
 
 
+def test_a_silent_simulated_rank_is_the_one_named():
+    """Inline, the same fault: rank 2's thread stops answering; its peers' barrier times out
+    (1 s) and the run names rank 2, not the peer that timed out first."""
+    with pytest.raises(RuntimeError) as err:
+        run(block_on_rank, 3, "inline", {"victim": 2, "block_s": 30}, timeout=1, report=False)
+    first = str(err.value).splitlines()[0]
+    assert first == (
+        "rank 2 of 3 failed in block_on_rank: stopped answering: ranks [0, 1] timed out or "
+        "gave up waiting (timeout 1 s) while rank(s) [2] never returned"
+    )
+
+
 def test_notebook_functions_are_rejected_for_torchrun():
     def local(ctx):
         return ctx.rank

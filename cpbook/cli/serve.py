@@ -235,10 +235,13 @@ def _requests(a: argparse.Namespace, tok) -> list[InputRequest] | None:
                 raise RuleError("serve-input-stdin", "--input FILE under torchrun's workers")
             lines, source = sys.stdin.read().splitlines(), "<stdin>"
         else:
-            if not os.path.isfile(a.input):
-                raise RuleError("serve-input-file", "an existing --input file", input=a.input)
-            with open(a.input, encoding="utf-8") as f:
-                lines, source = f.read().splitlines(), a.input
+            try:
+                with open(a.input, encoding="utf-8") as f:
+                    lines, source = f.read().splitlines(), a.input
+            except (OSError, UnicodeDecodeError) as e:
+                raise RuleError(
+                    "serve-input-file", "a readable UTF-8 --input file", input=a.input, error=str(e)
+                ) from None
     else:
         return None
     vocab = model_config(a.model).vocab_size

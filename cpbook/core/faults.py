@@ -112,7 +112,7 @@ def error_text(rank: int, e: BaseException, tb: str, timeout: float) -> str:
         return f"{who} root\n{cause}\n(rank {rank} saw its collective fail: {line})"
     if blamed:
         report_root(blamed[0], f"{text}\n{line}")
-        return f"{blamed[0]} blamed\n{text}\n{tb}"
+        return f"{blamed[0]} blamed\n{text}\n{line}\n{tb}"
     return f"{rank} broken\n{line}{'; ' + text if text else ''}\n{tb}"
 
 
@@ -156,6 +156,11 @@ def raise_failure(name: str, world_size: int, tmp: str, stderr: str, dead=None) 
         head, _, rest = p.read_text().partition("\n")
         who, _, kind = head.partition(" ")
         line, _, detail = rest.partition("\n")
+        if kind == "blamed" and Path(tmp, f"result_rank{who}.pt").exists():
+            # the rank waited for returned without entering the call: the waiting rank's error
+            own, _, detail = detail.partition("\n")
+            kind, line = "broken", f"{own} (rank {who} returned without entering that call)"
+            who = p.stem.removeprefix("error_rank")
         found.append((_PRIORITY.get(kind, 5), p.stat().st_mtime_ns, int(who), line, detail))
     codes = exit_codes(stderr)
     for rank, pid in silent_ranks(tmp):

@@ -44,7 +44,13 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from cpbook.core.backends import SimWorld
-from cpbook.core.comm import DEFAULT_TIMEOUT_S, CommAborted, Trace, process_group_timeout_s
+from cpbook.core.comm import (
+    DEFAULT_TIMEOUT_S,
+    CommAborted,
+    CommTimeout,
+    Trace,
+    process_group_timeout_s,
+)
 from cpbook.core.context import RankContext
 from cpbook.core.errors import RuleError
 from cpbook.core.faults import error_text, raise_failure, summary
@@ -220,16 +226,23 @@ def _run_inline(
     try:
         for t in threads:
             t.start()
-        deadline = time.monotonic() + 4 * timeout + 60
-        for t in threads:
-            t.join(max(0.0, deadline - time.monotonic()))
+        silent = _join(threads, errors, time.monotonic() + 4 * timeout + 60, min(timeout, 5.0))
     finally:
         sys.stdout = old
-    if any(t.is_alive() for t in threads):
+    if silent and not errors:
         sim.abort()
         raise RuntimeError(
             f"inline run of {fn.__name__} did not finish within {4 * timeout + 60:g} s"
         )
+    if silent and all(isinstance(e[2], (CommTimeout, CommAborted)) for e in errors):
+        sim.abort()  # every failure was a wait: the ranks still running are the ones waited for
+        waited = sorted(set(range(world_size)) - set(silent))
+        _, _, e, tb = min(errors, key=lambda e: (isinstance(e[2], CommAborted), e[0]))
+        raise RuntimeError(
+            f"rank {silent[0]} of {world_size} failed in {fn.__name__}: stopped answering: "
+            f"ranks {waited} timed out or gave up waiting (timeout {timeout:g} s) while "
+            f"rank(s) {silent} never returned\n{tb}"
+        ) from e
     if errors:
         errors.sort(key=lambda e: (isinstance(e[2], CommAborted), e[0]))
         _, r, e, tb = errors[0]
@@ -239,6 +252,20 @@ def _run_inline(
     return RankResults(
         values, [c.trace for c in ctxs], [b.getvalue() for b in bufs], "inline", "threads"
     )
+
+
+def _join(threads: list, errors: list, deadline: float, grace: float) -> list[int]:
+    """Wait for the rank threads until they end, ``grace`` seconds after the first error (the
+    others' collectives fail at once, or time out, when a rank raises or stops answering), or
+    at ``deadline``; returns the ranks still running."""
+    first = None
+    while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
+        if errors and first is None:
+            first = time.monotonic()
+        if first is not None and time.monotonic() > first + grace:
+            break
+        next(t for t in threads if t.is_alive()).join(0.05)
+    return [r for r, t in enumerate(threads) if t.is_alive()]
 
 
 # ------------------------------------------------------------------------------------------
