@@ -72,3 +72,15 @@ def test_long_context_line_names_what_vllm_needs():
     assert "131,072" in note and "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1" in note
     exact = serve_command(L405, Deployment(tp=8), "bf16", max_model_len=131072, **MEM)
     assert exact.startswith("vllm serve ") and max_model_len_note(L405, 131072) is None
+
+
+def test_cli_gpus_per_node(capsys):
+    from cpbook.cli import main
+
+    base = ["plan", "--model", "Llama-3.1-405B", "--gpus", "16", "--context", "120K"]
+    base += ["--objective", "ttft"]
+    assert main(base) == 0
+    assert capsys.readouterr().out.splitlines()[0].split()[3:5] == ["--tensor-parallel-size", "8"]
+    assert main([*base, "--gpus-per-node", "16"]) == 0  # one 16-GPU NVLink domain
+    first = capsys.readouterr().out.splitlines()[0]
+    assert "--tensor-parallel-size 16" in first and "--nnodes" not in first

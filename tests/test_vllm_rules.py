@@ -141,3 +141,10 @@ def test_check_nodes_rejects_what_two_nodes_cannot_split(gpus):
     with pytest.raises(ConfigError, match=r"\[nnodes-divides-world\]"):
         check_nodes(Deployment(tp=1, dp=gpus), 8, 16)
     assert check_nodes(Deployment(tp=1, dp=gpus), 8, 8 * gpus) >= 3  # more nodes would
+
+
+def test_check_nodes_needs_room_on_each_node():
+    with pytest.raises(ConfigError, match=r"\[nnodes-divides-world\]"):
+        check_nodes(Deployment(tp=12), 8, 12)  # 6 + 6 on a pool of 8 + 4
+    assert check_nodes(Deployment(tp=8), 8, 12) == 1
+    assert check_nodes(Deployment(tp=4, dp=3), 8, 16) == 2
