@@ -756,3 +756,78 @@ def test_a_moe_model_must_state_its_experts():
     assert (
         cm.ttft(bare, H200, cm.Deployment(tp=8), 4096, knobs=cm.CostKnobs(mfu=0.5)).total_s > 0
     )  # former model
+
+
+# ------------------------------------------------------------------- several nodes (nodes.py)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    tp=st.sampled_from([1, 2, 4, 8]),
+    pcp=st.sampled_from([1, 2, 4]),
+    dcp_pick=st.integers(0, 2),
+)
+def test_node_groups_are_vllm_groups(tp, pcp, dcp_pick):
+    """The rank sets of costmodel.nodes equal core.groups' (vLLM's order) for one replica."""
+    from cpbook.core.groups import RankGrid
+    from cpbook.costmodel.nodes import group_ranks
+
+    dcps = sorted({1, pcp, tp * pcp}) if pcp > 1 else [d for d in (1, 2, 4, 8) if tp % d == 0]
+    dcp = dcps[dcp_pick % len(dcps)]
+    d = cm.Deployment(tp=tp, pcp=pcp, dcp=dcp)
+    grid = RankGrid(tp, pcp, dcp)
+    for kind in ("tp", "pcp", "dcp"):
+        ours = sorted(sorted(g) for g in group_ranks(d, kind))
+        assert ours == sorted(sorted(g) for g in grid.groups(kind)), kind
+
+
+def test_which_groups_span_two_nodes():
+    from cpbook.costmodel.nodes import node_count, spans_nodes
+
+    def spans(d):
+        return {k for k in ("tp", "pcp", "dcp", "ep") if spans_nodes(d, k, 8)}
+
+    assert spans(cm.Deployment(tp=16)) == {"tp", "ep"}
+    assert spans(cm.Deployment(tp=8, pcp=2, dcp=2)) == {"pcp", "dcp", "ep"}
+    assert spans(cm.Deployment(tp=8, dp=2, ep=True)) == {"ep"}
+    assert spans(cm.Deployment(tp=8, dcp=8)) == set()
+    # vLLM's --nnodes puts world // nnodes ranks on each node, so a replica can straddle two
+    assert spans(cm.Deployment(tp=3, dp=5)) == {"tp", "ep"}  # 3 nodes of 5: [3, 4, 5]
+    assert spans(cm.Deployment(tp=2, dp=5)) == {"tp", "ep"}  # 2 nodes of 5: [4, 5]
+    assert spans(cm.Deployment(tp=5, dp=2)) == {"ep"}
+    assert spans(cm.Deployment(tp=6, dp=2, pcp=1)) == {"ep"}  # 2 nodes of 6
+    assert [node_count(n, 8) for n in (8, 9, 12, 15, 16)] == [1, 3, 2, 3, 2]
+
+
+def test_405b_tp16_on_two_nodes_is_priced_on_rdma():
+    """Llama-3.1-405B, a 128K prompt: TP16 in one NVLink domain beats TP8; on two 8-GPU nodes
+    its all-reduces cross RDMA400 and TP8 wins (the ranking flips)."""
+    from cpbook.costmodel.nodes import Nodes
+
+    m, k = cm.MODELS["Llama-3.1-405B"], 128 * 1024
+    one, two = cm.CostKnobs(), cm.CostKnobs(nodes=Nodes(8))
+    tp8, tp16 = cm.Deployment(tp=8), cm.Deployment(tp=16)
+    t8 = cm.ttft(m, H200, tp8, k, knobs=two).total_s
+    assert t8 == cm.ttft(m, H200, tp8, k, knobs=one).total_s  # one node: nothing changes
+    t16_nvl = cm.ttft(m, H200, tp16, k, knobs=one).total_s
+    t16_rdma = cm.ttft(m, H200, tp16, k, knobs=two).total_s
+    assert t16_nvl < t8 < t16_rdma
+    rdma = cm.LINKS["RDMA400"]
+    step = cm.tpot(m, H200, tp16, k, knobs=two)
+    assert step.comm_s > cm.tpot(m, H200, tp16, k, knobs=one).comm_s
+    slower = dataclasses.replace(rdma, bw_bytes_per_s=rdma.bw_bytes_per_s / 2)
+    assert cm.ttft(m, H200, tp16, k, knobs=cm.CostKnobs(nodes=Nodes(8, slower))).total_s > (
+        t16_rdma
+    )  # the inter-node link is overridable
+
+
+def test_ep_across_nodes_uses_the_inter_node_link():
+    from cpbook.costmodel.nodes import Nodes
+
+    m = cm.MODELS["DeepSeek-V3"]
+    d = cm.Deployment(tp=1, dp=16, ep=True)
+    one = cm.ttft(m, H200, d, 4096)
+    two = cm.ttft(m, H200, d, 4096, knobs=cm.CostKnobs(nodes=Nodes(8)))
+    assert two.ep_comm_s > one.ep_comm_s and two.tp_comm_s == one.tp_comm_s == 0
+    with pytest.raises(ValueError, match=r"\[gpus-per-node\]"):
+        Nodes(0)

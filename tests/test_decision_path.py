@@ -122,9 +122,11 @@ def test_bad_input_names_the_rule(call, rule):
 
 def test_no_path_layout_is_the_reason():
     """Kimi-K2 on 10 x H200: no TP in 1, 2, 5, 10 holds its weights (TP 5 and 10 do not divide
-    64 heads), but expert parallelism over all 10 does; on 8 neither finds a deployment."""
-    c = path_vs_plan("Kimi-K2", H200, 10, ServingWorkload(1024))
+    64 heads), but expert parallelism over all 10 does (two nodes of 5: vLLM's ``--nnodes 2``
+    needs 5 GPUs on each, which a pool of 8 + 2 lacks); on 8 neither finds a deployment."""
+    c = path_vs_plan("Kimi-K2", H200, 10, ServingWorkload(1024, gpus_per_node=5))
     assert c.path is None and c.plan.winner.deployment.ep and c.plan.winner.num_gpus == 10
+    assert path_vs_plan("Kimi-K2", H200, 10, ServingWorkload(1024)).plan.winner is None
     assert c.reason.startswith("[model-fits] requires the weights to fit at some TP")
     none = path_vs_plan("Kimi-K2", H200, 8, ServingWorkload(1024))
     assert none.path is None and none.plan.winner is None and none.agree

@@ -8,7 +8,7 @@ import argparse
 import json
 import re
 
-from cpbook.cli.options import add_debug
+from cpbook.cli.options import add_debug, add_nodes
 from cpbook.core.errors import RuleError
 from cpbook.costmodel.specs import GB, GPUS, get_model
 from cpbook.planner.hf_config import model_from_hf_config
@@ -47,6 +47,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="an allowed KV cache dtype (repeatable; default bf16)",
     )
     q.add_argument("--gpu-memory-utilization", type=float, default=None)
+    add_nodes(q)
     q.add_argument("--top", type=int, default=8, help="rows of the table")
     q.add_argument("--json", action="store_true", help="JSON lines: layouts, then a summary")
     add_debug(q)
@@ -102,6 +103,8 @@ def _workload(a: argparse.Namespace) -> ServingWorkload:
         parse_seconds("--ttft", a.ttft),
         parse_seconds("--tpot", a.tpot),
         tuple(dict.fromkeys(a.kv_cache_dtype or ["bf16"])),
+        gpus_per_node=a.gpus_per_node,
+        inter_node_link=a.inter_node_link,
         **memory,
     )
 

@@ -189,21 +189,24 @@ def check_sparse_mla_dcp(model: ModelSpec, cfg: ParallelConfig, kv_dtype: str) -
 
 def check_nodes(deployment: Deployment, gpus_per_node: int, num_gpus: int) -> int:
     """The nodes vLLM's multi-node launch runs ``deployment`` on
-    (:func:`~cpbook.costmodel.nodes.node_count`) when the pool is ``num_gpus`` GPUs in nodes of
-    ``gpus_per_node``; rule ``nnodes-divides-world``: those nodes exist in the pool (vLLM's
+    (:func:`~cpbook.costmodel.nodes.node_count`: ``world // nnodes`` ranks on each) when the
+    pool is ``num_gpus`` GPUs in nodes of ``gpus_per_node`` (the last one holding the rest);
+    rule ``nnodes-divides-world``: the pool has that many nodes with that many GPUs (vLLM's
     ``--nnodes`` must evenly divide the world size, ``EngineArgs.create_engine_config``, so 9
-    GPUs on two 8-GPU nodes cannot be launched)."""
+    GPUs on two 8-GPU nodes cannot be launched, nor 6 + 6 on a pool of 8 + 4)."""
     n = node_count(deployment.num_gpus, gpus_per_node)
-    available = -(-num_gpus // gpus_per_node)
-    if n > available:
+    per_node = deployment.num_gpus // n
+    full, rest = divmod(num_gpus, gpus_per_node)
+    available = full + (1 if rest >= per_node else 0)
+    if n > 1 and n > available:
         raise ConfigError(
             "nnodes-divides-world",
-            "world_size % nnodes == 0 with at most gpus_per_node ranks per node, on the nodes "
+            "world_size % nnodes == 0 with world_size // nnodes GPUs on each of nnodes nodes "
             "of the pool",
             world_size=deployment.num_gpus,
             gpus_per_node=gpus_per_node,
             nnodes=n,
-            nodes_in_pool=available,
+            nodes_with_room=available,
         )
     return n
 
