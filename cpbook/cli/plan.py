@@ -8,7 +8,6 @@ import argparse
 import json
 import re
 
-from cpbook.cli.options import add_debug
 from cpbook.core.errors import RuleError
 from cpbook.costmodel.specs import GB, GPUS, get_model
 from cpbook.planner.hf_config import model_from_hf_config
@@ -49,7 +48,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--gpu-memory-utilization", type=float, default=None)
     q.add_argument("--top", type=int, default=8, help="rows of the table")
     q.add_argument("--json", action="store_true", help="JSON lines: layouts, then a summary")
-    add_debug(q)
+    # ``--debug`` as cpbook.cli.options adds it; that module imports torch (the launcher)
+    q.add_argument("--debug", action="store_true", help="show the full traceback on errors")
 
 
 class _Plain(str):
