@@ -72,7 +72,10 @@ def test_ranked_layouts_pass_the_rules_and_hold_the_workload(model, gpu, n, w, o
         e.deployment.config(model)  # ParallelConfig
         pl.check_deployment(model, e.deployment, e.kv_dtype)
         assert e.num_gpus <= n and e.drop is None
-        cap = cm.max_concurrency(model, g, e.deployment, w.request_tokens, e.kv_dtype)
+        mem = w.memory_utilization
+        cap = cm.max_concurrency(
+            model, g, e.deployment, w.request_tokens, e.kv_dtype, gpu_memory_utilization=mem
+        )
         assert e.capacity == cap >= w.concurrency and e.batch == w.concurrency
         assert w.ttft_target_s is None or e.ttft_s <= w.ttft_target_s
         assert w.tpot_target_s is None or e.tpot_s <= w.tpot_target_s
@@ -135,7 +138,8 @@ def test_estimates_are_the_cost_models_numbers():
     for e in p.ranked:
         kw = {"knobs": cm.CostKnobs(kv_dtype=e.kv_dtype)}
         assert e.weight_bytes == cm.deployment_weight_bytes(DSV3, e.deployment)
-        assert e.kv_budget_bytes == cm.deployment_kv_budget(DSV3, H200, e.deployment)
+        mem = w.memory_utilization  # vLLM v0.34's default, 1.0
+        assert e.kv_budget_bytes == cm.deployment_kv_budget(DSV3, H200, e.deployment, mem)
         assert e.prefill == cm.ttft(DSV3, H200, e.deployment, w.prompt_tokens)
         agg = dict(kw, batching=cm.ContinuousBatching(w.prompt_tokens, w.output_tokens))
         assert e.decode == cm.tpot(DSV3, H200, e.deployment, w.request_tokens, e.batch, **agg)
@@ -147,7 +151,7 @@ def test_estimates_are_the_cost_models_numbers():
 
 def test_pareto_frontiers():
     w = ServingWorkload(32 * K, 1 * K, 16)
-    p = plan(DSV3, H200, 16, w)
+    p = plan(DSV3, H200, 16, w, objective="throughput")
     for frontier, t in ((p.frontier_ttft, "ttft_s"), (p.frontier_tpot, "tpot_s")):
         assert frontier and frontier[-1].tokens_per_s_per_gpu == p.winner.tokens_per_s_per_gpu
         for f in frontier:  # nobody beats a frontier point on both
@@ -172,13 +176,13 @@ def explorer(context, concurrency, **targets):
 
 def test_128k_16_users_needs_capacity_not_one_request():
     """Old answer: "TP8, 4 such requests at once ... no DCP needed ... add PCP", then no PCP.
-    Right: TP8 holds 4 of the 16 requests and is dropped; the winner holds all 16."""
+    Right: TP8 holds 5 of the 16 requests and is dropped; the winner holds all 16."""
     p = explorer(128 * K, 16)
     tp8 = next(e for e in p.dropped if e.deployment == Deployment(tp=8))
-    assert (tp8.drop, tp8.capacity) == ("holds-concurrency", 4)
+    assert (tp8.drop, tp8.capacity) == ("holds-concurrency", 5)
     assert p.winner.capacity >= 16 and p.winner.deployment != Deployment(tp=8)
     best_tp8 = next(e for e in p.ranked if e.deployment.tp == 8)  # the TTFT end of the frontier
-    assert best_tp8.deployment.dcp == 8 and best_tp8.capacity == 33
+    assert best_tp8.deployment.dcp == 8 and best_tp8.capacity == 45
     # with the explorer's 10 s TTFT target nothing on 8 GPUs meets it, and PCP cannot help:
     # TP8 (the smallest TP whose weights fit without EP) already uses all 8 GPUs
     t = explorer(128 * K, 16, ttft_target_s=10)
@@ -212,7 +216,7 @@ def test_1m_16_users_says_what_would_fit():
     f = p.winner, p.would_fit
     assert f[0] is None and f[1].rule == "holds-concurrency"
     most = max(e.capacity for e in p.dropped)
-    assert f[1].concurrency == most == 4
+    assert f[1].concurrency == most == 5
     assert plan(DSV3, H200, f[1].num_gpus, p.workload, advise=False).winner is not None
     assert plan(DSV3, H200, f[1].num_gpus - 1, p.workload, advise=False).winner is None
     short = ServingWorkload(f[1].prompt_tokens, 1 * K, 16)
@@ -223,9 +227,9 @@ def test_1m_16_users_says_what_would_fit():
 
 def test_1m_512_users_is_not_keep_the_layout():
     """Old answer: "keep the deployment", which holds one request.  Right: no deployment of 8 GPUs
-    holds 512; the fewest GPUs that would, and the 4 requests these 8 hold."""
+    holds 512; the fewest GPUs that would, and the 5 requests these 8 hold."""
     p = explorer(M, 512)
-    assert p.winner is None and p.would_fit.concurrency == 4
+    assert p.winner is None and p.would_fit.concurrency == 5
     e = p.would_fit.gpus_deployment
     assert e.drop is None and e.capacity >= 512 and e.num_gpus == p.would_fit.num_gpus > 8
     pl.check_deployment(DSV3, e.deployment, e.kv_dtype)
@@ -316,9 +320,13 @@ def test_serve_command_flags():
     cmd = p.command()
     assert cmd.startswith("vllm serve deepseek-ai/DeepSeek-V3 --tensor-parallel-size 8 ")
     for flag in ("--decode-context-parallel-size 8", "--dcp-comm-backend ag_rs",
-                 "--cp-kv-cache-interleave-size 1", "--max-model-len 1049600",
-                 "--gpu-memory-utilization 0.9"):  # fmt: skip
+                 "--cp-kv-cache-interleave-size 1", "--max-model-len 1049600"):  # fmt: skip
         assert flag in cmd
+    # vLLM v0.34's own gpu_memory_utilization default (1.0, extensible KV cache) is left unset;
+    # another value is the plan's assumption and is printed
+    assert "--gpu-memory-utilization" not in cmd and w.memory_utilization == 1.0
+    set_09 = plan(DSV3, H200, 8, ServingWorkload(M, 1 * K, 1, gpu_memory_utilization=0.9))
+    assert "--gpu-memory-utilization 0.9" in set_09.command()
     assert ("--dcp-q-replicate" in cmd.split()) == p.winner.deployment.tpa
     short = "vllm serve x -tp 4 -dcp 2 -pcp 2 -dp 2 -ep --kv-cache-dtype fp8_ds_mla"
     assert pl.parse_serve_command(short) == (Deployment(tp=4, dcp=2, pcp=2, dp=2, ep=True), "fp8")
@@ -335,7 +343,7 @@ def test_serve_command_flags():
 
 
 def test_reasons_name_the_runners_up():
-    p = plan(DSV3, H200, 8, ServingWorkload(4 * K, 1 * K, 512))
+    p = plan(DSV3, H200, 8, ServingWorkload(4 * K, 1 * K, 512), objective="throughput")
     labels = [e.label for e in p.ranked]
     ups = [r for r in p.reasons if r.split(":")[0] in labels[1:]]
     assert 1 <= len(ups) <= 4
@@ -353,7 +361,7 @@ def test_headlines():
 
 
 def test_idle_gpus_are_said():
-    p = plan(L8B, H200, 8, ServingWorkload(4 * K, 256, 16))
+    p = plan(L8B, H200, 8, ServingWorkload(4 * K, 256, 16), objective="throughput")
     assert p.winner.num_gpus < 8
     assert any(r.startswith(f"Uses {p.winner.num_gpus} of 8 GPUs") for r in p.reasons)
 
@@ -379,9 +387,9 @@ def test_rates_print_without_an_exponent():
 
 
 def test_fp8_kv_suggestion():
-    """Six 1M-token requests: TP8 + DCP8 holds 4 with a 16-bit cache; FP8 KV would hold them."""
+    """Six 1M-token requests: TP8 + DCP8 holds 5 with a 16-bit cache; FP8 KV would hold them."""
     p = plan(DSV3, H200, 8, ServingWorkload(M, 1 * K, 6))
-    assert p.winner is None and p.would_fit.concurrency == 4
+    assert p.winner is None and p.would_fit.concurrency == 5
     fp8 = p.would_fit.fp8_kv
     assert fp8.kv_dtype == "fp8" and fp8.capacity >= 6
     assert any(line.startswith("FP8 KV (--kv-cache-dtype fp8) would") for line in p.would_fit.lines)
@@ -418,7 +426,7 @@ def test_cli_prints_the_command_table_and_reasons(capsys):
     p = plan(DSV3, H200, 8, ServingWorkload(128 * K, 1 * K, 16))
     assert out[0] == p.command()
     assert pl.parse_serve_command(out[0]) == (p.winner.deployment, p.winner.kv_dtype)
-    assert any(line.split()[:2] == ["1", p.winner.label] for line in out)
+    assert any(line.split()[:2] in (["1", p.winner.label], ["1*", p.winner.label]) for line in out)
     assert "Why:" in out and f"  - {p.reasons[0]}" in out
 
 

@@ -44,7 +44,7 @@ def _room(model: ModelSpec, gpu: GPUSpec, deployment: Deployment, w: ServingWork
     rejects the sizes or the weights do not fit."""
     try:
         deployment.config(model)
-        mem = {"gpu_memory_utilization": w.gpu_memory_utilization}
+        mem = {"gpu_memory_utilization": w.memory_utilization}
         return deployment_max_context(model, gpu, deployment, w.kv_dtypes[0], **mem)
     except ValueError:
         return None

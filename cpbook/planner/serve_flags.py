@@ -58,14 +58,14 @@ def serve_args(
     *,
     max_model_len: int,
     max_num_seqs: int,
-    gpu_memory_utilization: float,
+    gpu_memory_utilization: float | None = None,
     cp_kv_cache_interleave_size: int = 1,
 ) -> list[str]:
     """``vllm serve``'s arguments for ``deployment``: sizes above 1, the DCP options when DCP is on
     (``ag_rs``, the backend the cost model prices and PCP x DCP requires; query replication on
     or off explicitly, as some models default it on), the interleave size (1: token-level
-    balance; a P/D decode instance sets it to its block size, chapter 2), and the memory
-    settings the plan assumed (vLLM's own ``gpu_memory_utilization`` default differs)."""
+    balance; a P/D decode instance sets it to its block size, chapter 2), and
+    ``--gpu-memory-utilization`` only when the plan assumed other than vLLM's default."""
     args = ["--tensor-parallel-size", str(deployment.tp)]
     for flag, size in (
         ("--prefill-context-parallel-size", deployment.pcp),
@@ -82,16 +82,22 @@ def serve_args(
         args += ["--cp-kv-cache-interleave-size", str(cp_kv_cache_interleave_size)]
     if deployment.ep:
         args.append("--enable-expert-parallel")
-    return args + [
-        "--kv-cache-dtype",
-        vllm_kv_cache_dtype(model, kv_dtype),
-        "--max-model-len",
-        str(max_model_len),
-        "--max-num-seqs",
-        str(max_num_seqs),
-        "--gpu-memory-utilization",
-        f"{gpu_memory_utilization:g}",
-    ]
+    return (
+        args
+        + [
+            "--kv-cache-dtype",
+            vllm_kv_cache_dtype(model, kv_dtype),
+            "--max-model-len",
+            str(max_model_len),
+            "--max-num-seqs",
+            str(max_num_seqs),
+        ]
+        + (  # None: vLLM v0.34's default (1.0 with its extensible KV cache), left unset
+            []
+            if gpu_memory_utilization is None
+            else ["--gpu-memory-utilization", f"{gpu_memory_utilization:g}"]
+        )
+    )
 
 
 #: vLLM's short aliases of the parallel sizes (``EngineArgs.add_cli_args``)
