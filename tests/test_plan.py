@@ -14,6 +14,7 @@ import re
 import shlex
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -36,7 +37,8 @@ K, M = 1024, 1024**2
 DSV3, L8B, L70B = (cm.MODELS[k] for k in ("DeepSeek-V3", "Llama-3.1-8B", "Llama-3.1-70B"))
 V32 = model_from_hf_config(DSV32, name="DeepSeek-V3.2-Exp")
 H200 = cm.GPUS["H200"]
-OBJ = ("throughput", "ttft", "tpot")
+OBJ = pl.OBJECTIVES
+QWEN_MOE = cm.MODELS["Qwen3-235B-A22B"]
 
 
 def best_value(p, objective):
@@ -84,12 +86,29 @@ def test_ranked_layouts_pass_the_rules_and_hold_the_workload(model, gpu, n, w, o
 
 
 @settings(max_examples=25, deadline=None)
-@given(model=models, n=st.integers(1, 6), w=workloads, objective=objectives)
+@given(model=models, n=st.integers(1, 16), w=workloads, objective=st.sampled_from((pl.AUTO, *OBJ)))
 def test_plan_equals_brute_force(model, n, w, objective):
     """The pruned enumeration, with its caches, ranks exactly what the unpruned product of
     every size in 1..n (each checked by the rules, priced without a cache) ranks."""
     p = plan(model, H200, n, w, objective=objective, advise=False)
     assert list(p.ranked) == pl.brute_force(model, H200, n, w, objective)
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    model=st.sampled_from([DSV3, QWEN_MOE]),
+    n=st.integers(8, 16),
+    prompt=st.sampled_from([4 * K, 32 * K, 128 * K]),
+    concurrency=st.sampled_from([1, 16, 128]),
+    objective=st.sampled_from((pl.AUTO, *OBJ)),
+)
+def test_plan_equals_brute_force_for_moe_with_ep(model, n, prompt, concurrency, objective):
+    """MoE models on 8-16 GPUs, where EP's all-to-all spans the DP replicas (so a replica's
+    prefill depends on DP): the cache keys must say so."""
+    w = ServingWorkload(prompt, 1 * K, concurrency)
+    p = plan(model, H200, n, w, objective=objective, advise=False)
+    assert list(p.ranked) == pl.brute_force(model, H200, n, w, objective)
+    assert any(e.deployment.ep for e in p.ranked + p.dropped)
 
 
 @settings(max_examples=25, deadline=None)
@@ -164,6 +183,164 @@ def test_pareto_frontiers():
                 getattr(f, t) <= getattr(e, t) and f.tokens_per_s_per_gpu >= e.tokens_per_s_per_gpu
                 for f in frontier
             )
+
+
+def _dominates(f, e) -> bool:
+    a = (f.ttft_s, f.tpot_s, -f.tokens_per_s_per_gpu)
+    b = (e.ttft_s, e.tpot_s, -e.tokens_per_s_per_gpu)
+    return all(x <= y for x, y in zip(a, b)) and a != b
+
+
+def _pareto_by_brute_force(rows):
+    """Rows nothing dominates, one per set of rows equal on all three (the first by key)."""
+    keep = [e for e in rows if not any(_dominates(f, e) for f in rows)]
+    first = {}
+    for e in sorted(keep, key=lambda e: e.key()):
+        first.setdefault((e.ttft_s, e.tpot_s, e.tokens_per_s_per_gpu), e)
+    return sorted(first.values(), key=lambda e: e.key())
+
+
+@settings(max_examples=15, deadline=None)
+@given(model=models, n=st.integers(1, 16), w=workloads)
+def test_pareto_set_equals_a_brute_force_dominance_check(model, n, w):
+    p = plan(model, H200, n, w, advise=False)
+    assert sorted(p.frontier, key=lambda e: e.key()) == _pareto_by_brute_force(p.ranked)
+
+
+def test_pareto_drops_dominated_ties_and_duplicates():
+    p = plan(L8B, H200, 8, ServingWorkload(32 * K, 1 * K, 16), advise=False)
+    a = p.winner
+    slower = replace(a, deployment=replace(a.deployment, dp=2), tokens_per_s_per_gpu=1.0)
+    twin = replace(a, deployment=replace(a.deployment, dp=3))  # equal on all three metrics
+    front = pl.pareto([slower, twin, a])
+    assert front == [a]  # the tie on TTFT and TPOT with fewer tokens/s is dominated; one twin
+    assert pl.pareto([slower]) == [slower]
+
+
+# ------------------------------------------------------------------ objective, columns, words
+
+
+def test_objective_follows_the_workload():
+    """Up to the concurrency where decode's KV reads reach its weight reads, latency; above
+    it, tokens/s per GPU.  DeepSeek-V3 with one 4K request on 8 GPUs: TP8 (lowest latency),
+    not the 6-GPU TP2+PCP3+EP that the throughput objective picks."""
+    w = ServingWorkload(4 * K, 1 * K, 1)
+    sat = pl.saturation_concurrency(DSV3, w)
+    kv = cm.kv_bytes_per_token(DSV3) * w.request_tokens
+    experts = cm.gpu_terms.touched_experts(256, 8, sat) * DSV3.expert_size_params * 58
+    weights = (DSV3.num_params - DSV3.expert_params) * DSV3.weight_bytes_per_param
+    assert sat * kv >= weights + experts * DSV3.weight_bytes_per_param
+    assert pl.resolve_objective(DSV3, w, pl.AUTO)[0] == "latency"
+    p = plan(DSV3, H200, 8, w)
+    assert p.objective == "latency" and p.winner.deployment == Deployment(tp=8)
+    assert p.objective_reason.startswith("objective latency: 1 in flight")
+    thr = plan(DSV3, H200, 8, w, objective="throughput")
+    assert thr.winner.deployment.pcp > 1 and thr.winner.latency_s > p.winner.latency_s
+    crowd = ServingWorkload(4 * K, 1 * K, sat + 1)
+    assert plan(DSV3, H200, 8, crowd, advise=False).objective == "throughput"
+    assert plan(L8B, H200, 8, ServingWorkload(4 * K, 1 * K, 512), advise=False).objective == (
+        "throughput"
+    )
+
+
+@settings(max_examples=30, deadline=None)
+@given(model=models, prompt=st.integers(1, 2 * M), longer=st.integers(0, M))
+def test_saturation_is_the_first_kv_bound_batch(model, prompt, longer):
+    w = ServingWorkload(prompt, 1 * K)
+    sat = pl.saturation_concurrency(model, w)
+    assert sat >= 1
+    assert pl.saturation_concurrency(model, ServingWorkload(prompt + longer, 1 * K)) <= sat
+
+
+def test_two_tpot_columns_are_labelled(capsys):
+    argv = ["plan", "--model", "Llama-3.1-70B", "--gpus", "8", "--context", "128K"]
+    assert main([*argv, "--concurrency", "4", "--objective", "tpot"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    header = next(line for line in out if "deployment" in line and "GPUs" in line)
+    assert header.split()[-4:] == ["TTFT", "step", "TPOT+pf", "tok/s/GPU"]
+    assert any(line.startswith("step: one decode step alone") for line in out)
+    p = plan(L70B, H200, 8, ServingWorkload(128 * K, 1 * K, 4), objective="tpot")
+    for e in p.ranked:
+        assert e.step_s == e.decode.step_s <= e.tpot_s == e.decode.total_s
+        row = pl.estimate_record(e)
+        assert row["decode_step_s"] <= row["tpot_s"]
+    assert any(e.tpot_s > e.step_s for e in p.ranked)  # other requests' prefill chunks
+
+
+def test_reasons_name_the_driver_and_never_a_dash():
+    """The throughput winner for one 4K DeepSeek-V3 request uses PCP because without it the
+    weights of TP2+EP do not fit (not because of TTFT); no number prints as "-"."""
+    p = plan(DSV3, H200, 8, ServingWorkload(4 * K, 1 * K, 1), objective="throughput")
+    assert p.winner.deployment.pcp > 1
+    line = next(r for r in p.reasons if r.startswith(f"PCP{p.winner.deployment.pcp}:"))
+    assert "weights fit" in line and "does not fit: its weights" in line
+    assert pl.plan_advice.fmt_s(math.inf) == "not timed"
+    for q in (p, plan(DSV3, H200, 8, ServingWorkload(4 * K, 1 * K, 1))):
+        for r in q.reasons:
+            assert not re.search(r"(^|\s)-(\s|$|,|\.)", r), r
+
+
+def test_kv_headroom_warning():
+    tight = plan(L8B, H200, 8, ServingWorkload(128 * K, 1 * K, 62))
+    assert tight.winner.kv_headroom < 0.1
+    assert any(r.startswith("KV headroom ") for r in tight.reasons)
+    roomy = plan(L8B, H200, 8, ServingWorkload(4 * K, 1 * K, 16))
+    assert roomy.winner.kv_headroom >= 0.1
+    assert not any(r.startswith("KV headroom ") for r in roomy.reasons)
+
+
+def test_no_cp_is_said_in_one_line(capsys):
+    p = plan(L70B, H200, 8, ServingWorkload(M, 1 * K, 1))
+    assert p.cp_note.startswith("No context parallelism applies to Llama-3.1-70B on 8 GPUs: ")
+    assert "[gqa-dcp-needs-replicated-kv]" in p.cp_note and "[pcp-mla-only]" in p.cp_note
+    assert plan(DSV3, H200, 8, ServingWorkload(M, 1 * K, 1)).cp_note is None
+    assert main(["plan", "--model", "Llama-3.1-70B", "--gpus", "8", "--context", "1M"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert sum(line.startswith("No context parallelism") for line in out) == 1
+
+
+def test_max_num_seqs_is_the_replicas_share_rounded_up():
+    """--max-num-seqs: each replica's share of the concurrency, rounded up (never floored),
+    and no more than that replica admits."""
+    w = ServingWorkload(32 * K, 1 * K, 3)
+    p = plan(L8B, H200, 8, w, objective="throughput", advise=False)
+    seen = 0
+    for e in p.ranked:
+        args = shlex.split(p.command(e))
+        seqs = int(args[args.index("--max-num-seqs") + 1])
+        dp = e.deployment.dp
+        assert seqs == math.ceil(w.concurrency / dp) and seqs * dp >= w.concurrency
+        assert seqs <= e.capacity // dp  # what the replica admits
+        seen += dp > 1 and w.concurrency % dp != 0
+    assert seen  # a DP size that does not divide the concurrency was checked
+
+
+def test_planner_imports_no_torch():
+    """The cost model, the planner and ``python -m cpbook plan`` run without importing torch."""
+    code = (
+        "import sys; from cpbook.cli import main; import cpbook.planner, cpbook.costmodel; "
+        "main(['plan', '--model', 'DeepSeek-V3', '--gpus', '8', '--context', '32K']); "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+
+
+def test_gpu_counts_beyond_the_search_are_refused_by_rule(capsys):
+    pl.search_space.check_num_gpus(pl.search_space.MAX_PLAN_GPUS)
+    with pytest.raises(ValueError, match=r"\[plan-gpus-supported\].*num_gpus=1000000"):
+        plan(L8B, H200, 1_000_000, ServingWorkload(4 * K))
+    assert main(["plan", "--model", "Llama-3.1-8B", "--gpus", "1000000"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "[plan-gpus-supported]" in err[0]
+
+
+def test_non_json_hf_config_names_the_file_and_rule(tmp_path, capsys):
+    bad = tmp_path / "config.json"
+    bad.write_text("model_type: llama\n")
+    assert main(["plan", "--hf-config", str(bad)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "[hf-config-json]" in err[0] and str(bad) in err[0]
 
 
 # ----------------------------------------------------------- the old decision path's errors
