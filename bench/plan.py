@@ -30,8 +30,8 @@ import json
 import statistics
 
 from cpbook.costmodel.specs import MODELS
-from cpbook.planner.plan import plan
 from cpbook.planner.objective import AUTO, OBJECTIVES
+from cpbook.planner.plan import plan
 from cpbook.planner.plan_space import brute_force
 from cpbook.planner.search_space import ServingWorkload
 from cpbook.timing import machine_record, stopwatch
