@@ -114,6 +114,14 @@ def _variant(model: ModelSpec, gpu: GPUSpec, e: Estimate, w: ServingWorkload, **
     return estimate(model, gpu, deployment, e.kv_dtype, w)
 
 
+#: the time each objective but throughput ranks by: its name and :class:`Estimate` attribute
+_OBJECTIVE_TIMES = {
+    "latency": ("latency", "latency_s"),
+    "ttft": ("TTFT", "ttft_s"),
+    "tpot": ("TPOT", "tpot_s"),
+}
+
+
 def headline(p: Plan) -> str:
     """The plan in a few words: what context parallelism the winner uses and the one number
     that decides it, or, when nothing fits, the rule and how many GPUs would."""
@@ -129,6 +137,12 @@ def headline(p: Plan) -> str:
         plain = _variant(p.model, p.gpu, best, w, dcp=1, tpa=False)
         if plain is not None and plain.capacity < w.concurrency:
             parts.append(f"DCP{lay.dcp}: without it {plain.capacity:,} of {w.concurrency:,} fit")
+        elif plain is not None and p.objective != "throughput":
+            name, attr = _OBJECTIVE_TIMES[p.objective]
+            parts.append(
+                f"DCP{lay.dcp}: {name} {fmt_s(getattr(best, attr))} vs "
+                f"{fmt_s(getattr(plain, attr))} without it"
+            )
         elif plain is not None and objective_value(plain, p.objective) == objective_value(
             best, p.objective
         ):
