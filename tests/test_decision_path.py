@@ -95,7 +95,7 @@ def test_plan_never_loses_to_the_path(model, n, prompt, concurrency, target):
     try:
         pl.check_deployment(c.plan.model, c.path.deployment)
     except ConfigError:
-        assert "vLLM v0.33 does not run" in c.reason
+        assert "vLLM v0.34 does not run" in c.reason
         return
     e = pl.estimate(c.plan.model, H200, c.path.deployment, "bf16", w)
     if e.drop is None:

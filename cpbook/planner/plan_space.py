@@ -2,7 +2,7 @@
 
 A *deployment* is a :class:`~cpbook.costmodel.memory.Deployment` (DP x TP x PCP GPUs, DCP, EP,
 query replication) plus a KV cache dtype.  :func:`~cpbook.planner.search_space.deployments`
-enumerates every one that uses at most ``num_gpus`` GPUs and that vLLM v0.33.0 serves for the
+enumerates every one that uses at most ``num_gpus`` GPUs and that vLLM v0.34.0 serves for the
 model (:func:`~cpbook.planner.vllm_rules.check_deployment`); :func:`estimate` prices one with
 the cost model's own functions (memory, :func:`~cpbook.costmodel.latency.ttft`,
 :func:`~cpbook.costmodel.latency.tpot`, :func:`~cpbook.costmodel.latency.decode_throughput`);

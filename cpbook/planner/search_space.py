@@ -1,5 +1,5 @@
 """What the planner searches: the workload a deployment must serve, and every deployment on at
-most ``num_gpus`` GPUs that vLLM v0.33.0 serves for a model.
+most ``num_gpus`` GPUs that vLLM v0.34.0 serves for a model.
 
 :func:`deployments` is a flat generator over the product of the deployment axes (TP x PCP, the DCP
 sizes ``ParallelConfig`` admits, query replication for MLA with DCP, then DP x EP), filtered by
