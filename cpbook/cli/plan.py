@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+from pathlib import Path
 
 from cpbook.core.errors import RuleError
 from cpbook.costmodel.specs import GB, GPUS, get_model
@@ -87,6 +88,12 @@ def parse_seconds(flag: str, text: str | None) -> float | None:
     return float(m.group(1)) * (1e-3 if m.group(2) == "ms" else 1.0)
 
 
+def _config_file(path: str) -> str:
+    """The ``config.json`` that ``--hf-config PATH`` names (the file, or the one in a folder)."""
+    p = Path(path)
+    return str(p / "config.json" if p.is_dir() else p)
+
+
 def _plan_model(a: argparse.Namespace):
     if a.hf_config:
         try:
@@ -95,7 +102,7 @@ def _plan_model(a: argparse.Namespace):
             raise RuleError(
                 "hf-config-json",
                 "--hf-config a JSON config.json (or its folder)",
-                file=_Plain(e.doc and a.hf_config or a.hf_config),
+                file=_Plain(_config_file(a.hf_config)),
                 error=_Plain(e.msg),
             ) from e
     if not a.model:
