@@ -185,15 +185,15 @@ def _winner_reasons(p: Plan) -> list[str]:
         plain = _variant(model, gpu, best, w, dcp=1, tpa=False)
         if plain is not None and plain.capacity < w.concurrency:
             lines.append(
-                f"DCP{lay.dcp}: without it {plain.label} holds "
+                f"DCP{lay.dcp}: KV room; without it {plain.label} holds "
                 f"{plural(plain.capacity, 'such request')}; DCP shards each request's KV over "
                 f"{lay.dcp} GPUs."
             )
         elif plain is not None:
             lines.append(
-                f"DCP{lay.dcp}: {plain.label} without it reaches "
-                f"{fmt_rate(plain.tokens_per_s_per_gpu)} tok/s per GPU "
-                f"(TPOT {fmt_s(plain.tpot_s)})."
+                f"DCP{lay.dcp}: KV reads against collective cost; {plain.label} without it "
+                f"takes a decode step of {fmt_s(plain.step_s)} (vs {fmt_s(best.step_s)}) and "
+                f"reaches {fmt_rate(plain.tokens_per_s_per_gpu)} tok/s per GPU."
             )
     if lay.pcp > 1:
         alone = _variant(model, gpu, best, w, pcp=1, dcp=1 if lay.dcp == lay.pcp else lay.dcp)
