@@ -82,22 +82,17 @@ def serve_args(
         args += ["--cp-kv-cache-interleave-size", str(cp_kv_cache_interleave_size)]
     if deployment.ep:
         args.append("--enable-expert-parallel")
-    return (
-        args
-        + [
-            "--kv-cache-dtype",
-            vllm_kv_cache_dtype(model, kv_dtype),
-            "--max-model-len",
-            str(max_model_len),
-            "--max-num-seqs",
-            str(max_num_seqs),
-        ]
-        + (  # None: vLLM v0.34's default (1.0 with its extensible KV cache), left unset
-            []
-            if gpu_memory_utilization is None
-            else ["--gpu-memory-utilization", f"{gpu_memory_utilization:g}"]
-        )
-    )
+    args += [
+        "--kv-cache-dtype",
+        vllm_kv_cache_dtype(model, kv_dtype),
+        "--max-model-len",
+        str(max_model_len),
+        "--max-num-seqs",
+        str(max_num_seqs),
+    ]
+    if gpu_memory_utilization is not None:  # None: vLLM v0.34's default, left unset
+        args += ["--gpu-memory-utilization", f"{gpu_memory_utilization:g}"]
+    return args
 
 
 #: vLLM's short aliases of the parallel sizes (``EngineArgs.add_cli_args``)
