@@ -303,7 +303,8 @@ def plan(
     model, gpu = get_model(model), get_gpu(gpu)
     objective, why = resolve_objective(model, workload, objective)
     key = rank_key(objective)
-    rows, rejected = search(model, gpu, num_gpus, workload)
+    cache: dict = {}  # estimate's, shared with the what-would-fit search
+    rows, rejected = search(model, gpu, num_gpus, workload, cache=cache)
     ranked = tuple(sorted((e for e in rows if e.drop is None), key=key))
     dropped = tuple(e for e in rows if e.drop is not None)
     p = Plan(
@@ -326,7 +327,7 @@ def plan(
     if not advise:
         return p
     if not ranked:
-        return replace(p, would_fit=would_fit(model, gpu, num_gpus, workload, objective))
+        return replace(p, would_fit=would_fit(model, gpu, num_gpus, workload, objective, cache))
     reasons = _winner_reasons(p)
     seen = {ranked[0].label}
     for e in ranked[1:]:

@@ -287,10 +287,16 @@ def _fewest_gpus(
 
 
 def would_fit(
-    model: ModelSpec, gpu: GPUSpec, num_gpus: int, w: ServingWorkload, objective: str
+    model: ModelSpec,
+    gpu: GPUSpec,
+    num_gpus: int,
+    w: ServingWorkload,
+    objective: str,
+    cache: Cache | None = None,
 ) -> WouldFit:
-    """:class:`WouldFit` for a workload no deployment of ``num_gpus`` GPUs serves."""
-    cache: Cache = {}
+    """:class:`WouldFit` for a workload no deployment of ``num_gpus`` GPUs serves; ``cache``:
+    the search's (:func:`~cpbook.planner.plan_space.estimate`'s, per model and GPU) to reuse."""
+    cache = {} if cache is None else cache
     rows, _ = search(model, gpu, num_gpus, w, time_dropped=True, cache=cache)
     reached = max((DROP_RULES.index(e.drop) for e in rows), default=0)
     rule = DROP_RULES[reached]
