@@ -279,7 +279,7 @@ def test_plan_explorer_states_are_the_planners_answers():
     shown = visible_panel(ex.to_html())
     assert "<b>TP8+DCP8+QR</b> on 8 of 8 GPUs: DCP8: without it 0 of 1 fit." in shown
     assert "vllm serve deepseek-ai/DeepSeek-V3 --tensor-parallel-size 8" in shown
-    assert "Holds 4 requests of 1,049,600 tokens (1 in flight)" in shown
+    assert "Holds 5 requests of 1,049,600 tokens (1 in flight)" in shown
     assert "<b>Nothing fits</b> on 8 × H200 SXM [holds-concurrency]" in ex.to_html()
     assert not re.search(r"\b1 (such )?requests\b", ex.to_html())
 

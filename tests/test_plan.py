@@ -37,8 +37,9 @@ K, M = 1024, 1024**2
 DSV3, L8B, L70B = (cm.MODELS[k] for k in ("DeepSeek-V3", "Llama-3.1-8B", "Llama-3.1-70B"))
 V32 = model_from_hf_config(DSV32, name="DeepSeek-V3.2-Exp")
 H200 = cm.GPUS["H200"]
-OBJ = ("throughput", "ttft", "tpot")
+OBJ = pl.OBJECTIVES
 FP8_KV = ("bf16", "fp8")
+QWEN_MOE = cm.MODELS["Qwen3-235B-A22B"]
 
 
 def best_value(p, objective):
@@ -74,7 +75,10 @@ def test_ranked_layouts_pass_the_rules_and_hold_the_workload(model, gpu, n, w, o
         e.deployment.config(model)  # ParallelConfig
         pl.check_deployment(model, e.deployment, e.kv_dtype)
         assert e.num_gpus <= n and e.drop is None
-        cap = cm.max_concurrency(model, g, e.deployment, w.request_tokens, e.kv_dtype)
+        mem = w.memory_utilization
+        cap = cm.max_concurrency(
+            model, g, e.deployment, w.request_tokens, e.kv_dtype, gpu_memory_utilization=mem
+        )
         assert e.capacity == cap >= w.concurrency and e.batch == w.concurrency
         assert w.ttft_target_s is None or e.ttft_s <= w.ttft_target_s
         assert w.tpot_target_s is None or e.tpot_s <= w.tpot_target_s
@@ -83,12 +87,29 @@ def test_ranked_layouts_pass_the_rules_and_hold_the_workload(model, gpu, n, w, o
 
 
 @settings(max_examples=25, deadline=None)
-@given(model=models, n=st.integers(1, 6), w=workloads, objective=objectives)
+@given(model=models, n=st.integers(1, 16), w=workloads, objective=st.sampled_from((pl.AUTO, *OBJ)))
 def test_plan_equals_brute_force(model, n, w, objective):
     """The pruned enumeration, with its caches, ranks exactly what the unpruned product of
     every size in 1..n (each checked by the rules, priced without a cache) ranks."""
     p = plan(model, H200, n, w, objective=objective, advise=False)
     assert list(p.ranked) == pl.brute_force(model, H200, n, w, objective)
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    model=st.sampled_from([DSV3, QWEN_MOE]),
+    n=st.integers(8, 16),
+    prompt=st.sampled_from([4 * K, 32 * K, 128 * K]),
+    concurrency=st.sampled_from([1, 16, 128]),
+    objective=st.sampled_from((pl.AUTO, *OBJ)),
+)
+def test_plan_equals_brute_force_for_moe_with_ep(model, n, prompt, concurrency, objective):
+    """MoE models on 8-16 GPUs, where EP's all-to-all spans the DP replicas (so a replica's
+    prefill depends on DP): the cache keys must say so."""
+    w = ServingWorkload(prompt, 1 * K, concurrency)
+    p = plan(model, H200, n, w, objective=objective, advise=False)
+    assert list(p.ranked) == pl.brute_force(model, H200, n, w, objective)
+    assert any(e.deployment.ep for e in p.ranked + p.dropped)
 
 
 @settings(max_examples=25, deadline=None)
@@ -137,7 +158,8 @@ def test_estimates_are_the_cost_models_numbers():
     for e in p.ranked:
         kw = {"knobs": cm.CostKnobs(kv_dtype=e.kv_dtype)}
         assert e.weight_bytes == cm.deployment_weight_bytes(DSV3, e.deployment)
-        assert e.kv_budget_bytes == cm.deployment_kv_budget(DSV3, H200, e.deployment)
+        mem = w.memory_utilization  # vLLM v0.34's default, 1.0
+        assert e.kv_budget_bytes == cm.deployment_kv_budget(DSV3, H200, e.deployment, mem)
         assert e.prefill == cm.ttft(DSV3, H200, e.deployment, w.prompt_tokens)
         agg = dict(kw, batching=cm.ContinuousBatching(w.prompt_tokens, w.output_tokens))
         assert e.decode == cm.tpot(DSV3, H200, e.deployment, w.request_tokens, e.batch, **agg)
@@ -149,7 +171,7 @@ def test_estimates_are_the_cost_models_numbers():
 
 def test_pareto_frontiers():
     w = ServingWorkload(32 * K, 1 * K, 16)
-    p = plan(DSV3, H200, 16, w)
+    p = plan(DSV3, H200, 16, w, objective="throughput")
     for frontier, t in ((p.frontier_ttft, "ttft_s"), (p.frontier_tpot, "tpot_s")):
         assert frontier and frontier[-1].tokens_per_s_per_gpu == p.winner.tokens_per_s_per_gpu
         for f in frontier:  # nobody beats a frontier point on both
@@ -164,6 +186,164 @@ def test_pareto_frontiers():
             )
 
 
+def _dominates(f, e) -> bool:
+    a = (f.ttft_s, f.tpot_s, -f.tokens_per_s_per_gpu)
+    b = (e.ttft_s, e.tpot_s, -e.tokens_per_s_per_gpu)
+    return all(x <= y for x, y in zip(a, b)) and a != b
+
+
+def _pareto_by_brute_force(rows):
+    """Rows nothing dominates, one per set of rows equal on all three (the first by key)."""
+    keep = [e for e in rows if not any(_dominates(f, e) for f in rows)]
+    first = {}
+    for e in sorted(keep, key=lambda e: e.key()):
+        first.setdefault((e.ttft_s, e.tpot_s, e.tokens_per_s_per_gpu), e)
+    return sorted(first.values(), key=lambda e: e.key())
+
+
+@settings(max_examples=15, deadline=None)
+@given(model=models, n=st.integers(1, 16), w=workloads)
+def test_pareto_set_equals_a_brute_force_dominance_check(model, n, w):
+    p = plan(model, H200, n, w, advise=False)
+    assert sorted(p.frontier, key=lambda e: e.key()) == _pareto_by_brute_force(p.ranked)
+
+
+def test_pareto_drops_dominated_ties_and_duplicates():
+    p = plan(L8B, H200, 8, ServingWorkload(32 * K, 1 * K, 16), advise=False)
+    a = p.winner
+    slower = replace(a, deployment=replace(a.deployment, dp=2), tokens_per_s_per_gpu=1.0)
+    twin = replace(a, deployment=replace(a.deployment, dp=3))  # equal on all three metrics
+    front = pl.pareto([slower, twin, a])
+    assert front == [a]  # the tie on TTFT and TPOT with fewer tokens/s is dominated; one twin
+    assert pl.pareto([slower]) == [slower]
+
+
+# ------------------------------------------------------------------ objective, columns, words
+
+
+def test_objective_follows_the_workload():
+    """Up to the concurrency where decode's KV reads reach its weight reads, latency; above
+    it, tokens/s per GPU.  DeepSeek-V3 with one 4K request on 8 GPUs: TP8 (lowest latency),
+    not the 6-GPU TP2+PCP3+EP that the throughput objective picks."""
+    w = ServingWorkload(4 * K, 1 * K, 1)
+    sat = pl.saturation_concurrency(DSV3, w)
+    kv = cm.kv_bytes_per_token(DSV3) * w.request_tokens
+    experts = cm.gpu_terms.touched_experts(256, 8, sat) * DSV3.expert_size_params * 58
+    weights = (DSV3.num_params - DSV3.expert_params) * DSV3.weight_bytes_per_param
+    assert sat * kv >= weights + experts * DSV3.weight_bytes_per_param
+    assert pl.resolve_objective(DSV3, w, pl.AUTO)[0] == "latency"
+    p = plan(DSV3, H200, 8, w)
+    assert p.objective == "latency" and p.winner.deployment == Deployment(tp=8)
+    assert p.objective_reason.startswith("objective latency: 1 in flight")
+    thr = plan(DSV3, H200, 8, w, objective="throughput")
+    assert thr.winner.deployment.pcp > 1 and thr.winner.latency_s > p.winner.latency_s
+    crowd = ServingWorkload(4 * K, 1 * K, sat + 1)
+    assert plan(DSV3, H200, 8, crowd, advise=False).objective == "throughput"
+    assert plan(L8B, H200, 8, ServingWorkload(4 * K, 1 * K, 512), advise=False).objective == (
+        "throughput"
+    )
+
+
+@settings(max_examples=30, deadline=None)
+@given(model=models, prompt=st.integers(1, 2 * M), longer=st.integers(0, M))
+def test_saturation_is_the_first_kv_bound_batch(model, prompt, longer):
+    w = ServingWorkload(prompt, 1 * K)
+    sat = pl.saturation_concurrency(model, w)
+    assert sat >= 1
+    assert pl.saturation_concurrency(model, ServingWorkload(prompt + longer, 1 * K)) <= sat
+
+
+def test_two_tpot_columns_are_labelled(capsys):
+    argv = ["plan", "--model", "Llama-3.1-70B", "--gpus", "8", "--context", "128K"]
+    assert main([*argv, "--concurrency", "4", "--objective", "tpot"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    header = next(line for line in out if "deployment" in line and "GPUs" in line)
+    assert header.split()[-4:] == ["TTFT", "step", "TPOT+pf", "tok/s/GPU"]
+    assert any(line.startswith("step: one decode step alone") for line in out)
+    p = plan(L70B, H200, 8, ServingWorkload(128 * K, 1 * K, 4), objective="tpot")
+    for e in p.ranked:
+        assert e.step_s == e.decode.step_s <= e.tpot_s == e.decode.total_s
+        row = pl.estimate_record(e)
+        assert row["decode_step_s"] <= row["tpot_s"]
+    assert any(e.tpot_s > e.step_s for e in p.ranked)  # other requests' prefill chunks
+
+
+def test_reasons_name_the_driver_and_never_a_dash():
+    """The throughput winner for one 4K DeepSeek-V3 request uses PCP because without it the
+    weights of TP2+EP do not fit (not because of TTFT); no number prints as "-"."""
+    p = plan(DSV3, H200, 8, ServingWorkload(4 * K, 1 * K, 1), objective="throughput")
+    assert p.winner.deployment.pcp > 1
+    line = next(r for r in p.reasons if r.startswith(f"PCP{p.winner.deployment.pcp}:"))
+    assert "weights fit" in line and "does not fit: its weights" in line
+    assert pl.plan_advice.fmt_s(math.inf) == "not timed"
+    for q in (p, plan(DSV3, H200, 8, ServingWorkload(4 * K, 1 * K, 1))):
+        for r in q.reasons:
+            assert not re.search(r"(^|\s)-(\s|$|,|\.)", r), r
+
+
+def test_kv_headroom_warning():
+    tight = plan(L8B, H200, 8, ServingWorkload(128 * K, 1 * K, 62))
+    assert tight.winner.kv_headroom < 0.1
+    assert any(r.startswith("KV headroom ") for r in tight.reasons)
+    roomy = plan(L8B, H200, 8, ServingWorkload(4 * K, 1 * K, 16))
+    assert roomy.winner.kv_headroom >= 0.1
+    assert not any(r.startswith("KV headroom ") for r in roomy.reasons)
+
+
+def test_no_cp_is_said_in_one_line(capsys):
+    p = plan(L70B, H200, 8, ServingWorkload(M, 1 * K, 1))
+    assert p.cp_note.startswith("No context parallelism applies to Llama-3.1-70B on 8 GPUs: ")
+    assert "[gqa-dcp-needs-replicated-kv]" in p.cp_note and "[pcp-mla-only]" in p.cp_note
+    assert plan(DSV3, H200, 8, ServingWorkload(M, 1 * K, 1)).cp_note is None
+    assert main(["plan", "--model", "Llama-3.1-70B", "--gpus", "8", "--context", "1M"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert sum(line.startswith("No context parallelism") for line in out) == 1
+
+
+def test_max_num_seqs_is_the_replicas_share_rounded_up():
+    """--max-num-seqs: each replica's share of the concurrency, rounded up (never floored),
+    and no more than that replica admits."""
+    w = ServingWorkload(32 * K, 1 * K, 3)
+    p = plan(L8B, H200, 8, w, objective="throughput", advise=False)
+    seen = 0
+    for e in p.ranked:
+        args = shlex.split(p.command(e))
+        seqs = int(args[args.index("--max-num-seqs") + 1])
+        dp = e.deployment.dp
+        assert seqs == math.ceil(w.concurrency / dp) and seqs * dp >= w.concurrency
+        assert seqs <= e.capacity // dp  # what the replica admits
+        seen += dp > 1 and w.concurrency % dp != 0
+    assert seen  # a DP size that does not divide the concurrency was checked
+
+
+def test_planner_imports_no_torch():
+    """The cost model, the planner and ``python -m cpbook plan`` run without importing torch."""
+    code = (
+        "import sys; from cpbook.cli import main; import cpbook.planner, cpbook.costmodel; "
+        "main(['plan', '--model', 'DeepSeek-V3', '--gpus', '8', '--context', '32K']); "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+
+
+def test_gpu_counts_beyond_the_search_are_refused_by_rule(capsys):
+    pl.search_space.check_num_gpus(pl.search_space.MAX_PLAN_GPUS)
+    with pytest.raises(ValueError, match=r"\[plan-gpus-supported\].*num_gpus=1000000"):
+        plan(L8B, H200, 1_000_000, ServingWorkload(4 * K))
+    assert main(["plan", "--model", "Llama-3.1-8B", "--gpus", "1000000"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "[plan-gpus-supported]" in err[0]
+
+
+def test_non_json_hf_config_names_the_file_and_rule(tmp_path, capsys):
+    bad = tmp_path / "config.json"
+    bad.write_text("model_type: llama\n")
+    assert main(["plan", "--hf-config", str(bad)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "[hf-config-json]" in err[0] and str(bad) in err[0]
+
+
 # ----------------------------------------------------------- the old decision path's errors
 
 
@@ -174,13 +354,13 @@ def explorer(context, concurrency, **targets):
 
 def test_128k_16_users_needs_capacity_not_one_request():
     """Old answer: "TP8, 4 such requests at once ... no DCP needed ... add PCP", then no PCP.
-    Right: TP8 holds 4 of the 16 requests and is dropped; the winner holds all 16."""
+    Right: TP8 holds 5 of the 16 requests and is dropped; the winner holds all 16."""
     p = explorer(128 * K, 16)
     tp8 = next(e for e in p.dropped if e.deployment == Deployment(tp=8))
-    assert (tp8.drop, tp8.capacity) == ("holds-concurrency", 4)
+    assert (tp8.drop, tp8.capacity) == ("holds-concurrency", 5)
     assert p.winner.capacity >= 16 and p.winner.deployment != Deployment(tp=8)
     best_tp8 = next(e for e in p.ranked if e.deployment.tp == 8)  # the TTFT end of the frontier
-    assert best_tp8.deployment.dcp == 8 and best_tp8.capacity == 33
+    assert best_tp8.deployment.dcp == 8 and best_tp8.capacity == 45
     # with the explorer's 10 s TTFT target nothing on 8 GPUs meets it, and PCP cannot help:
     # TP8 (the smallest TP whose weights fit without EP) already uses all 8 GPUs
     t = explorer(128 * K, 16, ttft_target_s=10)
@@ -222,7 +402,7 @@ def test_1m_16_users_says_what_would_fit():
     f = p.winner, p.would_fit
     assert f[0] is None and f[1].rule == "holds-concurrency"
     most = max(e.capacity for e in p.dropped)
-    assert f[1].concurrency == most == 4
+    assert f[1].concurrency == most == 5
     assert plan(DSV3, H200, f[1].num_gpus, p.workload, advise=False).winner is not None
     assert plan(DSV3, H200, f[1].num_gpus - 1, p.workload, advise=False).winner is None
     short = ServingWorkload(f[1].prompt_tokens, 1 * K, 16)
@@ -233,9 +413,9 @@ def test_1m_16_users_says_what_would_fit():
 
 def test_1m_512_users_is_not_keep_the_layout():
     """Old answer: "keep the deployment", which holds one request.  Right: no deployment of 8 GPUs
-    holds 512; the fewest GPUs that would, and the 4 requests these 8 hold."""
+    holds 512; the fewest GPUs that would, and the 5 requests these 8 hold."""
     p = explorer(M, 512)
-    assert p.winner is None and p.would_fit.concurrency == 4
+    assert p.winner is None and p.would_fit.concurrency == 5
     e = p.would_fit.gpus_deployment
     assert e.drop is None and e.capacity >= 512 and e.num_gpus == p.would_fit.num_gpus > 8
     pl.check_deployment(DSV3, e.deployment, e.kv_dtype)
@@ -340,10 +520,15 @@ def test_serve_command_flags():
     head = "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 vllm serve deepseek-ai/DeepSeek-V3 "
     assert cmd.startswith(head + "--tensor-parallel-size 8 ")
     for flag in ("--decode-context-parallel-size 8", "--dcp-comm-backend ag_rs",
-                 "--max-model-len 1049600", "--gpu-memory-utilization 0.9"):  # fmt: skip
+                 "--max-model-len 1049600"):  # fmt: skip
         assert flag in cmd
     assert "--cp-kv-cache-interleave-size" not in cmd  # vLLM's default (1) and its P/D choice
     assert "--nnodes" not in cmd  # one node
+    # vLLM v0.34's own gpu_memory_utilization default (1.0, extensible KV cache) is left unset;
+    # another value is the plan's assumption and is printed
+    assert "--gpu-memory-utilization" not in cmd and w.memory_utilization == 1.0
+    set_09 = plan(DSV3, H200, 8, ServingWorkload(M, 1 * K, 1, gpu_memory_utilization=0.9))
+    assert "--gpu-memory-utilization 0.9" in set_09.command()
     assert ("--dcp-q-replicate" in cmd.split()) == p.winner.deployment.tpa
     short = "vllm serve x -tp 4 -dcp 2 -pcp 2 -dp 2 -ep --kv-cache-dtype fp8_ds_mla"
     assert pl.parse_serve_command(short) == (Deployment(tp=4, dcp=2, pcp=2, dp=2, ep=True), "fp8")
@@ -360,7 +545,7 @@ def test_serve_command_flags():
 
 
 def test_reasons_name_the_runners_up():
-    p = plan(DSV3, H200, 8, ServingWorkload(4 * K, 1 * K, 512))
+    p = plan(DSV3, H200, 8, ServingWorkload(4 * K, 1 * K, 512), objective="throughput")
     labels = [e.label for e in p.ranked]
     ups = [r for r in p.reasons if r.split(":")[0] in labels[1:]]
     assert 1 <= len(ups) <= 4
@@ -383,7 +568,7 @@ def test_headlines():
 
 
 def test_idle_gpus_are_said():
-    p = plan(L8B, H200, 8, ServingWorkload(4 * K, 256, 16))
+    p = plan(L8B, H200, 8, ServingWorkload(4 * K, 256, 16), objective="throughput")
     assert p.winner.num_gpus < 8
     assert any(r.startswith(f"Uses {p.winner.num_gpus} of 8 GPUs") for r in p.reasons)
 
@@ -409,9 +594,9 @@ def test_rates_print_without_an_exponent():
 
 
 def test_fp8_kv_suggestion():
-    """Six 1M-token requests: TP8 + DCP8 holds 4 with a 16-bit cache; FP8 KV would hold them."""
+    """Six 1M-token requests: TP8 + DCP8 holds 5 with a 16-bit cache; FP8 KV would hold them."""
     p = plan(DSV3, H200, 8, ServingWorkload(M, 1 * K, 6))
-    assert p.winner is None and p.would_fit.concurrency == 4
+    assert p.winner is None and p.would_fit.concurrency == 5
     fp8 = p.would_fit.fp8_kv
     assert fp8.kv_dtype == "fp8" and fp8.capacity >= 6
     assert any(line.startswith("FP8 KV (--kv-cache-dtype fp8) would") for line in p.would_fit.lines)
@@ -448,7 +633,7 @@ def test_cli_prints_the_command_table_and_reasons(capsys):
     p = plan(DSV3, H200, 8, ServingWorkload(128 * K, 1 * K, 16))
     assert out[0] == p.command()
     assert pl.parse_serve_command(out[0]) == (p.winner.deployment, p.winner.kv_dtype)
-    assert any(line.split()[:2] == ["1", p.winner.label] for line in out)
+    assert any(line.split()[:2] in (["1", p.winner.label], ["1*", p.winner.label]) for line in out)
     assert "Why:" in out and f"  - {p.reasons[0]}" in out
 
 

@@ -24,17 +24,18 @@ started run the demo directly; rank 0 prints the deterministic report.  Errors p
 ``cpbook: error: [rule] requires …; got …``, and exit with status 2 (``--debug``: the traceback).
 
 One module per sub-command (:mod:`.demo`, :mod:`.serve`, :mod:`.plan`: its parser and its
-command), the options they share in :mod:`.options`; :func:`main` parses and dispatches.
+command), the options they share in :mod:`.options`; :func:`main` parses and dispatches.  A
+sub-command's module is imported only when it runs (or for ``--help`` of the whole command
+line): ``plan`` needs no torch, and ``python -m cpbook plan`` imports none.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import re
 import sys
-
-from cpbook.cli import demo, plan, serve
 
 __all__ = ["build_parser", "main"]
 
@@ -42,16 +43,27 @@ _RULE = re.compile(r"(\[[\w-]+\] requires .*)")
 _DESCRIPTION = (
     "Command line: ``python -m cpbook demo NAME --world-size N [--backend inline|torchrun]``."
 )
-_COMMANDS = {"demo": demo, "serve": serve, "plan": plan}
+_COMMANDS = ("demo", "serve", "plan")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``python -m cpbook`` parser with its three sub-commands."""
+def _module(cmd: str):
+    """The sub-command's module, imported now (``cpbook.cli.demo`` and ``serve`` import torch)."""
+    return importlib.import_module(f"cpbook.cli.{cmd}")
+
+
+def build_parser(commands: tuple[str, ...] = _COMMANDS) -> argparse.ArgumentParser:
+    """The ``python -m cpbook`` parser with ``commands`` (default: all three sub-commands)."""
     p = argparse.ArgumentParser(prog="python -m cpbook", description=_DESCRIPTION)
     sub = p.add_subparsers(dest="cmd", required=True)
-    for module in _COMMANDS.values():
-        module.add_parser(sub)
+    for cmd in commands:
+        _module(cmd).add_parser(sub)
     return p
+
+
+def _requested(argv: list[str]) -> tuple[str, ...]:
+    """The one sub-command ``argv`` names first, or all of them (``--help``, a typo)."""
+    first = next((a for a in argv if not a.startswith("-")), None)
+    return (first,) if first in _COMMANDS else _COMMANDS
 
 
 def _root_message(e: BaseException) -> str:
@@ -69,10 +81,11 @@ def _root_message(e: BaseException) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Run one sub-command; its exit status.  An error prints one line, ``cpbook: error: …``
     (the rule behind it where there is one), and returns 2; ``--debug`` re-raises it."""
-    p = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    p = build_parser(_requested(argv))
     a = p.parse_args(argv)
     try:
-        return _COMMANDS[a.cmd].command(a, p)
+        return _module(a.cmd).command(a, p)
     except BrokenPipeError:  # the reader closed our stdout (``| head``): stop quietly, exit 0
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0

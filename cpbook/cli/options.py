@@ -12,7 +12,6 @@ from cpbook.core.launch import pick_backend, worker_context
 
 __all__ = [
     "add_debug",
-    "add_nodes",
     "add_placement",
     "add_timeout",
     "end_worker",
@@ -26,24 +25,6 @@ def add_placement(p: argparse.ArgumentParser, dist_help: str | None = None) -> N
     p.add_argument("--backend", choices=["inline", "torchrun"], default="inline")
     p.add_argument("--dist-backend", choices=["gloo", "nccl"], default=None, help=dist_help)
     p.add_argument("--device", default="cpu", help="simulated ranks' device (cuda:0: one GPU)")
-
-
-def add_nodes(p: argparse.ArgumentParser) -> None:
-    """``--gpus-per-node N`` (default: the GPU's node, 8 for HGX / DGX) and
-    ``--inter-node-link NAME`` (a key of ``cpbook.costmodel.specs.LINKS``, default RDMA400): a
-    collective group wider than a node is priced on that link, and its serve line carries
-    vLLM's multi-node flags."""
-    p.add_argument(
-        "--gpus-per-node",
-        type=int,
-        default=None,
-        help="GPUs per node on one NVLink domain (default: the GPU's, 8 for HGX)",
-    )
-    p.add_argument(
-        "--inter-node-link",
-        default="RDMA400",
-        help="the link between nodes (a key of cpbook.costmodel.specs.LINKS)",
-    )
 
 
 def add_timeout(p: argparse.ArgumentParser) -> None:

@@ -7,14 +7,14 @@ from __future__ import annotations
 import argparse
 import json
 import re
+from pathlib import Path
 
-from cpbook.cli.options import add_debug, add_nodes
 from cpbook.core.errors import RuleError
 from cpbook.costmodel.specs import GB, GPUS, get_model
 from cpbook.planner.hf_config import model_from_hf_config
 from cpbook.planner.plan import Plan, estimate_record, plan
 from cpbook.planner.plan_advice import fmt_rate, fmt_s
-from cpbook.planner.plan_space import OBJECTIVES
+from cpbook.planner.plan_space import AUTO, OBJECTIVES
 from cpbook.planner.search_space import ServingWorkload
 from cpbook.planner.vllm_rules import PLAN_KV_DTYPES
 
@@ -26,9 +26,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     q = sub.add_parser(
         "plan",
         help="the deployment planner: the best layout and its vllm serve flags",
-        description="Search every layout vLLM v0.33 accepts for the model on at most --gpus "
+        description="Search every deployment vLLM accepts for the model on at most --gpus "
         "GPUs, drop those that cannot hold --concurrency requests or miss a target, and rank "
-        "the rest (cost-model estimates).",
+        "the rest (cost-model estimates).  --objective auto (the default): lowest latency "
+        "below the concurrency where decode throughput saturates, tokens/s per GPU above it.",
     )
     q.add_argument("--model", help="a built-in model, or the served name with --hf-config")
     q.add_argument("--hf-config", metavar="PATH", help="a config.json (or its folder)")
@@ -39,18 +40,42 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--concurrency", type=int, default=1, help="requests in flight")
     q.add_argument("--ttft", help="time-to-first-token target (10s, 500ms)")
     q.add_argument("--tpot", help="time-per-output-token target (50ms)")
-    q.add_argument("--objective", choices=OBJECTIVES, default="throughput")
+    q.add_argument("--objective", choices=(AUTO, *OBJECTIVES), default=AUTO)
     q.add_argument(
         "--kv-cache-dtype",
         action="append",
         choices=PLAN_KV_DTYPES,
         help="an allowed KV cache dtype (repeatable; default bf16)",
     )
-    q.add_argument("--gpu-memory-utilization", type=float, default=None)
-    add_nodes(q)
+    q.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="as vLLM's (default: vLLM v0.34's, 1.0 with its extensible KV cache)",
+    )
+    _add_nodes(q)
     q.add_argument("--top", type=int, default=8, help="rows of the table")
     q.add_argument("--json", action="store_true", help="JSON lines: layouts, then a summary")
-    add_debug(q)
+    # ``--debug`` as cpbook.cli.options adds it; that module imports torch (the launcher)
+    q.add_argument("--debug", action="store_true", help="show the full traceback on errors")
+
+
+def _add_nodes(p: argparse.ArgumentParser) -> None:
+    """``--gpus-per-node N`` (default: the GPU's node, 8 for HGX / DGX) and
+    ``--inter-node-link NAME`` (a key of ``cpbook.costmodel.specs.LINKS``, default RDMA400): a
+    collective group wider than a node is priced on that link, and its serve line carries
+    vLLM's multi-node flags."""
+    p.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=None,
+        help="GPUs per node on one NVLink domain (default: the GPU's, 8 for HGX)",
+    )
+    p.add_argument(
+        "--inter-node-link",
+        default="RDMA400",
+        help="the link between nodes (a key of cpbook.costmodel.specs.LINKS)",
+    )
 
 
 class _Plain(str):
@@ -82,9 +107,23 @@ def parse_seconds(flag: str, text: str | None) -> float | None:
     return float(m.group(1)) * (1e-3 if m.group(2) == "ms" else 1.0)
 
 
+def _config_file(path: str) -> str:
+    """The ``config.json`` that ``--hf-config PATH`` names (the file, or the one in a folder)."""
+    p = Path(path)
+    return str(p / "config.json" if p.is_dir() else p)
+
+
 def _plan_model(a: argparse.Namespace):
     if a.hf_config:
-        return model_from_hf_config(a.hf_config, name=a.model)
+        try:
+            return model_from_hf_config(a.hf_config, name=a.model)
+        except json.JSONDecodeError as e:
+            raise RuleError(
+                "hf-config-json",
+                "--hf-config a JSON config.json (or its folder)",
+                file=_Plain(_config_file(a.hf_config)),
+                error=_Plain(e.msg),
+            ) from e
     if not a.model:
         raise RuleError(
             "plan-model", "--model NAME or --hf-config PATH", model=None, hf_config=None
@@ -109,24 +148,38 @@ def _workload(a: argparse.Namespace) -> ServingWorkload:
     )
 
 
+#: the table's legend: what its two TPOT columns and its mark mean
+LEGEND = (
+    "step: one decode step alone (chapter 6's TPOT); TPOT+pf: TPOT with the prefill chunks of "
+    "other requests each step carries (continuous batching); * on the Pareto set of TTFT, "
+    "TPOT+pf and tok/s/GPU"
+)
+
+
 def _plan_table(p: Plan, top: int) -> list[str]:
     w = p.workload
+    front = {id(e) for e in p.frontier}
     lines = [
         "",
         f"{p.model.name} on up to {p.num_gpus} x {p.gpu.name}: {w.concurrency:,} "
         f"request{'s' if w.concurrency != 1 else ''} of "
-        f"{w.prompt_tokens:,} + {w.output_tokens:,} tokens, objective {p.objective} "
-        f"(modelled: cpbook.costmodel)",
-        f"{'#':>3}  {'layout':24s} {'GPUs':>4} {'weights':>8} {'KV room':>8} {'holds':>6} "
-        f"{'TTFT':>9} {'TPOT':>9} {'tok/s/GPU':>10}",
+        f"{w.prompt_tokens:,} + {w.output_tokens:,} tokens (modelled: cpbook.costmodel)",
+        f"{p.objective_reason[:1].upper()}{p.objective_reason[1:]}.",
+    ]
+    if p.cp_note:
+        lines.append(p.cp_note)
+    lines += [
+        f"{'#':>3}  {'deployment':24s} {'GPUs':>4} {'weights':>8} {'KV room':>8} {'holds':>6} "
+        f"{'TTFT':>9} {'step':>9} {'TPOT+pf':>9} {'tok/s/GPU':>10}",
     ]
     for i, e in enumerate(p.ranked[:top], 1):
+        mark = "*" if id(e) in front else " "
         lines.append(
-            f"{i:>3}  {e.label:24s} {e.num_gpus:>4} {e.weight_bytes / GB:>5.1f} GB "
+            f"{i:>3}{mark} {e.label:24s} {e.num_gpus:>4} {e.weight_bytes / GB:>5.1f} GB "
             f"{e.kv_budget_bytes / GB:>5.1f} GB {e.capacity:>6,} {fmt_s(e.ttft_s):>9} "
-            f"{fmt_s(e.tpot_s):>9} {fmt_rate(e.tokens_per_s_per_gpu, 4):>10}"
+            f"{fmt_s(e.step_s):>9} {fmt_s(e.tpot_s):>9} {fmt_rate(e.tokens_per_s_per_gpu, 4):>10}"
         )
-    return lines + ["", "Why:"] + [f"  - {r}" for r in p.reasons]
+    return lines + [LEGEND, "", "Why:"] + [f"  - {r}" for r in p.reasons]
 
 
 def _plan_summary(p: Plan) -> dict:
@@ -142,6 +195,9 @@ def _plan_summary(p: Plan) -> dict:
         "ttft_target_s": w.ttft_target_s,
         "tpot_target_s": w.tpot_target_s,
         "objective": p.objective,
+        "objective_reason": p.objective_reason,
+        "cp_note": p.cp_note,
+        "pareto": [e.label for e in p.frontier],
         "winner": best.label if best else None,
         "command": p.command() if best else None,
         "serving": len(p.ranked),
@@ -166,7 +222,7 @@ def command(a: argparse.Namespace, p: argparse.ArgumentParser | None = None) -> 
         print(json.dumps(_plan_summary(res)))
     if res.winner is None:
         f = res.would_fit
-        advice = _Plain(" ".join(f.lines))
+        advice = _Plain(" ".join(f.lines + ((res.cp_note,) if res.cp_note else ())))
         raise RuleError(f.rule, "a deployment that serves the workload", serving=0, advice=advice)
     if not a.json:
         print("\n".join([res.command()] + _plan_table(res, a.top)))

@@ -26,9 +26,9 @@ from cpbook.core.comm import comm_bytes
 from cpbook.core.config import ParallelConfig
 from cpbook.core.heads import tpa_config
 from cpbook.data import stored_rows, stored_text
-from cpbook.dcp.tpa import tpa_comm_bytes, tpa_costs
+from cpbook.dcp.comm_bytes import tpa_comm_bytes, tpa_costs
 from cpbook.pcp.chunked_plan import chunked_comm_bytes
-from cpbook.pcp.prefill import pcp_comm_bytes
+from cpbook.pcp.comm_bytes import pcp_comm_bytes
 
 FEATURES = ("calls", "bytes_sent", "prefill_flops", "decode_flops", "bytes_read")
 COMPUTE = ("prefill_flops", "decode_flops", "bytes_read")  # the terms that need a core

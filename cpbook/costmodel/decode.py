@@ -13,8 +13,7 @@ from cpbook.costmodel import gpu_terms as gt
 from cpbook.costmodel.knobs import DEFAULT_HBM_EFFICIENCY, CostKnobs
 from cpbook.costmodel.memory import kv_bytes_per_token
 from cpbook.costmodel.specs import LINKS, GPUSpec, LinkSpec, ModelSpec, check_tokens
-from cpbook.dcp.mla import V_UP_PROJ_FIRST_MIN_TOKENS
-from cpbook.dcp.tpa import tpa_comm_bytes, tpa_costs
+from cpbook.dcp.comm_bytes import V_UP_PROJ_FIRST_MIN_TOKENS, tpa_comm_bytes, tpa_costs
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 #: bytes per LSE value in vLLM's DCP combine: ``cp_lse_ag_out_rs`` all-gathers fp32 LSEs, the

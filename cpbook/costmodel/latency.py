@@ -18,7 +18,7 @@ from cpbook.costmodel.specs import (
     check_moe_shape,
     check_tokens,
 )
-from cpbook.pcp.prefill import pcp_comm_bytes, pcp_restore_bytes
+from cpbook.pcp.comm_bytes import pcp_comm_bytes, pcp_restore_bytes
 from cpbook.pcp.ring_plan import RingShards, ring_comm_bytes
 from cpbook.pcp.zigzag import padded_len
 

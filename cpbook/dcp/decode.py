@@ -42,6 +42,7 @@ from cpbook.core.attention import attention_with_lse, clean_lse, merge_attn_stat
 from cpbook.core.comm import Group
 from cpbook.core.config import check_comm_backend
 from cpbook.core.errors import RuleError
+from cpbook.dcp.comm_bytes import decode_comm_bytes
 
 __all__ = [
     "correct_attn_out",
@@ -188,28 +189,3 @@ def dcp_decode_attention(
             out=tuple(final.shape),
         )
     return final
-
-
-def decode_comm_bytes(
-    num_reqs: int,
-    heads_per_rank: int,
-    q_dim: int,
-    out_dim: int,
-    dcp: int,
-    dcp_comm_backend: str = "ag_rs",
-    elem_bytes: int = 8,
-    lse_bytes: int | None = None,
-) -> list[tuple[str, int]]:
-    """The module docstring's formulas: ``[(op, bytes sent per rank), ...]`` in call order.
-
-    ``lse_bytes`` (default ``elem_bytes``, as this module's runs send it) is ``l``."""
-    check_comm_backend(dcp_comm_backend)
-    b, h, n, e = num_reqs, heads_per_rank, dcp, elem_bytes
-    lb = e if lse_bytes is None else lse_bytes
-    calls = [("all_gather", b * h * q_dim * e * (n - 1))]
-    if dcp_comm_backend == "ag_rs":
-        return calls + [
-            ("all_gather", b * n * h * lb * (n - 1)),
-            ("reduce_scatter", b * h * out_dim * e * (n - 1)),
-        ]
-    return calls + [("all_to_all", b * h * (out_dim * e + lb) * (n - 1))]

@@ -47,6 +47,7 @@ from cpbook.core.attention import attention_with_lse, merge_attn_states
 from cpbook.core.comm import Group
 from cpbook.core.errors import RuleError
 from cpbook.dcp.decode import dcp_a2a_lse_reduce, dcp_combine, decode_comm_bytes, local_attention
+from cpbook.dcp.comm_bytes import V_UP_PROJ_FIRST_MIN_TOKENS
 from cpbook.kv.gather import context_chunk_len, reorg_kvcache
 from cpbook.kv.layout import local_seq_len
 
@@ -222,12 +223,6 @@ def mla_decode_attention(
     if shapes is not None:
         shapes["out"] = tuple(out.shape)
     return out
-
-
-#: vLLM v0.34.0's ``_V_UP_PROJ_FIRST_MIN_TOKENS`` (``vllm/v1/attention/ops/dcp.py``): below
-#: this many tokens "reading every head's W_UV costs more than the smaller All-to-All saves
-#: (measured on MI355X, DCP8)", so the combine merges the latent outputs first
-V_UP_PROJ_FIRST_MIN_TOKENS = 8
 
 
 def dcp_a2a_v_up_proj_lse_reduce(

@@ -43,12 +43,8 @@ import torch
 from cpbook.core.config import ParallelConfig
 from cpbook.core.groups import ParallelGroups
 from cpbook.core.heads import q_heads_of, q_proj_heads, uses_tpa
-from cpbook.dcp.decode import (
-    dcp_combine,
-    dcp_decode_attention,
-    decode_comm_bytes,
-    local_attention,
-)
+from cpbook.dcp.comm_bytes import tpa_comm_bytes, tpa_costs
+from cpbook.dcp.decode import dcp_combine, dcp_decode_attention, local_attention
 from cpbook.dcp.mla import MLAWeights, mla_decode_attention
 
 __all__ = ["TPABlock", "attention_block", "tpa_comm_bytes", "tpa_costs"]
@@ -132,66 +128,3 @@ def attention_block(
     if shapes is not None:
         shapes.update(attn_out=tuple(out.shape), o_proj=tuple(y.shape))
     return y
-
-
-def tpa_comm_bytes(
-    config: ParallelConfig,
-    num_reqs: int,
-    q_dim: int,
-    out_dim: int,
-    hidden_size: int,
-    elem_bytes: int = 8,
-    lse_bytes: int | None = None,
-) -> list[tuple[str, int]]:
-    """The module docstring's table for one rank of ``config``: ``[(op, bytes sent per rank),
-    ...]`` in call order.
-
-    With TPA (:func:`~cpbook.core.heads.uses_tpa`) it is the standard list without its first
-    entry, the query all-gather.  ``lse_bytes``: bytes per LSE value (default ``elem_bytes``;
-    vLLM's are fp32, 4), see :func:`cpbook.dcp.decode.decode_comm_bytes`.
-    """
-    calls = decode_comm_bytes(
-        num_reqs,
-        config.q_heads_per_rank,
-        q_dim,
-        out_dim,
-        config.dcp,
-        config.dcp_comm_backend,
-        elem_bytes,
-        lse_bytes,
-    )
-    b, tp = num_reqs * hidden_size * elem_bytes, config.tp
-    return (calls[1:] if uses_tpa(config) else calls) + [("all_reduce", 2 * b * (tp - 1) // tp)]
-
-
-def tpa_costs(
-    config: ParallelConfig,
-    hidden_size: int,
-    num_reqs: int,
-    q_dim: int,
-    elem_bytes: int = 2,
-    w_uk_t_head_bytes: int = 0,
-) -> dict[str, int]:
-    """Per rank and layer: ``q_proj`` FLOPs and weight bytes, and the extra that ``tpa`` pays
-    (``dcp − 1`` more head shards of the same size).
-
-    ``q_dim`` is the per-head output width of ``q_proj`` (``D``, or ``Dn + R`` for MLA).  For MLA
-    pass ``w_uk_t_head_bytes``, one head's absorbed ``W_UK_T`` (``qk_nope_head_dim ×
-    kv_lora_rank`` values in the activation dtype): vLLM's ``dcp_q_replicate`` all-gathers it at
-    load into ``W_UK_T_dcp_qrep`` (the group's ``N·h`` heads, kept beside the rank's own
-    ``W_UK_T``) and reads that at every decode step, so TPA also holds and reads ``dcp − 1`` more
-    head shards of it (``extra_w_uk_t_bytes``).  The absorption's extra FLOPs are not counted.
-    """
-    h, n = config.q_heads_per_rank, config.dcp
-    flops = 2 * num_reqs * hidden_size * h * q_dim
-    weights = hidden_size * h * q_dim * elem_bytes
-    w_uk_t = h * w_uk_t_head_bytes
-    tpa = uses_tpa(config)
-    return {
-        "q_proj_flops": flops * (n if tpa else 1),
-        "q_proj_weight_bytes": weights * (n if tpa else 1),
-        "extra_flops": flops * (n - 1) if tpa else 0,
-        "extra_weight_bytes": weights * (n - 1) if tpa else 0,
-        "w_uk_t_bytes": w_uk_t * (n if tpa else 1),
-        "extra_w_uk_t_bytes": w_uk_t * (n - 1) if tpa else 0,
-    }

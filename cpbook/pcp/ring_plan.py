@@ -38,12 +38,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Sequence
-
-import torch
+from typing import TYPE_CHECKING, Sequence
 
 from cpbook.core.config import ConfigError, check_gqa_group, check_positive
 from cpbook.pcp.zigzag import PCPMetadata, PCPPartition, zigzag_partition
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["RING_MODES", "Call", "RingShards", "check_mode", "ring_comm_bytes", "choose_ring_mode"]
 
@@ -160,6 +161,8 @@ class RingShards:
 
     def context_positions(self, rank: int) -> list[torch.Tensor]:
         """Per request, the positions of the cached tokens ``rank`` holds (its k_ctx order)."""
+        import torch  # the plan itself needs no torch: the cost model imports it
+
         i, n = self.cp_kv_cache_interleave_size, self.pcp
         return [p[(p // i) % n == rank] for p in (torch.arange(c) for c in self.context_lens)]
 

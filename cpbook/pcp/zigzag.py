@@ -37,11 +37,12 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Sequence
-
-import torch
+from typing import TYPE_CHECKING, Sequence
 
 from cpbook.core.errors import RuleError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "PARTITIONS",
@@ -230,6 +231,8 @@ class PCPPartition:
     def restore_index(self) -> torch.Tensor:
         """``gathered[restore_index]`` is the unpadded request-major sequence, where ``gathered``
         is every rank's local rows concatenated in rank order (``[pcp * tokens_per_rank]``)."""
+        import torch  # the partition's sizes need no torch: the cost model imports them
+
         cu = _offsets(self.seq_lens)
         idx = torch.empty(cu[-1], dtype=torch.int64)
         t = self.tokens_per_rank
@@ -253,6 +256,8 @@ class PCPPartition:
         """What PCP rank ``pcp_rank`` needs to run its part of the prefill."""
         if not 0 <= pcp_rank < self.pcp:
             raise RuleError("pcp-rank", "0 <= pcp_rank < pcp", pcp_rank=pcp_rank, pcp=self.pcp)
+        import torch  # see restore_index
+
         segs = self.segments[pcp_rank]
         cu = _offsets(self.seq_lens)
         pos = torch.cat([torch.arange(s.start, s.end) for s in segs])

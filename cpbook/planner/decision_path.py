@@ -5,7 +5,7 @@ The article (§7) decides in turn: (1) does one request exceed what a GPU holds?
 (< 32K) and very concurrent? → pure DP, no context parallelism.  :func:`decision_path` asks
 the three questions literally, on the smallest TP whose weights fit, with the cost model's
 memory and TTFT and only the sizes ``ParallelConfig`` admits: it knows neither the requested
-concurrency nor the rules vLLM v0.33 adds for a model.  It is not the algorithm
+concurrency nor the rules vLLM v0.34 adds for a model.  It is not the algorithm
 (:func:`~cpbook.planner.plan.plan` is); :func:`path_vs_plan` sets its answer beside the
 planner's and, where they differ, says why from the planner's own verdict on the path's
 deployment: a rule vLLM applies, a drop rule it fails, or the cost it loses on.
@@ -44,7 +44,7 @@ def _room(model: ModelSpec, gpu: GPUSpec, deployment: Deployment, w: ServingWork
     rejects the sizes or the weights do not fit."""
     try:
         deployment.config(model)
-        mem = {"gpu_memory_utilization": w.gpu_memory_utilization}
+        mem = {"gpu_memory_utilization": w.memory_utilization}
         return deployment_max_context(model, gpu, deployment, w.kv_dtypes[0], **mem)
     except ValueError:
         return None
@@ -159,7 +159,7 @@ def path_vs_plan(
     objective: str = "throughput",
 ) -> PathCheck:
     """:func:`decision_path` against :func:`~cpbook.planner.plan.plan` on the same question.
-    The reason is the planner's verdict on the path's deployment: the vLLM v0.33 rule that rejects
+    The reason is the planner's verdict on the path's deployment: the vLLM v0.34 rule that rejects
     it, the drop rule it fails (capacity, a target), or, when it serves the workload, its rank
     and :func:`~cpbook.planner.plan_advice.why_lost`'s line."""
     p = plan(model, gpu, num_gpus, w, objective=objective)
@@ -173,7 +173,7 @@ def path_vs_plan(
     try:
         check_deployment(p.model, lay, kv, model_runner_v2=w.model_runner_v2)
     except ConfigError as e:
-        return PathCheck(path, p, False, f"vLLM v0.33 does not run {lay.label}: [{e.rule}].")
+        return PathCheck(path, p, False, f"vLLM v0.34 does not run {lay.label}: [{e.rule}].")
     e = estimate(p.model, p.gpu, lay, kv, w)
     if e.drop == "holds-concurrency":
         why = f"{e.label} holds {e.capacity:,} of {plural(w.concurrency, 'request')}."

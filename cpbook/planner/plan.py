@@ -1,12 +1,14 @@
 """The deployment planner: which deployment, and which ``vllm serve`` flags, for a workload.
 
-:func:`plan` prices every deployment vLLM v0.33.0 accepts for the model on at most ``num_gpus``
+:func:`plan` prices every deployment vLLM accepts for the model on at most ``num_gpus``
 GPUs (:mod:`cpbook.planner.plan_space`), drops those that cannot hold ``concurrency``
-requests of the workload's length or miss a target, ranks the rest by the objective and says
-why in one line per runner-up; where nothing fits it says what would
-(:mod:`cpbook.planner.plan_advice`).  Every number is the cost model's (modelled, with its
-parameters: the GPU-side terms of :mod:`~cpbook.costmodel.gpu_terms`, HBM efficiency, link
-α–β), so the planner improves when it does.
+requests of the workload's length or miss a target, ranks the rest by the objective (by
+default the workload's: latency below the concurrency where decode throughput saturates,
+throughput per GPU above it), marks the Pareto set, and says why in one line per runner-up;
+where nothing fits it says what would (:mod:`cpbook.planner.plan_advice`).  Every number is
+the cost model's (modelled, with its parameters: the GPU-side terms of
+:mod:`~cpbook.costmodel.gpu_terms`, HBM efficiency, link α–β), so the planner improves when
+it does.
 """
 
 from __future__ import annotations
@@ -15,11 +17,23 @@ import math
 from collections import Counter
 from dataclasses import dataclass, replace
 
+from cpbook.core.config import ConfigError
 from cpbook.core.errors import RuleError
 from cpbook.costmodel.memory import Deployment
 from cpbook.costmodel.specs import GB, GPUSpec, ModelSpec, get_gpu, get_model
-from cpbook.planner.plan_advice import WouldFit, fmt_rate, fmt_s, plural, why_lost, would_fit
+from cpbook.planner.objective import resolve_objective
+from cpbook.planner.plan_advice import (
+    WouldFit,
+    fmt_rate,
+    fmt_s,
+    kv_warning,
+    plural,
+    why_lost,
+    why_not_timed,
+    would_fit,
+)
 from cpbook.planner.plan_space import (
+    AUTO,
     Estimate,
     estimate,
     objective_value,
@@ -36,12 +50,15 @@ RUNNERS_UP = 4
 
 @dataclass(frozen=True)
 class Plan:
-    """What :func:`plan` found.  ``ranked``: the deployments that serve the workload, best
+    """What :func:`plan` found.  ``objective``: what it ranked by (``objective_reason``: why,
+    when it chose it); ``ranked``: the deployments that serve the workload, best
     first (``winner`` is the first, ``None`` if there is none); ``dropped``: the others with
     their ``drop`` rule; ``rejected``: how many candidates each vLLM rule rejected;
-    ``frontier_ttft`` / ``frontier_tpot``: the Pareto frontiers of TTFT and TPOT against
+    ``frontier``: the Pareto set of TTFT, TPOT and output tokens/s per GPU;
+    ``frontier_ttft`` / ``frontier_tpot``: the Pareto frontiers of TTFT and of TPOT against
     output tokens/s per GPU; ``reasons``: the winner's case and one line per runner-up;
-    ``would_fit``: what would serve the workload when nothing does.
+    ``would_fit``: what would serve the workload when nothing does; ``cp_note``: one line when
+    no context-parallel deployment passes vLLM's rules for the model on these GPUs.
 
     More than eight parameters: a frozen record of one :func:`plan` answer, built by it only.
     """
@@ -58,6 +75,9 @@ class Plan:
     frontier_tpot: tuple[Estimate, ...]
     reasons: tuple[str, ...]
     would_fit: WouldFit | None
+    objective_reason: str = ""
+    frontier: tuple[Estimate, ...] = ()
+    cp_note: str | None = None
 
     @property
     def winner(self) -> Estimate | None:
@@ -65,7 +85,9 @@ class Plan:
 
     def command(self, e: Estimate | None = None) -> str:
         """The ``vllm serve`` line of ``e`` (default: the winner): its flags, the request length
-        as ``--max-model-len``, each replica's share of the concurrency as ``--max-num-seqs``."""
+        as ``--max-model-len``, each replica's share of the concurrency, rounded up, as
+        ``--max-num-seqs`` (the busiest replica's batch the plan priced, never fewer), and
+        ``--gpu-memory-utilization`` only when the workload sets one (else vLLM's default)."""
         e = e or self.winner
         if e is None:
             why = self.would_fit.lines[0] if self.would_fit else "no deployment serves it"
@@ -93,6 +115,14 @@ def _variant(model: ModelSpec, gpu: GPUSpec, e: Estimate, w: ServingWorkload, **
     return estimate(model, gpu, deployment, e.kv_dtype, w)
 
 
+#: the time each objective but throughput ranks by: its name and :class:`Estimate` attribute
+_OBJECTIVE_TIMES = {
+    "latency": ("latency", "latency_s"),
+    "ttft": ("TTFT", "ttft_s"),
+    "tpot": ("TPOT", "tpot_s"),
+}
+
+
 def headline(p: Plan) -> str:
     """The plan in a few words: what context parallelism the winner uses and the one number
     that decides it, or, when nothing fits, the rule and how many GPUs would."""
@@ -108,6 +138,12 @@ def headline(p: Plan) -> str:
         plain = _variant(p.model, p.gpu, best, w, dcp=1, tpa=False)
         if plain is not None and plain.capacity < w.concurrency:
             parts.append(f"DCP{lay.dcp}: without it {plain.capacity:,} of {w.concurrency:,} fit")
+        elif plain is not None and p.objective != "throughput":
+            name, attr = _OBJECTIVE_TIMES[p.objective]
+            parts.append(
+                f"DCP{lay.dcp}: {name} {fmt_s(getattr(best, attr))} vs "
+                f"{fmt_s(getattr(plain, attr))} without it"
+            )
         elif plain is not None and objective_value(plain, p.objective) == objective_value(
             best, p.objective
         ):
@@ -139,29 +175,43 @@ def _winner_reasons(p: Plan) -> list[str]:
         f"{plural(best.capacity, 'request')} of {w.request_tokens:,} tokens "
         f"({w.concurrency:,} needed), weights "
         f"{best.weight_bytes / GB:.1f} GB and KV room {best.kv_budget_bytes / GB:.1f} GB per GPU, "
-        f"TTFT {fmt_s(best.ttft_s)}, TPOT {fmt_s(best.tpot_s)}, "
-        f"{fmt_rate(best.tokens_per_s_per_gpu)} output tok/s per GPU (modelled)."
+        f"TTFT {fmt_s(best.ttft_s)}, decode step {fmt_s(best.step_s)}, TPOT with prefill "
+        f"interference {fmt_s(best.tpot_s)}, {fmt_rate(best.tokens_per_s_per_gpu)} output "
+        f"tok/s per GPU (modelled)."
     ]
+    warning = kv_warning(best)
+    if warning:
+        lines.append(warning)
     if lay.dcp > 1:
         plain = _variant(model, gpu, best, w, dcp=1, tpa=False)
         if plain is not None and plain.capacity < w.concurrency:
             lines.append(
-                f"DCP{lay.dcp}: without it {plain.label} holds "
+                f"DCP{lay.dcp}: KV room; without it {plain.label} holds "
                 f"{plural(plain.capacity, 'such request')}; DCP shards each request's KV over "
                 f"{lay.dcp} GPUs."
             )
         elif plain is not None:
             lines.append(
-                f"DCP{lay.dcp}: {plain.label} without it reaches "
-                f"{fmt_rate(plain.tokens_per_s_per_gpu)} tok/s per GPU "
-                f"(TPOT {fmt_s(plain.tpot_s)})."
+                f"DCP{lay.dcp}: KV reads against collective cost; {plain.label} without it "
+                f"takes a decode step of {fmt_s(plain.step_s)} (vs {fmt_s(best.step_s)}) and "
+                f"reaches {fmt_rate(plain.tokens_per_s_per_gpu)} tok/s per GPU."
             )
     if lay.pcp > 1:
         alone = _variant(model, gpu, best, w, pcp=1, dcp=1 if lay.dcp == lay.pcp else lay.dcp)
-        if alone is not None:
+        if alone is not None and alone.prefill is None:
             lines.append(
-                f"PCP{lay.pcp}: TTFT {fmt_s(best.ttft_s)} against {fmt_s(alone.ttft_s)} for "
-                f"{alone.label}; vLLM v0.33 runs PCP on Model Runner V2 (its default)."
+                f"PCP{lay.pcp}: weights fit; without it {why_not_timed(alone)} (PCP spreads "
+                f"the weights over {lay.tp * lay.pcp} GPUs per replica)."
+            )
+        elif alone is not None and alone.capacity < w.concurrency:
+            lines.append(
+                f"PCP{lay.pcp}: KV room; without it {alone.label} holds "
+                f"{plural(alone.capacity, 'such request')}."
+            )
+        elif alone is not None:
+            lines.append(
+                f"PCP{lay.pcp}: prefill cost, TTFT {fmt_s(best.ttft_s)} against "
+                f"{fmt_s(alone.ttft_s)} for {alone.label}."
             )
     if best.num_gpus < p.num_gpus:
         full = [e for e in p.ranked if e.num_gpus == p.num_gpus]
@@ -173,7 +223,11 @@ def _winner_reasons(p: Plan) -> list[str]:
             f"{plural(w.concurrency, 'request')}{tail}"
         )
     fastest = p.frontier_ttft[0] if p.frontier_ttft else None
-    if p.objective != "ttft" and fastest is not None and fastest.ttft_s < best.ttft_s:
+    if (
+        p.objective not in ("ttft", "latency")
+        and fastest is not None
+        and fastest.ttft_s < best.ttft_s
+    ):
         lines.append(
             f"Lowest TTFT: {fastest.label}, {fmt_s(fastest.ttft_s)} at "
             f"{fmt_rate(fastest.tokens_per_s_per_gpu)} tok/s per GPU (set a TTFT target or "
@@ -202,18 +256,42 @@ def _dropped_summary(p: Plan) -> list[str]:
     return ["Dropped: " + "; ".join(parts) + "."]
 
 
+def cp_note(model: ModelSpec, num_gpus: int, rows: list[Estimate], kv_dtype: str) -> str | None:
+    """One line when no deployment of ``rows`` (those vLLM's rules admit on ``num_gpus`` GPUs)
+    uses DCP or PCP: why, by rule, for DCP (GQA: TP above the KV heads) and PCP; else ``None``."""
+    if any(e.deployment.dcp > 1 or e.deployment.pcp > 1 for e in rows):
+        return None
+    why = []
+    if not model.use_mla:
+        why.append(
+            f"DCP needs TP above its {model.num_kv_heads} KV heads, more than {num_gpus} GPUs "
+            f"[gqa-dcp-needs-replicated-kv]"
+        )
+    try:
+        check_deployment(model, Deployment(tp=1, pcp=2), kv_dtype)
+    except ConfigError as e:
+        why.append(f"PCP is refused [{e.rule}]")
+    if not why:
+        why.append(f"no CP deployment fits on {num_gpus} GPUs")
+    return f"No context parallelism applies to {model.name} on {num_gpus} GPUs: {'; '.join(why)}."
+
+
 def plan(
     model: str | ModelSpec,
     gpu: str | GPUSpec,
     num_gpus: int,
     workload: ServingWorkload,
     *,
-    objective: str = "throughput",
+    objective: str = AUTO,
     advise: bool = True,
 ) -> Plan:
     """The best deployment of ``model`` on at most ``num_gpus`` GPUs of ``gpu`` for
-    ``workload`` by ``objective``: ``"throughput"`` (steady-state output tokens/s per GPU, see
-    :func:`~cpbook.planner.plan_space.estimate`), ``"ttft"`` or ``"tpot"``.
+    ``workload`` by ``objective``: ``"auto"`` (the default: ``"latency"`` below the
+    concurrency at which decode throughput saturates,
+    :func:`~cpbook.planner.plan_space.saturation_concurrency`, ``"throughput"`` from it on),
+    ``"latency"`` (TTFT plus the other output tokens at TPOT), ``"throughput"`` (steady-state
+    output tokens/s per GPU, see :func:`~cpbook.planner.plan_space.estimate`), ``"ttft"`` or
+    ``"tpot"``.
 
     Guarantees: every ranked deployment passes vLLM's rules (``ParallelConfig`` and
     :func:`~cpbook.planner.vllm_rules.check_deployment`), holds ``concurrency`` requests of
@@ -224,8 +302,10 @@ def plan(
     callers that need only the ranking: the property tests, sweeps).
     """
     model, gpu = get_model(model), get_gpu(gpu)
+    objective, why = resolve_objective(model, workload, objective)
     key = rank_key(objective)
-    rows, rejected = search(model, gpu, num_gpus, workload)
+    cache: dict = {}  # estimate's, shared with the what-would-fit search
+    rows, rejected = search(model, gpu, num_gpus, workload, cache=cache)
     ranked = tuple(sorted((e for e in rows if e.drop is None), key=key))
     dropped = tuple(e for e in rows if e.drop is not None)
     p = Plan(
@@ -241,11 +321,14 @@ def plan(
         tuple(pareto(list(ranked), "tpot_s")),
         (),
         None,
+        why,
+        tuple(pareto(list(ranked))),
+        cp_note(model, num_gpus, rows, workload.kv_dtypes[0]),
     )
     if not advise:
         return p
     if not ranked:
-        return replace(p, would_fit=would_fit(model, gpu, num_gpus, workload, objective))
+        return replace(p, would_fit=would_fit(model, gpu, num_gpus, workload, objective, cache))
     reasons = _winner_reasons(p)
     seen = {ranked[0].label}
     for e in ranked[1:]:
@@ -277,7 +360,10 @@ def estimate_record(e: Estimate, rank: int | None = None) -> dict[str, object]:
         "kv_gb_per_request_per_gpu": round(e.kv_bytes_per_request / GB, 4),
         "holds": e.capacity,
         "ttft_s": round(e.ttft_s, 4) if e.prefill else None,
+        "decode_step_s": round(e.step_s, 6) if e.decode else None,
         "tpot_s": round(e.tpot_s, 6) if e.decode else None,
+        "latency_s": round(e.latency_s, 4) if e.decode else None,
+        "kv_headroom": round(e.kv_headroom, 4),
         "tokens_per_s_per_gpu": round(e.tokens_per_s_per_gpu, 3),
         "decode_tokens_per_s_per_gpu": round(e.decode_tokens_per_s_per_gpu, 3),
         "drop": e.drop,

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 from cpbook.core.config import ConfigError
 from cpbook.costmodel.memory import Deployment, deployment_max_context
-from cpbook.costmodel.specs import GPUSpec, ModelSpec
+from cpbook.costmodel.specs import GB, GPUSpec, ModelSpec
 from cpbook.planner.plan_space import (
     DROP_RULES,
     Cache,
@@ -48,16 +48,54 @@ def fmt_rate(x: float, digits: int = 3) -> str:
 
 
 def fmt_s(seconds: float) -> str:
-    """``"16.4 s"``, ``"18.2 ms"``; ``"-"`` for a time not computed."""
+    """``"16.4 s"``, ``"18.2 ms"``; ``"not timed"`` for a time not computed (callers say why
+    in words where they can: :func:`why_not_timed`)."""
     if seconds == float("inf"):
-        return "-"
+        return "not timed"
     return f"{seconds:.3g} s" if seconds >= 1 else f"{seconds * 1e3:.3g} ms"
+
+
+#: below this share of free KV room the winner's line warns (a longer prompt or a burst of
+#: requests would be preempted)
+KV_HEADROOM_WARNING = 0.10
+
+
+def why_not_timed(e: Estimate) -> str:
+    """Why ``e`` has no times, in words: the weights leave no KV room, or not one request of the
+    workload fits in it."""
+    if e.drop == "model-fits" or not e.kv_budget_bytes:
+        return (
+            f"{e.label} does not fit: its weights, {e.weight_bytes / GB:.1f} GB per GPU, leave "
+            f"no KV room"
+        )
+    return (
+        f"{e.label} holds no request: {e.kv_budget_bytes / GB:.1f} GB of KV room per GPU "
+        f"against {e.kv_bytes_per_request / GB:.1f} GB for one"
+    )
+
+
+def kv_warning(e: Estimate) -> str | None:
+    """A line when ``e``'s requests leave less than :data:`KV_HEADROOM_WARNING` of its KV room
+    free, else ``None``."""
+    if e.kv_headroom >= KV_HEADROOM_WARNING:
+        return None
+    per = math.ceil(e.batch / e.deployment.dp)
+    return (
+        f"KV headroom {e.kv_headroom:.1%}: {plural(per, 'request')} per replica use "
+        f"{per * e.kv_bytes_per_request / GB:.1f} of {e.kv_budget_bytes / GB:.1f} GB of KV room "
+        f"per GPU; longer requests or a burst above {plural(e.capacity, 'request')} are "
+        f"preempted."
+    )
 
 
 def _tie(e: Estimate, best: Estimate, objective: str) -> str:
     """Why ``e`` ranks below ``best`` when their objectives round alike: the first tie-break
     of :func:`~cpbook.planner.plan_space.rank_key` that differs."""
-    order = {"throughput": ("ttft", "tpot", "rate"), "ttft": ("rate", "tpot", "ttft")}
+    order = {
+        "throughput": ("ttft", "tpot", "rate"),
+        "ttft": ("rate", "tpot", "ttft"),
+        "latency": ("rate", "ttft", "tpot"),
+    }
     shown = {
         "ttft": lambda x: f"TTFT {fmt_s(x.ttft_s)}",
         "tpot": lambda x: f"TPOT {fmt_s(x.tpot_s)}",
@@ -76,6 +114,21 @@ def why_lost(e: Estimate, best: Estimate, w: ServingWorkload, objective: str) ->
         return f"{e.label}: ties at 2 significant figures; {_tie(e, best, objective)}."
     if objective == "ttft":
         return f"{e.label}: TTFT {fmt_s(e.ttft_s)} vs {fmt_s(best.ttft_s)} ({_replica(e)})."
+    if objective == "latency":
+        head = f"{e.label}: latency {fmt_s(e.latency_s)} vs {fmt_s(best.latency_s)}"
+        prefill, decode = (
+            e.ttft_s - best.ttft_s,
+            e.latency_s - e.ttft_s - (best.latency_s - best.ttft_s),
+        )
+        if prefill >= decode:
+            return (
+                f"{head}: prefill cost, TTFT {fmt_s(e.ttft_s)} vs {fmt_s(best.ttft_s)} "
+                f"({_prefill_term(e, best)})."
+            )
+        return (
+            f"{head}: decode cost, TPOT {fmt_s(e.tpot_s)} vs {fmt_s(best.tpot_s)} "
+            f"({_step(e, best)})."
+        )
     if objective == "tpot":
         return f"{e.label}: TPOT {fmt_s(e.tpot_s)} vs {fmt_s(best.tpot_s)} ({_step(e, best)})."
     gap = 1 - e.tokens_per_s_per_gpu / best.tokens_per_s_per_gpu
@@ -86,10 +139,31 @@ def why_lost(e: Estimate, best: Estimate, w: ServingWorkload, objective: str) ->
             f"{head}: prefill costs {pe * 1e3:.3g} vs {pb * 1e3:.3g} GPU-ms per output token "
             f"(TTFT {fmt_s(e.ttft_s)}, {_replica(e)})."
         )
-    return (
-        f"{head}: decode costs {de * 1e3:.3g} vs {db * 1e3:.3g} GPU-ms per output token "
-        f"(TPOT {fmt_s(e.tpot_s)}, {_step(e, best)})."
-    )
+    if e.step_s <= best.step_s:  # as fast a step, on more GPUs per request
+        why = (
+            f"a step of {fmt_s(e.step_s)} on {plural(e.num_gpus, 'GPU')} for "
+            f"{plural(e.batch, 'request')} vs {fmt_s(best.step_s)} on {best.num_gpus} for "
+            f"{best.batch:,}"
+        )
+    else:
+        why = f"decode step {fmt_s(e.step_s)}, {_step(e, best)}"
+    return f"{head}: decode costs {de * 1e3:.3g} vs {db * 1e3:.3g} GPU-ms per output token ({why})."
+
+
+def _prefill_term(e: Estimate, best: Estimate) -> str:
+    """The prefill term (compute, TP or CP collectives, EP all-to-all) that grew most over
+    ``best``'s, or the GPUs each prefill runs on."""
+    a, b = e.prefill, best.prefill
+    terms = {
+        "compute": a.compute_s - b.compute_s,
+        "TP collectives": a.tp_comm_s - b.tp_comm_s,
+        "CP collectives": a.cp_comm_s - b.cp_comm_s,
+        "EP all-to-all": a.ep_comm_s - b.ep_comm_s,
+    }
+    name, d = max(terms.items(), key=lambda kv: kv[1])
+    if d <= 0:
+        return _replica(e)
+    return f"{name} +{fmt_s(d)}, {_replica(e)}"
 
 
 def _replica(e: Estimate) -> str:
@@ -103,7 +177,8 @@ def _step(e: Estimate, best: Estimate) -> str:
     terms = {
         "HBM reads": a.memory_s - b.memory_s,
         "compute": a.compute_s - b.compute_s,
-        "collectives": a.comm_s - b.comm_s,
+        "collective cost": a.comm_s - b.comm_s,
+        "prefill chunks": a.prefill_s - b.prefill_s,
     }
     name, d = max(terms.items(), key=lambda kv: kv[1])
     if d <= 0:
@@ -212,10 +287,16 @@ def _fewest_gpus(
 
 
 def would_fit(
-    model: ModelSpec, gpu: GPUSpec, num_gpus: int, w: ServingWorkload, objective: str
+    model: ModelSpec,
+    gpu: GPUSpec,
+    num_gpus: int,
+    w: ServingWorkload,
+    objective: str,
+    cache: Cache | None = None,
 ) -> WouldFit:
-    """:class:`WouldFit` for a workload no deployment of ``num_gpus`` GPUs serves."""
-    cache: Cache = {}
+    """:class:`WouldFit` for a workload no deployment of ``num_gpus`` GPUs serves; ``cache``:
+    the search's (:func:`~cpbook.planner.plan_space.estimate`'s, per model and GPU) to reuse."""
+    cache = {} if cache is None else cache
     rows, _ = search(model, gpu, num_gpus, w, time_dropped=True, cache=cache)
     reached = max((DROP_RULES.index(e.drop) for e in rows), default=0)
     rule = DROP_RULES[reached]
@@ -286,7 +367,7 @@ def would_fit(
 
 
 def _memory(w: ServingWorkload) -> dict[str, float]:
-    return {"gpu_memory_utilization": w.gpu_memory_utilization}
+    return {"gpu_memory_utilization": w.memory_utilization}
 
 
 def _meets_ttft(e: Estimate, w: ServingWorkload) -> bool:

@@ -2,7 +2,7 @@
 
 A *deployment* is a :class:`~cpbook.costmodel.memory.Deployment` (DP x TP x PCP GPUs, DCP, EP,
 query replication) plus a KV cache dtype.  :func:`~cpbook.planner.search_space.deployments`
-enumerates every one that uses at most ``num_gpus`` GPUs and that vLLM v0.33.0 serves for the
+enumerates every one that uses at most ``num_gpus`` GPUs and that vLLM v0.34.0 serves for the
 model (:func:`~cpbook.planner.vllm_rules.check_deployment`); :func:`estimate` prices one with
 the cost model's own functions (memory, :func:`~cpbook.costmodel.latency.ttft`,
 :func:`~cpbook.costmodel.latency.tpot`, :func:`~cpbook.costmodel.latency.decode_throughput`);
@@ -34,10 +34,27 @@ from cpbook.costmodel.memory import (
     max_concurrency,
 )
 from cpbook.costmodel.specs import GPUSpec, ModelSpec
+from cpbook.planner.objective import AUTO, OBJECTIVES, resolve_objective
 from cpbook.planner.search_space import ServingWorkload, check_num_gpus, deployments
 from cpbook.planner.vllm_rules import check_deployment, check_nodes
 
-OBJECTIVES = ("throughput", "ttft", "tpot")
+__all__ = [  # AUTO and OBJECTIVES: cpbook.planner.objective's, re-exported
+    "AUTO",
+    "DROP_RULES",
+    "OBJECTIVES",
+    "PARETO_TIMES",
+    "RESOLUTION_DIGITS",
+    "Cache",
+    "Estimate",
+    "brute_force",
+    "estimate",
+    "gpu_seconds_per_token",
+    "objective_value",
+    "pareto",
+    "rank_key",
+    "search",
+]
+
 #: why an evaluated deployment is dropped, in the order they are tested
 DROP_RULES = ("model-fits", "holds-concurrency", "ttft-target", "tpot-target")
 
@@ -51,7 +68,8 @@ class Estimate:
     ``prefill`` / ``decode``: TTFT of one prompt and the TPOT of the last output token under
     continuous batching (its ``prefill_s``: the prefill chunks each step carries; ``None`` when
     not even one request fits, or when not timed); output tokens per second per
-    GPU in steady state and in decode alone (see :func:`estimate`).  ``drop``: the first of
+    GPU in steady state and in decode alone (see :func:`estimate`); ``latency_s``: one
+    request's TTFT plus its other output tokens at TPOT.  ``drop``: the first of
     :data:`DROP_RULES` it fails, or ``None`` if it serves the workload.
 
     More than eight parameters: a frozen record of one priced deployment, built by
@@ -70,10 +88,25 @@ class Estimate:
     tokens_per_s_per_gpu: float
     decode_tokens_per_s_per_gpu: float
     drop: str | None
+    latency_s: float = float("inf")
 
     @property
     def num_gpus(self) -> int:
         return self.deployment.num_gpus
+
+    @property
+    def step_s(self) -> float:
+        """The decode step alone (what chapter 6 calls TPOT); +inf when not timed."""
+        return self.decode.step_s if self.decode else float("inf")
+
+    @property
+    def kv_headroom(self) -> float:
+        """The share of a GPU's KV room the busiest replica's requests leave free (0 when it
+        holds none): ``1 - ceil(batch / dp) * kv_bytes_per_request / kv_budget_bytes``."""
+        if not self.kv_budget_bytes or not self.batch:
+            return 0.0
+        used = math.ceil(self.batch / self.deployment.dp) * self.kv_bytes_per_request
+        return max(0.0, 1 - used / self.kv_budget_bytes)
 
     @property
     def ttft_s(self) -> float:
@@ -81,6 +114,8 @@ class Estimate:
 
     @property
     def tpot_s(self) -> float:
+        """TPOT with the prefill chunks of other requests each step carries (continuous
+        batching's interference); +inf when not timed."""
         return self.decode.total_s if self.decode else float("inf")
 
     @property
@@ -102,9 +137,11 @@ RESOLUTION_DIGITS = 2
 
 
 def objective_value(e: Estimate, objective: str) -> float:
-    """What ``objective`` ranks ``e`` by, lower is better: minus the output tokens/s per GPU,
-    TTFT or TPOT, rounded to :data:`RESOLUTION_DIGITS` significant figures."""
+    """What ``objective`` ranks ``e`` by, lower is better: a request's latency, minus the
+    output tokens/s per GPU, TTFT or TPOT, rounded to :data:`RESOLUTION_DIGITS` significant
+    figures."""
     x = {
+        "latency": e.latency_s,
         "throughput": -e.tokens_per_s_per_gpu,
         "ttft": e.ttft_s,
         "tpot": e.tpot_s,
@@ -113,9 +150,10 @@ def objective_value(e: Estimate, objective: str) -> float:
 
 
 def rank_key(objective: str) -> Callable[[Estimate], tuple]:
-    """Sort key, best first: :func:`objective_value`, then the other two metrics (TTFT before
-    TPOT for throughput: the user waits for the first token), the exact objective, and
-    :meth:`Estimate.key`; ValueError for an unknown objective."""
+    """Sort key, best first: :func:`objective_value`, then the other metrics (TTFT before
+    TPOT for throughput: the user waits for the first token; tokens/s per GPU first for the
+    times), the exact objective, and :meth:`Estimate.key`; ValueError for an unknown
+    objective."""
     if objective not in OBJECTIVES:
         raise RuleError("plan-objective", f"objective in {OBJECTIVES}", objective=objective)
     if objective == "throughput":
@@ -124,6 +162,15 @@ def rank_key(objective: str) -> Callable[[Estimate], tuple]:
             e.ttft_s,
             e.tpot_s,
             -e.tokens_per_s_per_gpu,
+            e.key(),
+        )
+    if objective == "latency":
+        return lambda e: (
+            objective_value(e, objective),
+            -e.tokens_per_s_per_gpu,
+            e.ttft_s,
+            e.tpot_s,
+            e.latency_s,
             e.key(),
         )
     if objective == "ttft":
@@ -158,7 +205,7 @@ def _budget(
     model: ModelSpec, gpu: GPUSpec, deployment: Deployment, w: ServingWorkload
 ) -> float | None:
     try:
-        return deployment_kv_budget(model, gpu, deployment, w.gpu_memory_utilization)
+        return deployment_kv_budget(model, gpu, deployment, w.memory_utilization)
     except ValueError:  # [model-fits]
         return None
 
@@ -191,7 +238,7 @@ def estimate(
     per_request = deployment_kv_bytes_per_token(model, deployment, kv_dtype) * w.request_tokens
     budget = _cached(
         cache,
-        ("budget", deployment, w.gpu_memory_utilization),
+        ("budget", deployment, w.memory_utilization),
         lambda: _budget(model, gpu, deployment, w),
     )
 
@@ -202,7 +249,7 @@ def estimate(
 
     if budget is None:
         return dropped("model-fits")
-    mem = {"gpu_memory_utilization": w.gpu_memory_utilization}
+    mem = {"gpu_memory_utilization": w.memory_utilization}
     capacity = max_concurrency(model, gpu, deployment, w.request_tokens, kv_dtype, **mem)
     batch = min(w.concurrency, capacity)
     if batch == 0 or (capacity < w.concurrency and not time_dropped):
@@ -258,6 +305,7 @@ def estimate(
         e,
         tokens_per_s_per_gpu=1 / (prefill + decode),
         decode_tokens_per_s_per_gpu=batch / step.step_s / deployment.num_gpus,
+        latency_s=first.total_s + (w.output_tokens - 1) * step.total_s,
     )
 
 
@@ -300,9 +348,10 @@ def brute_force(
     """The deployments that serve ``w``, best first, found without pruning: every
     ``dp, tp, pcp, dcp`` in ``1..num_gpus`` with ``dp * tp * pcp <= num_gpus``, EP and query
     replication on and off, every allowed KV dtype, each checked by :func:`check_deployment` and
-    priced by :func:`estimate` without a cache."""
+    priced by :func:`estimate` without a cache; ``objective`` as :func:`resolve_objective`
+    resolves it."""
     check_num_gpus(num_gpus)
-    key = rank_key(objective)
+    key = rank_key(resolve_objective(model, w, objective)[0])
     sizes = range(1, num_gpus + 1)
     found = []
     for dp, tp, pcp, dcp in itertools.product(sizes, repeat=4):
@@ -321,11 +370,27 @@ def brute_force(
     return sorted(found, key=key)
 
 
-def pareto(rows: list[Estimate], time: str) -> list[Estimate]:
-    """The deployments no other beats on both ``time`` (``"ttft_s"`` or ``"tpot_s"``, lower is
-    better) and tokens/s per GPU (higher is better), fastest first."""
+PARETO_TIMES = ("ttft_s", "tpot_s")
+
+
+def pareto(rows: list[Estimate], times: str | tuple[str, ...] = PARETO_TIMES) -> list[Estimate]:
+    """The Pareto set of ``rows`` on ``times`` (attributes, lower is better: default TTFT and
+    TPOT with prefill interference) and tokens/s per GPU (higher is better), fastest first.
+
+    Guarantees: a row is kept iff no other row is at least as good on every metric and
+    better on one; of rows equal on every metric only the first by :meth:`Estimate.key` is
+    kept (a tie adds no choice).  Sorted by the metrics, a row is dominated or tied iff a row
+    already kept is at least as good on the rest (dominance is transitive)."""
+    names = (times,) if isinstance(times, str) else tuple(times)
+
+    def metrics(e: Estimate) -> tuple[float, ...]:
+        return (*(getattr(e, t) for t in names), -e.tokens_per_s_per_gpu)
+
     out: list[Estimate] = []
-    for e in sorted(rows, key=lambda e: (getattr(e, time), -e.tokens_per_s_per_gpu, e.key())):
-        if not out or e.tokens_per_s_per_gpu > out[-1].tokens_per_s_per_gpu:
+    kept: list[tuple[float, ...]] = []
+    for e in sorted(rows, key=lambda e: (metrics(e), e.key())):
+        m = metrics(e)
+        if not any(all(a <= b for a, b in zip(k[1:], m[1:])) for k in kept):
             out.append(e)
+            kept.append(m)
     return out

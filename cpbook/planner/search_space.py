@@ -18,16 +18,27 @@ from cpbook.core.config import ConfigError
 from cpbook.core.errors import RuleError
 from cpbook.costmodel.memory import Deployment
 from cpbook.costmodel.nodes import Nodes
-from cpbook.costmodel.specs import (
-    DEFAULT_GPU_MEMORY_UTILIZATION,
-    LINKS,
-    GPUSpec,
-    ModelSpec,
-    check_tokens,
-)
+from cpbook.costmodel.specs import LINKS, GPUSpec, ModelSpec, check_tokens
 from cpbook.planner.vllm_rules import check_deployment, check_kv_dtype, check_nodes
 
-__all__ = ["ServingWorkload", "check_num_gpus", "deployments"]
+__all__ = [
+    "MAX_PLAN_GPUS",
+    "VLLM_GPU_MEMORY_UTILIZATION",
+    "ServingWorkload",
+    "check_num_gpus",
+    "deployments",
+]
+
+#: what vLLM v0.34.0's ``gpu_memory_utilization=None`` (its default) resolves to on CUDA and
+#: ROCm, where the extensible KV cache is on by default: 1.0, the cache sized from the memory
+#: measured free after CUDA-graph capture (``CacheConfig.resolved_gpu_memory_utilization``,
+#: ``vllm/config/cache.py``; 0.92 without the extensible cache).  The planner prices this
+#: unless told otherwise, and then prints no ``--gpu-memory-utilization``.
+VLLM_GPU_MEMORY_UTILIZATION = 1.0
+
+#: the most GPUs one plan searches: the search is over every (TP, PCP, DCP, DP, EP), so its
+#: cost grows with the count; a larger count is refused by rule ``plan-gpus-supported``
+MAX_PLAN_GPUS = 256
 
 
 @dataclass(frozen=True)
@@ -35,10 +46,11 @@ class ServingWorkload:
     """What a deployment must serve: ``concurrency`` requests in flight, each a prompt of
     ``prompt_tokens`` tokens followed by ``output_tokens`` generated ones; optional targets on
     time to first token and time per output token; the KV cache dtypes allowed (cpbook's
-    names, ``bf16`` and ``fp8``); vLLM's ``gpu_memory_utilization``; whether Model Runner V2
-    (vLLM's default, the only one that runs PCP) is on; and how the GPUs sit in nodes:
-    ``gpus_per_node`` (``None``: the GPU's own, 8 for an HGX / DGX node) joined by
-    ``inter_node_link`` (a key of :data:`~cpbook.costmodel.specs.LINKS`), see :meth:`nodes`."""
+    names, ``bf16`` and ``fp8``); vLLM's ``gpu_memory_utilization`` (``None``: vLLM's
+    default, :data:`VLLM_GPU_MEMORY_UTILIZATION`); whether Model Runner V2 (vLLM's default,
+    the only one that runs PCP) is on; and how the GPUs sit in nodes: ``gpus_per_node``
+    (``None``: the GPU's own, 8 for an HGX / DGX node) joined by ``inter_node_link`` (a key
+    of :data:`~cpbook.costmodel.specs.LINKS`), see :meth:`nodes`."""
 
     prompt_tokens: int
     output_tokens: int = 1
@@ -46,7 +58,7 @@ class ServingWorkload:
     ttft_target_s: float | None = None
     tpot_target_s: float | None = None
     kv_dtypes: tuple[str, ...] = ("bf16",)
-    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
+    gpu_memory_utilization: float | None = None
     model_runner_v2: bool = True
     gpus_per_node: int | None = None
     inter_node_link: str = "RDMA400"
@@ -65,7 +77,7 @@ class ServingWorkload:
             )
         for kv in self.kv_dtypes:
             check_kv_dtype(kv)
-        if not 0 < self.gpu_memory_utilization <= 1:
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise RuleError(
                 "gpu-memory-utilization",
                 "0 < gpu_memory_utilization <= 1",
@@ -85,15 +97,29 @@ class ServingWorkload:
         return Nodes(per_node, LINKS[self.inter_node_link])
 
     @property
+    def memory_utilization(self) -> float:
+        """The ``gpu_memory_utilization`` priced: as given, or vLLM's default."""
+        if self.gpu_memory_utilization is None:
+            return VLLM_GPU_MEMORY_UTILIZATION
+        return self.gpu_memory_utilization
+
+    @property
     def request_tokens(self) -> int:
         """Tokens one request caches by its last output token: what capacity and TPOT use."""
         return self.prompt_tokens + self.output_tokens
 
 
 def check_num_gpus(num_gpus: object) -> None:
-    """Rule ``positive-gpus``: a GPU count is a positive ``int``."""
+    """Rule ``positive-gpus``: a GPU count is a positive ``int``; rule ``plan-gpus-supported``:
+    at most :data:`MAX_PLAN_GPUS` (the search's cost grows with the count)."""
     if isinstance(num_gpus, bool) or not isinstance(num_gpus, int) or num_gpus < 1:
         raise RuleError("positive-gpus", "num_gpus >= 1", num_gpus=num_gpus)
+    if num_gpus > MAX_PLAN_GPUS:
+        raise RuleError(
+            "plan-gpus-supported",
+            f"num_gpus <= {MAX_PLAN_GPUS} (the largest count the search supports)",
+            num_gpus=num_gpus,
+        )
 
 
 def _divisors(n: int) -> list[int]:

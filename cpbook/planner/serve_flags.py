@@ -92,7 +92,7 @@ def serve_args(
     *,
     max_model_len: int,
     max_num_seqs: int,
-    gpu_memory_utilization: float,
+    gpu_memory_utilization: float | None = None,
     cp_kv_cache_interleave_size: int | None = None,
     launch: Launch = Launch(),
 ) -> list[str]:
@@ -101,8 +101,8 @@ def serve_args(
     or off explicitly, as some models default it on), the interleave size only when given
     (omitted, vLLM v0.34 uses 1, token-level balance, and picks the block size itself for a
     NIXL P/D decode instance, ``VllmConfig.adjust_dcp_kv_cache_interleave_size``; an explicit
-    value turns that choice off), the memory settings the plan assumed (vLLM's own
-    ``gpu_memory_utilization`` default differs) and, when ``launch`` puts it on several nodes,
+    value turns that choice off), ``--gpu-memory-utilization`` only when the plan assumed
+    other than vLLM's default and, when ``launch`` puts it on several nodes,
     ``--nnodes --node-rank --master-addr`` (and ``--headless`` off the head node)."""
     args = ["--tensor-parallel-size", str(deployment.tp)]
     for flag, size in (
@@ -125,16 +125,17 @@ def serve_args(
         args += ["--nnodes", str(nnodes), "--node-rank", str(launch.node_rank)]
         args += ["--master-addr", launch.master_addr]
         args += ["--headless"] if launch.node_rank else []
-    return args + [
+    args += [
         "--kv-cache-dtype",
         vllm_kv_cache_dtype(model, kv_dtype),
         "--max-model-len",
         str(max_model_len),
         "--max-num-seqs",
         str(max_num_seqs),
-        "--gpu-memory-utilization",
-        f"{gpu_memory_utilization:g}",
     ]
+    if gpu_memory_utilization is not None:  # None: vLLM v0.34's default, left unset
+        args += ["--gpu-memory-utilization", f"{gpu_memory_utilization:g}"]
+    return args
 
 
 #: vLLM's short aliases of the parallel sizes (``EngineArgs.add_cli_args``)

@@ -1,4 +1,4 @@
-"""The decision page's flowchart: what vLLM v0.33 lets each model family do, then the
+"""The decision page's flowchart: what vLLM v0.34 lets each model family do, then the
 planner's filters and ranking.
 
 Both parts are drawn from the planner's own rules: the grid is
@@ -43,7 +43,7 @@ RULE_TEXT = {
     "gqa-dcp-within-replicas": "DCP > KV copies",
     "pcp-mla-only": "MLA only",
     "pcp-dcp-sparse-mla-only": "sparse MLA only",
-    "tpa-gqa-unreleased": "not in v0.33",
+    "tpa-gqa-unreleased": "not in v0.34",
     "ep-needs-moe": "no experts",
 }
 
@@ -73,7 +73,7 @@ def _arrow(ax, xy0, xy1, text: str = "") -> None:
 
 def decision_flowchart(families: Mapping[str, cm.ModelSpec]):
     """Top: one column per family (its label, e.g. ``"GQA, 8 KV heads"``), one row per probe
-    of :func:`rule_probes`, green with a tick when vLLM v0.33 serves it, vermillion with the
+    of :func:`rule_probes`, green with a tick when vLLM v0.34 serves it, vermillion with the
     rejecting rule in a short phrase (:data:`RULE_TEXT`) when not.  Bottom: the planner's
     pipeline, every deployment through the drop rules (:data:`DROP_TEXT`) to the ranking and its
     two outcomes.  Few, large labels: legible on a phone.  Returns the ``Figure``."""
@@ -98,7 +98,7 @@ def decision_flowchart(families: Mapping[str, cm.ModelSpec]):
                      fontsize=fs if rule is None else fs - 1, color=ink(color))  # fmt: skip
     top.set_xlim(0, left + len(families) * cw)
     top.set_ylim(0, len(names) + 1.3)
-    top.set_title("What vLLM v0.33 serves", fontsize=fs + 1)
+    top.set_title("What vLLM v0.34 serves", fontsize=fs + 1)
     top.axis("off")
 
     ax = bottom

@@ -1,7 +1,8 @@
 """Chapter 8 explorer: which deployment, and which ``vllm serve`` line, for a model, a context, a
 number of requests in flight, a GPU count and a GPU type.
 
-Every state is :func:`cpbook.planner.plan.plan`'s answer (throughput objective, 16-bit KV,
+Every state is :func:`cpbook.planner.plan.plan`'s answer (its default objective: latency up
+to the concurrency where decode throughput saturates, tokens/s per GPU above it; 16-bit KV,
 1K output tokens, no target): the winner with its flags, capacity, TTFT, TPOT and output
 tokens/s per GPU and the planner's one-line reason, or, where nothing fits, what would.
 """
@@ -55,8 +56,9 @@ def plan_readout(p: Plan) -> str:
         + pre(p.command())
         + f"<p>Holds {plural(best.capacity, 'request')} of {w.request_tokens:,} tokens "
         f"({w.concurrency:,} in flight) · TTFT {fmt_s(best.ttft_s)} · "
-        f"TPOT {fmt_s(best.tpot_s)} · {fmt_rate(best.tokens_per_s_per_gpu)} output tok/s per GPU "
-        "(modelled).</p>"
+        f"TPOT {fmt_s(best.tpot_s)} with prefill interference · "
+        f"{fmt_rate(best.tokens_per_s_per_gpu)} output tok/s per GPU (modelled, objective "
+        f"{p.objective}).</p>"
     )
 
 
@@ -102,10 +104,11 @@ def plan_explorer(
         },
         value=value,
         caption=(
-            "The planner's answer (cpbook.planner.plan): every deployment vLLM v0.33 accepts for "
+            "The planner's answer (cpbook.planner.plan): every deployment vLLM v0.34 accepts for "
             "the model on at most this many GPUs, the ones that hold the requests (prompt plus "
-            f"{tokens_label(OUTPUT_TOKENS)} output tokens, 16-bit KV) ranked by output tokens "
-            "per second per GPU, no TTFT or TPOT target. Times and rates are modelled "
+            f"{tokens_label(OUTPUT_TOKENS)} output tokens, 16-bit KV) ranked by latency up to "
+            "the concurrency where decode throughput saturates and by output tokens per second "
+            "per GPU above it, no TTFT or TPOT target. Times and rates are modelled "
             f"({_model_terms()})."
         ),
     )
