@@ -46,8 +46,8 @@ import torch
 from cpbook.core.attention import attention_with_lse, merge_attn_states
 from cpbook.core.comm import Group
 from cpbook.core.errors import RuleError
-from cpbook.dcp.decode import dcp_a2a_lse_reduce, dcp_combine, decode_comm_bytes, local_attention
 from cpbook.dcp.comm_bytes import V_UP_PROJ_FIRST_MIN_TOKENS
+from cpbook.dcp.decode import dcp_a2a_lse_reduce, dcp_combine, decode_comm_bytes, local_attention
 from cpbook.kv.gather import context_chunk_len, reorg_kvcache
 from cpbook.kv.layout import local_seq_len
 
