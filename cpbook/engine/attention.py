@@ -1,0 +1,237 @@
+"""The engine's attention backend: one call per layer for every decode row of the step.
+
+vLLM splits a step three ways: the scheduler decides, the model runner builds the step's
+attention metadata once (``CommonAttentionMetadata`` in ``vllm/v1/attention/backends/utils.py``:
+slot mapping, block tables, query start locations, sequence lengths), and the attention
+backend makes one call per layer for the whole batch, reading the paged cache in place
+(``vllm/v1/attention/backends/cpu_attn.py`` for the CPU, v0.34.0).  Here:
+
+* :func:`build_decode_metadata` — on the host, once per step, for this rank's DCP shard: the
+  slots of the step's new rows (``-1`` where another DCP rank owns the position), the slots of
+  every request's local keys (a padded ``[num_reqs, max_keys]`` table) and the mask that makes
+  row ``j`` of a request see exactly the local keys at global positions ``<= start + j``
+  (causal by global position: a speculative step's ``k + 1`` rows, or one decode row). Then one
+  copy to the device.
+* :func:`decode_attention` — per layer: write the new K/V through the slots, gather the keys
+  of the whole batch, one attention call (the query heads of a KV head, and under DCP the
+  gathered heads of every rank, folded into the query axis), output and LSE; under DCP the LSE
+  combine of chapter 3 (:func:`cpbook.dcp.decode.dcp_combine`) merges the shards.  No host
+  read and no per-request Python.
+
+The key read is one ``index_select`` of the batch's local slots (the cache stays
+``[num_blocks, block_size, num_kv_heads, head_dim]``, the layout every chapter's
+:class:`~cpbook.kv.paged.PagedKVCache` uses); vLLM's CPU backend reads its
+``[2, num_blocks, num_kv_heads, block_size, head_size]`` cache in place instead.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from cpbook.core.comm import Group
+from cpbook.dcp.decode import dcp_combine
+from cpbook.kv.layout import PAD_SLOT_ID, DCPShard, local_seq_len
+from cpbook.kv.paged import PagedKVCache
+
+__all__ = [
+    "DecodeMetadata",
+    "padded_block_tables",
+    "batch_slot_mapping",
+    "build_decode_metadata",
+    "decode_attention",
+]
+
+
+def padded_block_tables(tables: Sequence[Sequence[int]]) -> torch.Tensor:
+    """The requests' block tables as one int64 ``[num_reqs, max_blocks]`` tensor (0-padded)."""
+    width = max(1, max(len(t) for t in tables))
+    return torch.tensor([list(t) + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+
+
+def batch_slot_mapping(
+    positions: torch.Tensor,
+    request_index: torch.Tensor,
+    block_tables: torch.Tensor,
+    block_size: int,
+    shard: DCPShard,
+) -> torch.Tensor:
+    """:func:`cpbook.kv.layout.slot_mapping` for many requests at once: row ``t`` at global
+    position ``positions[t]`` of request ``request_index[t]`` (its table a row of
+    ``block_tables``); ``-1`` where another DCP rank owns the position."""
+    n, i = shard.dcp, shard.interleave
+    vb = block_size * n
+    blk = torch.div(positions, vb, rounding_mode="floor")
+    off = positions - blk * vb
+    stripe = torch.div(off, i, rounding_mode="floor")
+    slot = (
+        block_tables[request_index, blk] * block_size
+        + torch.div(stripe, n, rounding_mode="floor") * i
+        + (off - stripe * i)
+    )
+    return torch.where(stripe % n == shard.dcp_rank, slot, PAD_SLOT_ID)
+
+
+@dataclass(frozen=True)
+class DecodeMetadata:
+    """One step's decode rows on one rank, built once and read by every layer.
+
+    Host (``int``/host tensors, for checks and display): ``query_start_loc`` ``[num_reqs + 1]``,
+    ``seq_lens`` (tokens a request holds after the step), ``local_seq_lens`` (this rank's keys
+    of each), ``slot_mapping`` ``[num_rows]`` (this rank's slot of each new row, ``-1`` if
+    foreign), ``key_slots`` ``[num_reqs, max_keys]`` (slots of each request's local keys, in
+    position order; padding repeats a valid slot and is masked).  Device: the same index
+    tensors and the additive ``mask`` ``[num_reqs, 1, max_query_len * fold, max_keys]``
+    (``fold`` query heads per KV head, times ``dcp`` under DCP).
+    """
+
+    num_reqs: int
+    max_query_len: int
+    fold: int
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    local_seq_lens: torch.Tensor
+    slot_mapping: torch.Tensor
+    key_slots: torch.Tensor
+    write_rows: torch.Tensor | None  # device: rows this rank stores (None: all of them)
+    write_slots: torch.Tensor  # device
+    gather: torch.Tensor  # device, flat key_slots
+    query_index: torch.Tensor | None  # device: row -> padded (request, row) slot; None: 1 row each
+    mask: torch.Tensor  # device, additive
+    has_key: torch.Tensor  # device [num_rows, 1]: the row sees at least one local key
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.query_start_loc[-1])
+
+    @property
+    def read_slots(self) -> torch.Tensor:
+        """Host: every slot the step reads (each request's local keys)."""
+        j = torch.arange(self.key_slots.shape[1])
+        return self.key_slots[j[None] < self.local_seq_lens[:, None]]
+
+
+def build_decode_metadata(
+    starts: Sequence[int],
+    num_rows: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    block_size: int,
+    shard: DCPShard,
+    fold: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> DecodeMetadata:
+    """The :class:`DecodeMetadata` of requests whose rows ``[starts[i], starts[i] +
+    num_rows[i])`` decode (or verify drafts) this step, on rank ``shard`` of the DCP group.
+
+    More than eight parameters: the batch (starts, rows, tables), the cache's layout (block
+    size, shard), the fold of query heads and the mask's dtype and device."""
+    start = torch.tensor(list(starts), dtype=torch.long)
+    rows = torch.tensor(list(num_rows), dtype=torch.long)
+    b, q = len(starts), max(num_rows)
+    tables = padded_block_tables(block_tables)
+    qsl = torch.zeros(b + 1, dtype=torch.long)
+    qsl[1:] = rows.cumsum(0)
+    req = torch.repeat_interleave(torch.arange(b), rows)
+    qi = torch.arange(int(qsl[-1])) - qsl[req]
+    positions = start[req] + qi
+    slots = batch_slot_mapping(positions, req, tables, block_size, shard)
+    seq = start + rows
+    local = local_seq_len(seq, shard.dcp, shard.dcp_rank, shard.interleave)
+    width = max(1, int(local.max()))
+    j = torch.arange(width)
+    blk = torch.div(j, block_size, rounding_mode="floor").clamp(max=tables.shape[1] - 1)
+    key_slots = tables[:, blk] * block_size + j % block_size
+    n, i = shard.dcp, shard.interleave
+    key_pos = torch.div(j, i, rounding_mode="floor") * (n * i) + shard.dcp_rank * i + j % i
+    row_pos = start[:, None] + torch.arange(q)[None]  # [b, q]
+    sees = key_pos[None, None] <= row_pos[..., None]  # [b, q, keys]: causal by global position
+    mask = torch.zeros(b, q, fold, width, dtype=dtype).masked_fill(~sees[:, :, None], -math.inf)
+    mine = slots != PAD_SLOT_ID
+    dev = torch.device(device)
+    return DecodeMetadata(
+        b,
+        q,
+        fold,
+        qsl,
+        seq,
+        local,
+        slots,
+        key_slots,
+        None if bool(mine.all()) else mine.nonzero().flatten().to(dev),
+        slots[mine].to(dev),
+        key_slots.flatten().to(dev),
+        None if q == 1 else (req * q + qi).to(dev),
+        mask.view(b, 1, q * fold, width).to(dev),
+        sees.any(-1)[req, qi][:, None].to(dev),
+    )
+
+
+def _attend(
+    q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, mask: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B, Hkv, Tq, D]`` queries against ``[B, Hkv, L, D]`` keys with an additive mask;
+    ``(out, lse [B, Hkv, Tq])``.  CPU: the fused flash kernel; elsewhere the same maths."""
+    if q4.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q4, k4, v4, 0.0, False, attn_mask=mask, scale=scale
+        )
+    s = torch.matmul(q4, k4.transpose(-1, -2)) * scale + mask
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse.nan_to_num(neginf=0.0)[..., None])
+    return torch.matmul(p, v4), lse
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor | None,
+    cache: PagedKVCache,
+    meta: DecodeMetadata,
+    scale: float | None,
+    group: Group,
+    dcp_comm_backend: str = "ag_rs",
+    v_head_dim: int | None = None,
+) -> torch.Tensor:
+    """Every decode row of the step in one call: returns ``[num_rows, h, Dv]``, exact.
+
+    ``q [R, h, D]`` this rank's query heads of the ``R`` rows (request by request), ``k``/``v``
+    ``[R, Hkv, ·]`` their new K/V (``v=None``: MLA's latent cache, values are the first
+    ``v_head_dim`` columns of the keys).  The new K/V is stored through ``meta``'s slots
+    first; each row then attends this rank's keys it may see; under DCP (``group.size > 1``)
+    the query heads are all-gathered and the per-rank ``(out, lse)`` combined.
+
+    More than eight parameters: the attention inputs, the cache and the step's metadata, the
+    DCP group and its combine, and MLA's value width."""
+    cache.store(k, v, meta.write_slots, meta.write_rows)
+    keys, values = cache.gather(meta.gather)
+    b, width = meta.num_reqs, meta.gather.numel() // meta.num_reqs
+    hkv, d = keys.shape[1], keys.shape[2]
+    k4 = keys.view(b, width, hkv, d).transpose(1, 2)
+    v4 = k4 if values is None else values.view(b, width, hkv, -1).transpose(1, 2)
+    if group.size > 1:
+        q = group.all_gather(q, dim=1)  # [R, dcp*h, D]: rank r's heads are block r
+    r, heads = q.shape[0], q.shape[1]
+    g, dcp = heads // (hkv * group.size), group.size
+    # (row, rank, kv head, g) -> (row, kv head, rank * g): the heads of one KV head side by side
+    qf = q.view(r, dcp, hkv, g, d).transpose(1, 2).reshape(r, hkv, dcp * g, d)
+    if meta.query_index is not None:
+        qp = qf.new_zeros(b * meta.max_query_len, hkv, dcp * g, d)
+        qf = qp.index_copy_(0, meta.query_index, qf)
+    qlen = meta.max_query_len
+    q4 = qf.view(b, qlen, hkv, dcp * g, d).transpose(1, 2).reshape(b, hkv, qlen * dcp * g, d)
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    out, lse = _attend(q4, k4, v4, meta.mask, scale)
+    dv = v_head_dim if values is None and v_head_dim is not None else out.shape[-1]
+    out = out[..., :dv].reshape(b, hkv, qlen, dcp, g, dv).permute(0, 2, 3, 1, 4, 5)
+    lse = lse.reshape(b, hkv, qlen, dcp, g).permute(0, 2, 3, 1, 4)
+    out, lse = out.reshape(b * qlen, heads, dv), lse.reshape(b * qlen, heads)
+    if meta.query_index is not None:
+        out, lse = out.index_select(0, meta.query_index), lse.index_select(0, meta.query_index)
+    lse = lse.masked_fill(~meta.has_key, -math.inf)
+    if group.size == 1:
+        return out
+    return dcp_combine(out.contiguous(), lse.to(out.dtype), group, dcp_comm_backend)
