@@ -159,6 +159,8 @@ class ModelRunner:
             )
             for _ in range(mc.num_hidden_layers)
         ]
+        for c in self.caches[1:]:  # every layer stores the same slots: one bookkeeping
+            c.written = self.caches[0].written
         self.strategies: Counter[str] = Counter()
         self.last_metadata: StepMetadata | None = None
 
@@ -175,9 +177,8 @@ class ModelRunner:
     def rollback(self, block_table: tuple[int, ...], start: int, end: int) -> int:
         """Invalidate this rank's slots of positions ``[start, end)`` (rejected draft rows) in
         every layer's cache; returns how many it dropped (per layer; 0 if it owns none)."""
-        pos = torch.arange(start, end)
-        dropped = {c.invalidate(c.slot_mapping(pos, block_table)) for c in self.caches}
-        return dropped.pop()  # the same slots in every layer
+        c = self.caches[0]  # the layers share one record of written slots
+        return c.invalidate(c.slot_mapping(torch.arange(start, end), block_table))
 
     # -- the step's metadata, once ------------------------------------------------------------
     def _prefill_metadata(self, pre: list[ScheduledChunk], dev: torch.device) -> PrefillMetadata:
@@ -227,9 +228,7 @@ class ModelRunner:
                 model.embed.dtype,
                 dev,
             )
-            q = decode.query_start_loc
-            req = torch.repeat_interleave(torch.arange(len(dec)), q[1:] - q[:-1])
-            pos.append(decode.seq_lens[req] - q[req + 1] + torch.arange(int(q[-1])))
+            pos.append(decode.positions)
         sample_rows = None
         keep = [j for j, c in enumerate(pre) if c.sample]
         if pre:
@@ -261,11 +260,10 @@ class ModelRunner:
         )
 
     def _check(self, read: list[torch.Tensor], written: list[torch.Tensor]) -> None:
-        """Mark the step's ``written`` slots (host) in every layer's bookkeeping, then check
-        that every slot it ``read``s holds a token (a decode row reads its own new key)."""
+        """Mark the step's ``written`` slots (host) in the layers' shared bookkeeping, then
+        check that every slot it ``read``s holds a token (a decode row reads its own new key)."""
         for slots in written:
-            for c in self.caches:
-                c.mark_written(slots)
+            self.caches[0].mark_written(slots)
         for slots in read:
             self.caches[0].check_written(slots)
 

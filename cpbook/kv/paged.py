@@ -162,7 +162,8 @@ class PagedKVCache:
         for cache, x in ((self.key_cache, k), (self.value_cache, v)):
             if cache is not None:
                 x = x if rows is None else x.index_select(0, rows)
-                cache.view(self.num_slots, *cache.shape[2:]).index_copy_(0, slots, x.to(cache))
+                x = x if x.dtype == cache.dtype else x.to(cache.dtype)
+                cache.view(self.num_slots, *cache.shape[2:]).index_copy_(0, slots, x)
 
     def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """K and V (``None`` without a V cache) of ``slots`` (device, already checked by
