@@ -1,27 +1,29 @@
-"""The engine's attention backend: one call per layer for every decode row of the step.
+"""The engine's attention backend: one call per layer for every row of the step.
 
 vLLM splits a step three ways: the scheduler decides, the model runner builds the step's
-attention metadata once (``CommonAttentionMetadata`` in ``vllm/v1/attention/backends/utils.py``:
-slot mapping, block tables, query start locations, sequence lengths), and the attention
-backend makes one call per layer for the whole batch, reading the paged cache in place
-(``vllm/v1/attention/backends/cpu_attn.py`` for the CPU, v0.34.0).  Here:
+attention metadata once (``CommonAttentionMetadata`` in ``vllm/v1/attention/backend.py``,
+v0.34.0: query start locations, sequence lengths, block table, slot mapping, DCP-local
+sequence lengths), and the attention backend makes one call per layer for the whole batch,
+reading the paged cache in place (``vllm/v1/attention/backends/cpu_attn.py`` on the CPU).
+Here:
 
-* :func:`build_decode_metadata` — on the host, once per step, for this rank's DCP shard: the
-  slots of the step's new rows (``-1`` where another DCP rank owns the position), the slots of
-  every request's local keys (a padded ``[num_reqs, max_keys]`` table) and the mask that makes
-  row ``j`` of a request see exactly the local keys at global positions ``<= start + j``
-  (causal by global position: a speculative step's ``k + 1`` rows, or one decode row). Then one
-  copy to the device.
-* :func:`decode_attention` — per layer: write the new K/V through the slots, gather the keys
-  of the whole batch, one attention call (the query heads of a KV head, and under DCP the
-  gathered heads of every rank, folded into the query axis), output and LSE; under DCP the LSE
-  combine of chapter 3 (:func:`cpbook.dcp.decode.dcp_combine`) merges the shards.  No host
-  read and no per-request Python.
+* :func:`build_attention_metadata` — on the host, once per step, for this rank's DCP shard:
+  the slots of the step's new rows (``-1`` where another DCP rank owns the position), the
+  slots of every request's local keys (a padded ``[num_reqs, max_keys]`` table) and the mask
+  that makes row ``j`` of a request see exactly the local keys at global positions
+  ``<= start + j`` (causal by global position: one decode row, a speculative step's ``k + 1``
+  rows, or a prefill chunk's rows after its cached context).  Then one copy to the device.
+* :func:`batched_attention` — per layer: write the new K/V through the slots, gather the keys
+  of the whole batch, one attention call (plain decode folds the query heads of a KV head into
+  its query rows; otherwise the rows of a request are padded to the longest and the KV heads
+  repeated for their query heads), output and LSE; under DCP the query heads are all-gathered
+  and the LSE combine of chapter 3 (:func:`cpbook.dcp.decode.dcp_combine`) merges the shards.
+  No host read and no per-request Python.
 
 The key read is one ``index_select`` of the batch's local slots (the cache stays
 ``[num_blocks, block_size, num_kv_heads, head_dim]``, the layout every chapter's
-:class:`~cpbook.kv.paged.PagedKVCache` uses); vLLM's CPU backend reads its
-``[2, num_blocks, num_kv_heads, block_size, head_size]`` cache in place instead.
+:class:`~cpbook.kv.paged.PagedKVCache` uses); vLLM v0.34.0's CPU backend reads its
+``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` cache in place instead.
 """
 
 from __future__ import annotations
@@ -39,11 +41,11 @@ from cpbook.kv.layout import PAD_SLOT_ID, DCPShard
 from cpbook.kv.paged import PagedKVCache
 
 __all__ = [
-    "DecodeMetadata",
+    "AttentionMetadata",
     "padded_block_tables",
     "batch_slot_mapping",
-    "build_decode_metadata",
-    "decode_attention",
+    "build_attention_metadata",
+    "batched_attention",
 ]
 
 
@@ -77,7 +79,7 @@ def batch_slot_mapping(
 
 
 @dataclass(frozen=True)
-class DecodeMetadata:
+class AttentionMetadata:
     """One step's decode rows on one rank, built once and read by every layer.
 
     Host (``int``/host tensors, for checks and display): ``query_start_loc``
@@ -86,14 +88,11 @@ class DecodeMetadata:
     ``slot_mapping`` ``[num_rows]`` (this rank's slot of each new row, ``-1`` if foreign),
     ``key_slots`` ``[num_reqs, max_keys]`` (slots of each request's local keys, in position
     order; padding repeats a valid slot and is masked).  Device: the same index tensors and
-    the additive ``mask`` ``[num_reqs, 1, max_query_len * fold, max_keys]`` (``fold`` query
-    heads per KV head, times ``dcp`` under DCP; one row, broadcast, when every request has one
-    row).
+    the additive ``mask`` ``[num_reqs, 1, max_query_len, max_keys]`` (broadcast over heads).
     """
 
     num_reqs: int
     max_query_len: int
-    fold: int
     query_start_loc: torch.Tensor
     positions: torch.Tensor
     seq_lens: torch.Tensor
@@ -118,23 +117,19 @@ class DecodeMetadata:
         return torch.from_numpy(k[np.arange(k.shape[1])[None] < n[:, None]])
 
 
-def build_decode_metadata(
+def build_attention_metadata(
     starts: Sequence[int],
     num_rows: Sequence[int],
     block_tables: Sequence[Sequence[int]],
     block_size: int,
     shard: DCPShard,
-    fold: int,
     dtype: torch.dtype,
     device: torch.device | str,
-) -> DecodeMetadata:
-    """The :class:`DecodeMetadata` of requests whose rows ``[starts[i], starts[i] +
+) -> AttentionMetadata:
+    """The :class:`AttentionMetadata` of requests whose rows ``[starts[i], starts[i] +
     num_rows[i])`` decode (or verify drafts) this step, on rank ``shard`` of the DCP group.
     Built with NumPy on the host (a few microseconds per array, as vLLM's input batch does),
-    then copied to ``device`` once.
-
-    More than eight parameters: the batch (starts, rows, tables), the cache's layout (block
-    size, shard), the fold of query heads and the mask's dtype and device."""
+    then copied to ``device`` once."""
     n, i, rank = shard.dcp, shard.interleave, shard.dcp_rank
     start = np.asarray(starts, dtype=np.int64)
     rows = np.asarray(num_rows, dtype=np.int64)
@@ -163,15 +158,12 @@ def build_decode_metadata(
     row_pos = start[:, None] + np.arange(q)[None]  # [b, q]
     sees = key_pos[None, None] <= row_pos[..., None]  # [b, q, keys]: causal by global position
     mask = torch.from_numpy(np.where(sees, 0.0, -np.inf)).to(dtype)
-    if q > 1:  # one mask row per (query row, folded head); one row broadcasts
-        mask = mask[:, :, None].expand(b, q, fold, width).reshape(b, q * fold, width)
     mine = slots != PAD_SLOT_ID
     dev = torch.device(device)
     t = torch.from_numpy
-    return DecodeMetadata(
+    return AttentionMetadata(
         b,
         q,
-        fold,
         t(qsl),
         t(positions),
         t(seq),
@@ -202,12 +194,12 @@ def _attend(
     return torch.matmul(p, v4), lse
 
 
-def decode_attention(
+def batched_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor | None,
     cache: PagedKVCache,
-    meta: DecodeMetadata,
+    meta: AttentionMetadata,
     scale: float | None,
     group: Group,
     dcp_comm_backend: str = "ag_rs",
@@ -231,25 +223,27 @@ def decode_attention(
     v4 = k4 if values is None else values.view(b, width, hkv, -1).transpose(1, 2)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     dcp, qlen = group.size, meta.max_query_len
-    if dcp == 1 and qlen == 1:  # plain decode: the heads of a KV head are already adjacent
+    dv = v_head_dim if values is None and v_head_dim is not None else v4.shape[-1]
+    if dcp == 1 and qlen == 1:  # plain decode: the heads of a KV head as one KV head's rows
         out, _ = _attend(q.view(b, hkv, -1, d), k4, v4, meta.mask, scale)
-        dv = v_head_dim if values is None and v_head_dim is not None else out.shape[-1]
         return out[..., :dv].reshape(b, q.shape[1], dv)
     if dcp > 1:
         q = group.all_gather(q, dim=1)  # [R, dcp*h, D]: rank r's heads are block r
-    r, heads = q.shape[0], q.shape[1]
+    heads = q.shape[1]
     g = heads // (hkv * dcp)
-    # (row, rank, kv head, g) -> (row, kv head, rank * g): the heads of one KV head side by side
-    qf = q.view(r, dcp, hkv, g, d).transpose(1, 2).reshape(r, hkv, dcp * g, d)
-    if meta.query_index is not None:
-        qp = qf.new_zeros(b * qlen, hkv, dcp * g, d)
-        qf = qp.index_copy_(0, meta.query_index, qf)
-    q4 = qf.view(b, qlen, hkv, dcp * g, d).transpose(1, 2).reshape(b, hkv, qlen * dcp * g, d)
+    if meta.query_index is not None:  # rows of a request side by side, padded to max_query_len
+        q = q.new_zeros(b * qlen, heads, d).index_copy_(0, meta.query_index, q)
+    q4 = q.view(b, qlen, heads, d).transpose(1, 2)
+    if heads != hkv:  # query head (rank, kv head, g) reads KV head ``kv head``
+        k4, v4 = (
+            x[:, None, :, None]
+            .expand(b, dcp, hkv, g, width, x.shape[-1])
+            .reshape(b, heads, width, -1)
+            for x in (k4, v4)
+        )
     out, lse = _attend(q4, k4, v4, meta.mask, scale)
-    dv = v_head_dim if values is None and v_head_dim is not None else out.shape[-1]
-    out = out[..., :dv].reshape(b, hkv, qlen, dcp, g, dv).permute(0, 2, 3, 1, 4, 5)
-    lse = lse.reshape(b, hkv, qlen, dcp, g).permute(0, 2, 3, 1, 4)
-    out, lse = out.reshape(b * qlen, heads, dv), lse.reshape(b * qlen, heads)
+    out = out[..., :dv].transpose(1, 2).reshape(b * qlen, heads, dv)
+    lse = lse.transpose(1, 2).reshape(b * qlen, heads)
     if meta.query_index is not None:
         out, lse = out.index_select(0, meta.query_index), lse.index_select(0, meta.query_index)
     if dcp == 1:

@@ -9,12 +9,12 @@ code inline and under torchrun (vLLM's ``GPUModelRunner.execute_model``):
   by an all-reduce over the TP group.
 * **Step metadata** (:class:`StepMetadata`, vLLM's per-step attention metadata): built once
   per step on the host by :meth:`ModelRunner.prepare` — token ids, positions, the decode rows'
-  :class:`~cpbook.engine.attention.DecodeMetadata` (slot mapping, padded key slots, mask), the
+  :class:`~cpbook.engine.attention.AttentionMetadata` (slot mapping, padded key slots, mask), the
   prefill rows' PCP partition, slots and context slots — copied to the device once and reused
   by every layer.  The layer loop has no per-request Python and reads nothing back.
 * **Decode rows** (``1 + k`` per request: the last sampled token and ``k`` speculative drafts,
   ``k = 0`` without speculation; every PCP rank holds all of them): one
-  :func:`cpbook.engine.attention.decode_attention` call per layer for the whole batch — the
+  :func:`cpbook.engine.attention.batched_attention` call per layer for the whole batch — the
   new K/V written through the DCP slot mapping, each row attending the local keys at positions
   up to its own (causal by global position), AllGather Q and the ``ag_rs`` or ``a2a`` LSE
   combine under DCP.  MLA runs the same call on its absorbed latent queries against the cached
@@ -45,10 +45,10 @@ from cpbook.core.config import ParallelConfig
 from cpbook.core.groups import ParallelGroups
 from cpbook.core.heads import kv_heads_of, q_heads_of
 from cpbook.engine.attention import (
-    DecodeMetadata,
+    AttentionMetadata,
     batch_slot_mapping,
-    build_decode_metadata,
-    decode_attention,
+    batched_attention,
+    build_attention_metadata,
     padded_block_tables,
 )
 from cpbook.engine.config import RunnerConfig
@@ -86,27 +86,30 @@ class PrefillMetadata:
 @dataclass(frozen=True)
 class StepMetadata:
     """Everything a step's layers need, built once (vLLM's ``CommonAttentionMetadata`` plus the
-    model inputs): ``input_ids``/``positions`` (device; decode rows first, then this PCP rank's
-    prefill rows), ``num_decode_rows``, ``decode``/``prefill`` (``None`` when the step has
-    none), and the sampling plan: ``sample_ids``/``sample_counts`` (rows per sampling request)
-    and ``prefill_sample_rows`` (device rows of the restored prefill that yield a token)."""
+    model inputs): ``input_ids``/``positions`` (device; the batched backend's rows first —
+    decode chunks, then without PCP the prefill chunks — then this PCP rank's prefill rows),
+    ``num_batched_rows``, ``attention`` (the batched rows' metadata) and ``prefill`` (PCP's;
+    ``None`` when the step has none), and the sampling plan: ``sample_ids``/``sample_counts``
+    (rows per sampling request), ``sample_rows`` (device rows of the batched rows that yield
+    a token; ``None``: all) and ``prefill_sample_rows`` (rows of the restored PCP prefill)."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor
-    num_decode_rows: int
-    decode: DecodeMetadata | None
+    num_batched_rows: int
+    attention: AttentionMetadata | None
     prefill: PrefillMetadata | None
     sample_ids: tuple[str, ...]
     sample_counts: tuple[int, ...]
+    sample_rows: torch.Tensor | None
     prefill_sample_rows: torch.Tensor | None
 
     def summary(self) -> dict:
         """A compact host view of the step (what chapter 9 prints)."""
-        d, p = self.decode, self.prefill
+        d, p = self.attention, self.prefill
         out: dict = {"input_ids": self.input_ids.cpu().tolist()}
         out["positions"] = self.positions.cpu().tolist()
         if d is not None:
-            out["decode"] = {
+            out["attention"] = {
                 "query_start_loc": d.query_start_loc.tolist(),
                 "seq_lens": d.seq_lens.tolist(),
                 "slot_mapping": d.slot_mapping.tolist(),
@@ -145,7 +148,8 @@ class ModelRunner:
         self.cols = model.mlp_shard(c.tp_rank, config.tp)
         nkv = self.kv_heads.stop - self.kv_heads.start
         self.shard = DCPShard(config.dcp, c.dcp_rank, config.interleave)
-        self.fold = config.dcp * (self.heads.stop - self.heads.start) // nkv
+        # without PCP (and with the automatic strategy) prefill chunks join the batched call
+        self.batched_prefill = config.pcp == 1 and run.strategy == "auto"
         self.caches = [
             PagedKVCache(
                 num_blocks,
@@ -210,25 +214,33 @@ class ModelRunner:
     def prepare(self, out: SchedulerOutput) -> StepMetadata:
         """The step's :class:`StepMetadata`, built on the host and copied once; checks (once
         for every layer) that each slot read holds a token and each slot written lies in the
-        cache."""
+        cache.  Decode chunks, and without PCP every prefill chunk too, go to the batched
+        backend; PCP's prefill chunks to the PCP path."""
         model, dev = self.model, self.model.device
         dec = [c for c in out.chunks if c.kind is ChunkKind.DECODE]
         pre = [c for c in out.chunks if c.kind is not ChunkKind.DECODE]
-        ids = [t for c in dec for t in c.token_ids]
-        decode = prefill = None
-        pos = []
-        if dec:
-            decode = build_decode_metadata(
-                [c.start for c in dec],
-                [c.num_tokens for c in dec],
-                [c.block_table for c in dec],
+        batch, pre = (dec + pre, []) if self.batched_prefill else (dec, pre)
+        ids = [t for c in batch for t in c.token_ids]
+        attn = prefill = None
+        pos, names, counts, rows = [], [], [], []
+        if batch:
+            attn = build_attention_metadata(
+                [c.start for c in batch],
+                [c.num_tokens for c in batch],
+                [c.block_table for c in batch],
                 self.config.block_size,
                 self.shard,
-                self.fold,
                 model.embed.dtype,
                 dev,
             )
-            pos.append(decode.positions)
+            pos.append(attn.positions)
+            qsl = attn.query_start_loc.tolist()
+            for j, c in enumerate(batch):
+                if c.kind is ChunkKind.DECODE or c.sample:
+                    n = c.num_tokens if c.kind is ChunkKind.DECODE else 1
+                    names.append(c.request_id)
+                    counts.append(n)
+                    rows.extend(range(qsl[j + 1] - n, qsl[j + 1]))
         sample_rows = None
         keep = [j for j, c in enumerate(pre) if c.sample]
         if pre:
@@ -241,8 +253,8 @@ class ModelRunner:
             if keep:
                 sample_rows = torch.tensor([cu[j + 1] - 1 for j in keep], device=dev)
         self._check(
-            [m.read_slots for m in (decode, prefill) if m is not None],
-            [m.slot_mapping[m.slot_mapping != PAD_SLOT_ID] for m in (decode, prefill) if m],
+            [m.read_slots for m in (attn, prefill) if m is not None],
+            [m.slot_mapping[m.slot_mapping != PAD_SLOT_ID] for m in (attn, prefill) if m],
         )
         ids_t = torch.tensor(ids, dtype=torch.long)
         if pre:
@@ -252,10 +264,11 @@ class ModelRunner:
             ids_t.to(dev),
             pos_t.to(dev),
             len(ids),
-            decode,
+            attn,
             prefill,
-            tuple(c.request_id for c in dec) + tuple(pre[j].request_id for j in keep),
-            tuple(c.num_tokens for c in dec) + (1,) * len(keep),
+            tuple(names) + tuple(pre[j].request_id for j in keep),
+            tuple(counts) + (1,) * len(keep),
+            None if len(rows) == len(ids) else torch.tensor(rows, dtype=torch.long, device=dev),
             sample_rows,
         )
 
@@ -318,7 +331,10 @@ class ModelRunner:
         row; one for a prefill chunk) and their logits rows ``[n, vocab]``."""
         model, groups, cfg = self.model, self.groups, self.config
         meta = self.last_metadata = self.prepare(out)
-        nd, dec, pre = meta.num_decode_rows, meta.decode, meta.prefill
+        if self.batched_prefill and any(c.kind is not ChunkKind.DECODE for c in out.chunks):
+            # prefill rows in the batched call: their "strategy", once per layer
+            self.strategies["batched"] += model.config.num_hidden_layers
+        nd, dec, pre = meta.num_batched_rows, meta.attention, meta.prefill
         mla_dim = model.config.kv_lora_rank if model.config.use_mla else None
         x = model.embed[meta.input_ids]
         for layer in range(model.config.num_hidden_layers):
@@ -327,7 +343,7 @@ class ModelRunner:
             parts = []
             if dec is not None:
                 parts.append(
-                    decode_attention(
+                    batched_attention(
                         q[:nd],
                         k[:nd],
                         None if v is None else v[:nd],
@@ -346,7 +362,7 @@ class ModelRunner:
             attn = parts[0] if len(parts) == 1 else torch.cat(parts)
             x = x + self._tp_sum(model.o_proj(layer, attn, self.heads))
             x = x + self._tp_sum(model.mlp(layer, x, self.cols))
-        rows = [x[:nd]]
+        rows = [x[:nd] if meta.sample_rows is None else x.index_select(0, meta.sample_rows)]
         if meta.prefill_sample_rows is not None:
             rows.append(self._restore(x[nd:], pre.pcp).index_select(0, meta.prefill_sample_rows))
         logits = model.logits(rows[0] if len(rows) == 1 else torch.cat(rows))
