@@ -8,10 +8,10 @@ code inline and under torchrun (vLLM's ``GPUModelRunner.execute_model``):
   the one latent) and MLP columns; the partial attention-output and MLP projections are summed
   by an all-reduce over the TP group.
 * **Step metadata** (:class:`StepMetadata`, vLLM's per-step attention metadata): built once
-  per step on the host by :meth:`ModelRunner.prepare` — token ids, positions, the decode rows'
-  :class:`~cpbook.engine.attention.AttentionMetadata` (slot mapping, padded key slots, mask), the
-  prefill rows' PCP partition, slots and context slots — copied to the device once and reused
-  by every layer.  The layer loop has no per-request Python and reads nothing back.
+  per step on the host by :meth:`ModelRunner.prepare` — token ids, positions, the batched
+  rows' :class:`~cpbook.engine.attention.AttentionMetadata` (slot mapping, padded key slots,
+  mask), PCP's prefill partition, slots and context slots — copied to the device once and
+  reused by every layer.  The layer loop has no per-request Python and reads nothing back.
 * **Decode rows** (``1 + k`` per request: the last sampled token and ``k`` speculative drafts,
   ``k = 0`` without speculation; every PCP rank holds all of them): one
   :func:`cpbook.engine.attention.batched_attention` call per layer for the whole batch — the
@@ -19,7 +19,9 @@ code inline and under torchrun (vLLM's ``GPUModelRunner.execute_model``):
   up to its own (causal by global position), AllGather Q and the ``ag_rs`` or ``a2a`` LSE
   combine under DCP.  MLA runs the same call on its absorbed latent queries against the cached
   latents.  :meth:`ModelRunner.rollback` invalidates the slots of rejected draft rows.
-* **Prefill rows** (whole or chunked prompts): split zigzag over the PCP group
+  Without PCP (and with the ``"auto"`` strategy) the prefill chunks join the same call: a
+  chunk's rows are rows after a cached context, causal by global position like drafts.
+* **Prefill rows under PCP** (or a forced strategy): split zigzag over the PCP group
   (:mod:`cpbook.pcp.zigzag`), attended by :func:`cpbook.pcp.chunked.chunked_prefill_attention`
   (context from the paged cache, AllGather-Q or AllGather-KV picked by the selector), then the new
   K/V is all-gathered over PCP and written through the slot mapping.
