@@ -15,8 +15,8 @@ Here:
   rows, or a prefill chunk's rows after its cached context).  Then one copy to the device.
 * :func:`batched_attention` — per layer: write the new K/V through the slots, gather the keys
   of the whole batch, one attention call (plain decode folds the query heads of a KV head into
-  its query rows; otherwise the rows of a request are padded to the longest and the KV heads
-  repeated for their query heads), output and LSE; under DCP the query heads are all-gathered
+  its query rows; otherwise the rows of a request are padded to the longest, the query heads
+  of a KV head side by side), output and LSE; under DCP the query heads are all-gathered
   and the LSE combine of chapter 3 (:func:`cpbook.dcp.decode.dcp_combine`) merges the shards.
   No host read and no per-request Python.
 
@@ -182,12 +182,16 @@ def build_attention_metadata(
 def _attend(
     q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, mask: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[B, Hkv, Tq, D]`` queries against ``[B, Hkv, L, D]`` keys with an additive mask;
-    ``(out, lse [B, Hkv, Tq])``.  CPU: the fused flash kernel; elsewhere the same maths."""
+    """``[B, H, Tq, D]`` queries against ``[B, Hkv, L, D]`` keys with an additive mask (query
+    head ``h`` reads KV head ``h // (H / Hkv)``); ``(out, lse [B, H, Tq])``.  CPU: the fused
+    flash kernel (it broadcasts the KV heads itself); elsewhere the same maths."""
     if q4.device.type == "cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q4, k4, v4, 0.0, False, attn_mask=mask, scale=scale
         )
+    if k4.shape[1] != q4.shape[1]:
+        group = q4.shape[1] // k4.shape[1]
+        k4, v4 = k4.repeat_interleave(group, dim=1), v4.repeat_interleave(group, dim=1)
     s = torch.matmul(q4, k4.transpose(-1, -2)) * scale + mask
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse.nan_to_num(neginf=0.0)[..., None])
@@ -229,23 +233,20 @@ def batched_attention(
         return out[..., :dv].reshape(b, q.shape[1], dv)
     if dcp > 1:
         q = group.all_gather(q, dim=1)  # [R, dcp*h, D]: rank r's heads are block r
-    heads = q.shape[1]
+    rows, heads = q.shape[0], q.shape[1]
     g = heads // (hkv * dcp)
+    if dcp > 1:  # (rank, kv head, g) -> (kv head, rank, g): a KV head's query heads adjacent
+        q = q.view(rows, dcp, hkv, g, d).transpose(1, 2).reshape(rows, heads, d)
     if meta.query_index is not None:  # rows of a request side by side, padded to max_query_len
         q = q.new_zeros(b * qlen, heads, d).index_copy_(0, meta.query_index, q)
-    q4 = q.view(b, qlen, heads, d).transpose(1, 2)
-    if heads != hkv:  # query head (rank, kv head, g) reads KV head ``kv head``
-        k4, v4 = (
-            x[:, None, :, None]
-            .expand(b, dcp, hkv, g, width, x.shape[-1])
-            .reshape(b, heads, width, -1)
-            for x in (k4, v4)
-        )
-    out, lse = _attend(q4, k4, v4, meta.mask, scale)
+    out, lse = _attend(q.view(b, qlen, heads, d).transpose(1, 2), k4, v4, meta.mask, scale)
     out = out[..., :dv].transpose(1, 2).reshape(b * qlen, heads, dv)
     lse = lse.transpose(1, 2).reshape(b * qlen, heads)
     if meta.query_index is not None:
         out, lse = out.index_select(0, meta.query_index), lse.index_select(0, meta.query_index)
+    if dcp > 1:  # back to (rank, kv head, g)
+        out = out.view(rows, hkv, dcp, g, dv).transpose(1, 2).reshape(rows, heads, dv)
+        lse = lse.view(rows, hkv, dcp, g).transpose(1, 2).reshape(rows, heads)
     if dcp == 1:
         return out
     lse = lse.masked_fill(~meta.has_key, -math.inf)  # the kernel's LSE of no key is 0
