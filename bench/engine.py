@@ -1,37 +1,37 @@
-"""The mini engine (chapter 9): throughput, capacity under DCP, and paging overhead.
+"""The mini engine (chapter 9) against transformers' ``generate``, and its deployments.
 
-    python bench/engine.py --json
-    python bench/engine.py --json --device cuda:0     # every simulated rank on one GPU
+    python bench/engine.py --json            # a few minutes on 2 cores with --quick
+    python bench/engine.py --json --configs  # also the per-deployment rows
 
 Prints, after a ``{"name": "engine_run", "date_utc": ..., "machine": ...}`` line:
 
-* per configuration ``{"name": "engine", "model", "tp", "dcp", "pcp", "requests",
-  "tokens_per_s", "max_concurrent_long_requests"}``: ``tokens_per_s`` from one
-  :func:`cpbook.timing.serve_timing` run (inline: simulated ranks are threads of one process,
-  so multi-rank rates measure the simulation, not a cluster); ``max_concurrent_long_requests``:
-  requests of ``LONG`` tokens admitted into an empty cache of ``BLOCKS`` blocks of
-  ``block_size`` 16 per rank until the scheduler stops admitting;
-* ``{"name": "engine_capacity", "model", "dcp1", "dcp4", "ratio"}`` (target: ratio >= 4);
-* ``{"name": "engine_decode_overhead", "model", "batch": 8, "engine_tokens_per_s",
-  "plain_tokens_per_s", "ratio"}``: one rank, 8 requests all decoding, the engine's decode
-  steps against a plain loop of :func:`cpbook.engine.models.reference_forward` (one request at a
-  time, contiguous KV cache) over the same tokens; medians of ``--repeats`` rounds, taken in turns
-  (target: ratio >= 0.5);
-* ``{"name": "engine_vs_hf", "model", "batch", "prompt_len", "new_tokens", "tokens_per_s",
-  "hf_tokens_per_s", "ratio", "tokens_match"}``: one rank, a random-initialised Hugging Face
-  model (:data:`HF_MODELS`, saved with ``save_pretrained`` to a temporary folder and loaded by
-  :func:`cpbook.engine.hf.from_pretrained`) against ``transformers``' ``generate`` on the same
-  folder: float32, greedy, ``batch`` prompts of ``prompt_len`` tokens, ``new_tokens`` each,
-  batch 1 and 8; medians of ``--repeats`` rounds taken in turns (target: ratio >= 1.0 at batch
-  8).  ``tokens_match``: the two picked the same tokens.
-
-One intra-op thread (tiny tensors; several threads only contend on a shared CPU) unless
-``--threads``; both engines of a comparison run with the same count.
+* ``{"name": "engine_vs_hf", "model", "batch", "prompt_len", "new_tokens", "cpu_s",
+  "hf_cpu_s", "ratio", "decode_step_ms", "hf_decode_step_ms", "decode_ratio",
+  "tokens_match"}``: one process, one thread, float32, CPU time (``time.process_time``, so
+  other load on the machine cancels): a random-initialised Hugging Face checkpoint
+  (:data:`HF_MODELS`, Llama- and Qwen3-shaped, saved with ``save_pretrained`` and loaded by
+  :func:`cpbook.engine.hf.from_pretrained`) served by the engine against ``generate`` on the
+  same prompts, greedy, exactly ``new_tokens`` each (the checkpoint has no EOS: no
+  ``min_new_tokens``, which would mask one logit in ``generate`` only).  ``ratio`` = ``generate``'s
+  CPU seconds / the engine's for the whole run; ``decode_ratio`` the same for one decode step
+  (``generate``: the run less a one-token run, per token; the engine: its all-decode steps).
+  Batch 1, 8, 32 x prompts of 32 and 512 tokens, and batch 8 of mixed lengths 5..512
+  (``generate`` pads them); medians of ``--repeats`` rounds taken in turns.
+* ``{"name": "engine_dcp_cpu", ...}``: CPU seconds of TP 2 x DCP 2 on simulated ranks (threads
+  of this process) against one rank, same tokens.
+* ``{"name": "engine_targets", ...}``: decode step >= 1.2x at batch 8 and 32, whole run >= 1.0x
+  at batch >= 8 and >= 1.5x on mixed lengths, TP 2 x DCP 2 <= 1.5x one rank's CPU: met or not.
+* with ``--configs``: per deployment ``{"name": "engine", ...}`` (tokens/s of one
+  :func:`cpbook.timing.serve_timing` run, inline), ``engine_capacity`` and
+  ``engine_decode_overhead`` (the engine's decode steps against a plain
+  :func:`cpbook.engine.models.reference_forward` loop).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import statistics
 import tempfile
@@ -41,8 +41,8 @@ import transformers
 
 from cpbook.core.launch import run
 from cpbook.demos.ch09_engine import max_concurrent_long_requests
-from cpbook.engine.config import CacheConfig, RunnerConfig, SchedulerConfig
-from cpbook.engine.engine import Engine, engine_config, single_rank_context
+from cpbook.engine.config import CacheConfig, SchedulerConfig, load_model
+from cpbook.engine.engine import Engine, engine_config, serve_rank, single_rank_context
 from cpbook.engine.models import TinyModel, reference_forward
 from cpbook.timing import machine_record, serve_timing, stopwatch
 
@@ -106,23 +106,27 @@ HF_MODELS = {
     "llama-h256-l4": (
         "LlamaForCausalLM",
         dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-             num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512),
+             num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024),
     ),
-    "deepseek-v3-h256-l4": (
-        "DeepseekV3ForCausalLM",
+    "qwen3-h256-l4": (
+        "Qwen3ForCausalLM",
         dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-             num_attention_heads=8, num_key_value_heads=8, kv_lora_rank=64, q_lora_rank=96,
-             qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=8,
-             num_experts_per_tok=2, moe_intermediate_size=128, n_shared_experts=1,
-             first_k_dense_replace=1, n_group=4, topk_group=2, max_position_embeddings=512),
+             num_attention_heads=8, num_key_value_heads=2, head_dim=32,
+             max_position_embeddings=1024),
+    ),
+    # one KV head, so GQA accepts DCP 2 inside TP 2 (the simulated-ranks row)
+    "llama-mqa-h256-l4": (
+        "LlamaForCausalLM",
+        dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+             num_attention_heads=8, num_key_value_heads=1, max_position_embeddings=1024),
     ),
 }  # fmt: skip
 
 
-def engine_vs_hf(
-    name: str, batches: tuple[int, ...], prompt_len: int, new_tokens: int, repeats: int
-) -> list[dict]:
-    """Rows ``engine_vs_hf`` of ``HF_MODELS[name]`` (see the module docstring)."""
+def hf_checkpoint(name: str) -> tuple[transformers.PreTrainedModel, str]:
+    """``HF_MODELS[name]`` random-initialised (weights widened so greedy decoding is not
+    degenerate), saved with ``save_pretrained`` to a temporary folder; the model has no EOS
+    (``generate`` always makes ``max_new_tokens``, as the engine does)."""
     arch, kw = HF_MODELS[name]
     cfg = getattr(transformers, arch.replace("ForCausalLM", "Config"))(**kw)
     torch.manual_seed(0)
@@ -133,65 +137,181 @@ def engine_vs_hf(
                 prm.normal_(0, prm.shape[-1] ** -0.5)
     folder = tempfile.mkdtemp(prefix="cpbook-bench-hf-")
     hf.save_pretrained(folder)
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = 0
+    return hf, folder
+
+
+def engine_times(
+    model: TinyModel, prompts: list[list[int]], new_tokens: int
+) -> tuple[list[list[int]], float, float]:
+    """One engine run (every prompt's prefill in the first step): its tokens, CPU seconds of
+    the whole run and of one all-decode step (mean)."""
+    lens = [len(p) for p in prompts]
+    blocks = sum(-(-(n + new_tokens) // 16) for n in lens) + 4
+    eng = Engine(
+        model,
+        cache_config=CacheConfig(block_size=16, num_gpu_blocks=blocks),
+        scheduler_config=SchedulerConfig(len(prompts), max_num_batched_tokens=sum(lens)),
+    )
+    ids = [eng.add_request(p, new_tokens) for p in prompts]
+    total, decode, steps = 0.0, 0.0, 0
+    while eng.has_unfinished:
+        with stopwatch(clock="process") as t:
+            rec = eng.step()
+        total += t.seconds
+        if all(c.kind == "decode" for c in rec.chunks):
+            decode, steps = decode + t.seconds, steps + 1
+    return [list(eng.output(i).tokens) for i in ids], total, decode / max(steps, 1)
+
+
+def hf_times(
+    hf: transformers.PreTrainedModel, prompts: list[list[int]], new_tokens: int
+) -> tuple[list[list[int]], float, float]:
+    """``generate`` on the same prompts (left-padded, with the attention mask): its tokens,
+    CPU seconds of the whole run and of one decode step (the run less a one-token run)."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    kw = dict(attention_mask=mask, do_sample=False)
+    with torch.no_grad():
+        with stopwatch(clock="process") as t:
+            out = hf.generate(ids, max_new_tokens=new_tokens, **kw)
+        with stopwatch(clock="process") as t1:
+            hf.generate(ids, max_new_tokens=1, **kw)
+    return out[:, width:].tolist(), t.seconds, (t.seconds - t1.seconds) / (new_tokens - 1)
+
+
+def engine_vs_hf(
+    name: str, shapes: list[tuple[int, int | str]], new_tokens: int, repeats: int
+) -> list[dict]:
+    """Rows ``engine_vs_hf`` of ``HF_MODELS[name]`` (see the module docstring)."""
+    hf, folder = hf_checkpoint(name)
+    model = load_model(folder, "float32")
+    vocab = HF_MODELS[name][1]["vocab_size"]
     gen = torch.Generator().manual_seed(1)
     rows = []
-    for batch in batches:
-        prompts = torch.randint(kw["vocab_size"], (batch, prompt_len), generator=gen)
-        eng_t, hf_t = [], []
-        for _ in range(repeats + 1):
-            blocks = batch * (prompt_len + new_tokens) // 16 + batch + 4
-            eng = Engine(
-                folder,
-                cache_config=CacheConfig(block_size=16, num_gpu_blocks=blocks),
-                scheduler_config=SchedulerConfig(batch, max_num_batched_tokens=batch * prompt_len),
-                runner_config=RunnerConfig(dtype="float32"),
-            )
-            with stopwatch() as t:
-                outs = eng.generate(prompts.tolist(), new_tokens)
-            eng_t.append(t.seconds)
-            with stopwatch() as t, torch.no_grad():
-                ref = hf.generate(
-                    prompts,
-                    attention_mask=torch.ones_like(prompts),
-                    max_new_tokens=new_tokens,
-                    min_new_tokens=new_tokens,
-                    do_sample=False,
-                )
-            hf_t.append(t.seconds)
-        mine = [list(o.tokens) for o in outs]
-        te, th = statistics.median(eng_t[1:]), statistics.median(hf_t[1:])
+    for batch, plen in shapes:
+        lens = (
+            torch.linspace(5, 512, batch).round().long().tolist()
+            if plen == "mixed"
+            else [plen] * batch
+        )
+        prompts = [torch.randint(vocab, (n,), generator=gen).tolist() for n in lens]
+        eng, ref = [], []
+        for _ in range(repeats + 1):  # the first round warms both up
+            eng.append(engine_times(model, prompts, new_tokens))
+            ref.append(hf_times(hf, prompts, new_tokens))
+        te = statistics.median(e[1] for e in eng[1:])
+        th = statistics.median(r[1] for r in ref[1:])
+        de = statistics.median(e[2] for e in eng[1:])
+        dh = statistics.median(r[2] for r in ref[1:])
         rows.append(
             {
                 "name": "engine_vs_hf",
                 "model": name,
                 "batch": batch,
-                "prompt_len": prompt_len,
+                "prompt_len": plen,
                 "new_tokens": new_tokens,
-                "tokens_per_s": round(batch * new_tokens / te, 1),
-                "hf_tokens_per_s": round(batch * new_tokens / th, 1),
+                "cpu_s": round(te, 4),
+                "hf_cpu_s": round(th, 4),
                 "ratio": round(th / te, 3),
-                "tokens_match": mine == ref[:, prompt_len:].tolist(),
+                "decode_step_ms": round(1e3 * de, 3),
+                "hf_decode_step_ms": round(1e3 * dh, 3),
+                "decode_ratio": round(dh / de, 3),
+                "tokens_match": eng[0][0] == ref[0][0],
             }
         )
+        print(json.dumps(rows[-1]), flush=True)
     return rows
+
+
+def simulated_dcp_cpu(new_tokens: int, repeats: int) -> dict:
+    """CPU seconds of one greedy run on TP 2 x DCP 2 (two simulated ranks, threads of this
+    process) against the same run on one rank, same checkpoint and prompts."""
+    _, folder = hf_checkpoint("llama-mqa-h256-l4")
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(1024, (n,), generator=gen).tolist() for n in (64, 128, 256, 512)]
+    work = {"prompts": prompts, "max_new_tokens": new_tokens}
+    cache = {"block_size": 16, "num_gpu_blocks": 128}
+    sched = {"max_num_seqs": 4, "max_num_batched_tokens": 1024}
+    times: dict[int, list[float]] = {1: [], 2: []}
+    toks = {}
+    for _ in range(repeats + 1):
+        for tp in (1, 2):
+            par = {"tensor_parallel_size": tp, "decode_context_parallel_size": tp}
+            kw = dict(
+                model=folder,
+                parallel_config=par,
+                cache_config=cache,
+                scheduler_config=sched,
+                runner_config={"dtype": "float32"},
+                workload=work,
+            )
+            with stopwatch(clock="process") as t, contextlib.redirect_stdout(io.StringIO()):
+                res = run(serve_rank, tp, "inline", kw, report=False)
+            times[tp].append(t.seconds)
+            toks[tp] = res[0]["tokens"]
+    one, two = (statistics.median(times[w][1:]) for w in (1, 2))
+    return {
+        "name": "engine_dcp_cpu",
+        "model": "llama-mqa-h256-l4",
+        "tp": 2,
+        "dcp": 2,
+        "cpu_s": round(two, 4),
+        "one_rank_cpu_s": round(one, 4),
+        "ratio": round(two / one, 3),
+        "tokens_match": toks[1] == toks[2],
+    }
+
+
+#: (batch, prompt length) rows of engine_vs_hf; "mixed": lengths 5..512 spread evenly
+SHAPES = [(1, 32), (8, 32), (32, 32), (1, 512), (8, 512), (32, 512), (8, "mixed")]
+QUICK_SHAPES = [(1, 32), (8, 32), (32, 32), (8, 512), (8, "mixed")]
+
+
+def targets(rows: list[dict], dcp_row: dict) -> dict:
+    """The speed targets, met or not: decode step >= 1.2x ``generate`` at batch 8 and 32,
+    whole run >= 1.0x at batch >= 8 and >= 1.5x on mixed lengths, TP2 x DCP2 <= 1.5x."""
+    big = [r for r in rows if r["batch"] >= 8]
+    fixed = [r for r in big if r["prompt_len"] != "mixed"]
+    mixed = [r for r in big if r["prompt_len"] == "mixed"]
+    return {
+        "name": "engine_targets",
+        "decode_ge_1.2": min(r["decode_ratio"] for r in big) >= 1.2,
+        "run_ge_1.0": min(r["ratio"] for r in fixed) >= 1.0,
+        "mixed_ge_1.5": min(r["ratio"] for r in mixed) >= 1.5,
+        "dcp_cpu_le_1.5": dcp_row["ratio"] <= 1.5,
+        "min_decode_ratio": min(r["decode_ratio"] for r in big),
+        "min_run_ratio": min(r["ratio"] for r in fixed),
+        "min_mixed_ratio": min(r["ratio"] for r in mixed),
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", action="store_true", help="print JSON lines (the default output)")
+    p.add_argument("--quick", action="store_true", help="fewer rows, tokens and repeats")
     p.add_argument("--requests", type=int, default=6)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default="cpu", help="the simulated ranks' device (cuda:0: a GPU)")
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    p.add_argument("--only-hf", action="store_true", help="only the engine_vs_hf rows")
+    p.add_argument("--configs", action="store_true", help="also the per-deployment rows")
     a = p.parse_args(argv)
-    torch.set_num_threads(a.threads)
+    torch.set_num_threads(1)
     print(json.dumps({"name": "engine_run", **machine_record(a.device, "inline")}), flush=True)
-    for name in HF_MODELS:
-        for row in engine_vs_hf(name, (1, 8), 32, 32, a.repeats):
-            print(json.dumps(row), flush=True)
-    if a.only_hf:
-        return
+    repeats, new_tokens = (1, 16) if a.quick else (a.repeats, 32)
+    rows = []
+    for name in ("llama-h256-l4", "qwen3-h256-l4"):
+        rows += engine_vs_hf(name, QUICK_SHAPES if a.quick else SHAPES, new_tokens, repeats)
+    dcp_row = simulated_dcp_cpu(new_tokens, repeats)
+    print(json.dumps(dcp_row), flush=True)
+    print(json.dumps(targets(rows, dcp_row)), flush=True)
+    if a.configs:
+        configs(a)
+
+
+def configs(a: argparse.Namespace) -> None:
+    """The per-deployment rows: tokens/s of the tiny models, capacity, decode overhead."""
     for model, tp, dcp, pcp in CONFIGS:
         res = run(
             serve_timing,

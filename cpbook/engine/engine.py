@@ -16,7 +16,7 @@ launch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import torch
 
@@ -40,7 +40,7 @@ from cpbook.engine.config import (  # noqa: F401  (engine_config ... re-exported
 )
 from cpbook.engine.models import TinyModel
 from cpbook.engine.runner import ModelRunner
-from cpbook.engine.scheduler import Request, Scheduler, SchedulerOutput
+from cpbook.engine.scheduler import ChunkKind, Request, Scheduler, SchedulerOutput
 from cpbook.engine.spec_decode import SpeculativeConfig, make_proposer
 from cpbook.kv.manager import KVCacheManager
 
@@ -49,6 +49,7 @@ __all__ = [
     "single_rank_context",
     "Engine",
     "StepRecord",
+    "ChunkRecord",
     "RequestOutput",
     "make_prompts",
     "model_config",
@@ -63,12 +64,22 @@ def single_rank_context(device: torch.device | str = "cpu") -> RankContext:
     return RankContext(0, 1, "inline", torch.device(device), sim=SimWorld(1))
 
 
+class ChunkRecord(NamedTuple):
+    """One scheduled chunk as the step's record keeps it."""
+
+    request_id: str
+    kind: ChunkKind
+    start: int
+    num_tokens: int
+
+
 @dataclass(frozen=True)
 class StepRecord:
-    """What one step did: ``chunks`` = ``(request_id, kind, start, num_tokens)``."""
+    """What one step did: its :class:`ChunkRecord` list, admissions, preemptions, finished
+    requests, batch size, free blocks after it, and the drafts it verified and accepted."""
 
     step: int
-    chunks: tuple[tuple[str, str, int, int], ...]
+    chunks: tuple[ChunkRecord, ...]
     admitted: tuple[str, ...]
     preempted: tuple[str, ...]
     finished: tuple[str, ...]
@@ -187,28 +198,26 @@ class Engine:
         draft rows on this rank; returns what happened."""
         if self.proposer is not None:
             self._propose()
-        before = dict(self.scheduler.spec_stats)
         out: SchedulerOutput = self.scheduler.schedule()
         sampled, rows = ({}, {}) if not out.chunks else self.runner.execute(out)
-        finished = self.scheduler.update(out, sampled)
-        for rid, n in self.scheduler.emitted.items():
+        upd = self.scheduler.update(out, sampled)
+        for rid, n in upd.emitted.items():
             self.logits[rid].extend(rows[rid][:n])
-        for rid, table, start, end in self.scheduler.rollbacks:
-            self.runner.rollback(table, start, end)
-        for r in finished:
+        for rb in upd.rollbacks:
+            self.runner.rollback(rb.block_table, rb.start, rb.end)
+        for r in upd.finished:
             if self.proposer is not None:
                 self.proposer.release(r.request_id)
-        st = self.scheduler.spec_stats
         rec = StepRecord(
             out.step,
-            tuple((c.request_id, c.kind, c.start, c.num_tokens) for c in out.chunks),
+            tuple(ChunkRecord(c.request_id, c.kind, c.start, c.num_tokens) for c in out.chunks),
             out.admitted,
             out.preempted,
-            tuple(r.request_id for r in finished),
+            tuple(r.request_id for r in upd.finished),
             out.num_batched_tokens,
             self.kv.num_free_blocks,
-            st["drafted"] - before["drafted"],
-            st["accepted"] - before["accepted"],
+            upd.drafted,
+            upd.accepted,
         )
         self.history.append(rec)
         return rec

@@ -26,7 +26,7 @@ import torch
 from cpbook.core.config import ConfigError
 from cpbook.engine.models import ModelConfig, TinyModel, _rms
 
-__all__ = ["HFConfig", "HFModel", "rope_rotate"]
+__all__ = ["HFConfig", "HFModel", "rope_rotate", "rope_tables"]
 
 
 @dataclass(frozen=True)
@@ -53,14 +53,26 @@ class HFConfig(ModelConfig):
         return self.n_routed_experts > 0 and layer >= self.first_k_dense_replace
 
 
-def rope_rotate(
-    x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, factor: float = 1.0
-) -> torch.Tensor:
-    """Rotate-half RoPE of ``x [T, h, R]`` at ``positions [T]`` with ``inv_freq [R/2]``; cos and
-    sin scaled by ``factor`` (HF's ``attention_scaling``)."""
+def rope_tables(
+    positions: torch.Tensor, inv_freq: torch.Tensor, factor: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos`` and ``sin`` ``[T, 1, R]`` of :func:`rope_rotate` (scaled by ``factor``)."""
     ang = positions.to(inv_freq.dtype)[:, None] * inv_freq[None]
     ang = torch.cat([ang, ang], dim=-1)[:, None]
-    cos, sin = (ang.cos() * factor).to(x.dtype), (ang.sin() * factor).to(x.dtype)
+    return (ang.cos() * factor).to(dtype), (ang.sin() * factor).to(dtype)
+
+
+def rope_rotate(
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    factor: float = 1.0,
+    tables: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Rotate-half RoPE of ``x [T, h, R]`` at ``positions [T]`` with ``inv_freq [R/2]``; cos and
+    sin scaled by ``factor`` (HF's ``attention_scaling``); ``tables``: :func:`rope_tables` of
+    the same arguments, computed once for several calls."""
+    cos, sin = tables or rope_tables(positions, inv_freq, factor, x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
@@ -76,7 +88,14 @@ class HFModel(TinyModel):
     inv_freq: torch.Tensor = field(default_factory=lambda: torch.empty(0))
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return rope_rotate(x, positions, self.inv_freq, self.config.rope_attention_factor)
+        """RoPE; the cos/sin tables of one ``positions`` tensor are built once (a step's
+        every layer passes the same tensor) and reused."""
+        memo = self.__dict__.get("_rope_memo")
+        if memo is None or memo[0] is not positions or memo[1] != x.dtype:
+            f = self.config.rope_attention_factor
+            memo = (positions, x.dtype, rope_tables(positions, self.inv_freq, f, x.dtype))
+            self.__dict__["_rope_memo"] = memo
+        return rope_rotate(x, positions, self.inv_freq, tables=memo[2])
 
     def qkv(
         self, layer: int, h: torch.Tensor, positions: torch.Tensor, heads: slice, kv_heads: slice
@@ -86,11 +105,7 @@ class HFModel(TinyModel):
             q, latent = self.mla_q_and_latent(layer, h, positions, heads)
             q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
             return self.mla[layer].absorb_q(q_nope, q_pe, heads), latent[:, None], None
-        q = torch.einsum("th,hnd->tnd", h, lw["wq"][:, heads])
-        k = torch.einsum("th,hnd->tnd", h, lw["wk"][:, kv_heads])
-        v = torch.einsum("th,hnd->tnd", h, lw["wv"][:, kv_heads])
-        if "bq" in lw:
-            q, k, v = q + lw["bq"][heads], k + lw["bk"][kv_heads], v + lw["bv"][kv_heads]
+        q, k, v = self.packed_qkv(layer, h, heads, kv_heads)
         if cfg.qk_norm:
             q = _rms(q, lw["q_norm"], cfg.rms_norm_eps)
             k = _rms(k, lw["k_norm"], cfg.rms_norm_eps)
@@ -136,7 +151,10 @@ class HFModel(TinyModel):
         rank, tp = (0, 1) if isinstance(cols, slice) else cols
         h = _rms(x, lw["mlp_norm"], cfg.rms_norm_eps)
         if not cfg.is_moe(layer):
-            return _swiglu(h, lw["w_gate"], lw["w_up"], lw["w_down"], rank, tp)
+            gate_up = self.packed(("gate_up", layer, rank, tp), lambda: _gate_up(lw, rank, tp))
+            g, u = (h @ gate_up).chunk(2, dim=-1)
+            n = lw["w_down"].shape[0] // tp
+            return (torch.nn.functional.silu(g) * u) @ lw["w_down"][rank * n : (rank + 1) * n]
         weights = self._route(layer, h)  # [T, E], zero off the top-k
         out = _swiglu(h, lw["s_gate"], lw["s_up"], lw["s_down"], rank, tp) if "s_gate" in lw else 0
         routed = torch.zeros_like(h)
@@ -172,6 +190,13 @@ class HFModel(TinyModel):
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return _rms(x, self.final_norm, self.config.rms_norm_eps) @ self.lm_head
+
+
+def _gate_up(lw: dict[str, torch.Tensor], rank: int, tp: int) -> torch.Tensor:
+    """This rank's gate and up columns side by side ``[H, 2 * I / tp]``."""
+    n = lw["w_gate"].shape[1] // tp
+    cols = slice(rank * n, (rank + 1) * n)
+    return torch.cat([lw["w_gate"][:, cols], lw["w_up"][:, cols]], dim=1)
 
 
 def _swiglu(

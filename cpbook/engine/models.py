@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -106,7 +106,7 @@ def get_engine_model(name: str) -> ModelConfig:
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+    return torch.nn.functional.rms_norm(x, w.shape, w, eps)
 
 
 @dataclass
@@ -196,6 +196,40 @@ class TinyModel:
             **{f.name: moved(getattr(self, f.name)) for f in fields(self) if f.name != "config"},
         )
 
+    # -- packed weights: built once per (layer, slice), reused by every step -------------
+    def packed(self, key: tuple, build: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """``build()``, computed once per ``key`` for this object (weights packed for one
+        matmul; not a dataclass field, so :meth:`to` and ``replace`` start afresh)."""
+        cache = self.__dict__.setdefault("_packed", {})
+        if key not in cache:
+            cache[key] = build()
+        return cache[key]
+
+    def packed_qkv(
+        self, layer: int, h: torch.Tensor, heads: slice, kv_heads: slice
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """GQA's ``q [T, h, D]``, ``k``/``v [T, k, D]`` of ``heads``/``kv_heads`` (biases
+        included) in one matmul of the packed ``[H, (h + 2k) D]`` weight; no RoPE."""
+        lw = self.layers[layer]
+
+        def build() -> torch.Tensor:
+            parts = [lw["wq"][:, heads], lw["wk"][:, kv_heads], lw["wv"][:, kv_heads]]
+            w = torch.cat([p.reshape(p.shape[0], -1) for p in parts], dim=1)
+            if "bq" not in lw:
+                return w
+            b = [lw["bq"][heads], lw["bk"][kv_heads], lw["bv"][kv_heads]]
+            return torch.cat([w, torch.cat([x.reshape(1, -1) for x in b], dim=1)])
+
+        key = ("qkv", layer, heads.start, heads.stop, kv_heads.start, kv_heads.stop)
+        w = self.packed(key, build)
+        out = h @ w if "bq" not in lw else torch.addmm(w[-1], h, w[:-1])
+        d = lw["wq"].shape[-1]
+        nq = lw["wq"][:, heads].shape[1]
+        nk = lw["wk"][:, kv_heads].shape[1]
+        q, k, v = out.split([nq * d, nk * d, nk * d], dim=1)
+        t = h.shape[0]
+        return q.reshape(t, nq, d), k.reshape(t, nk, d), v.reshape(t, nk, d)
+
     # -- the blocks, on a slice of heads / MLP columns ------------------------------------
     def attn_input(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         """RMSNorm before attention: ``[T, H] -> [T, H]``."""
@@ -210,11 +244,9 @@ class TinyModel:
         absorbed latent query ``q [T, h, C+R]`` (``[q_nope W_UK, q_pe]``), the cache row
         ``k [T, 1, C+R]`` (``[norm(kv_c), rope(k_pe)]``) and ``v = None``.
         """
-        lw, cfg = self.layers[layer], self.config
+        cfg = self.config
         if not cfg.use_mla:
-            q = torch.einsum("th,hnd->tnd", h, lw["wq"][:, heads])
-            k = torch.einsum("th,hnd->tnd", h, lw["wk"][:, kv_heads])
-            v = torch.einsum("th,hnd->tnd", h, lw["wv"][:, kv_heads])
+            q, k, v = self.packed_qkv(layer, h, heads, kv_heads)
             return rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta), v
         q, latent = self.mla_q_and_latent(layer, h, positions, heads)
         q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
@@ -244,7 +276,8 @@ class TinyModel:
         latent output goes through ``W_UV`` first).  Summing over all head slices is exact."""
         if self.config.use_mla:
             attn = self.mla[layer].v_up_proj(attn, heads)
-        return torch.einsum("tnd,ndh->th", attn, self.layers[layer]["wo"][heads])
+        wo = self.layers[layer]["wo"][heads]
+        return attn.reshape(attn.shape[0], -1) @ wo.reshape(-1, wo.shape[-1])
 
     def mlp_shard(self, tp_rank: int, tp: int) -> slice:
         """The MLP columns TP rank ``tp_rank`` of ``tp`` computes (what :meth:`mlp` takes)."""

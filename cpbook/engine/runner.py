@@ -7,14 +7,21 @@ code inline and under torchrun (vLLM's ``GPUModelRunner.execute_model``):
 * **TP**: this rank's query heads (``q_heads_of``), KV heads (``kv_heads_of``; MLA:
   the one latent) and MLP columns; the partial attention-output and MLP projections are summed
   by an all-reduce over the TP group.
+* **Step metadata** (:class:`StepMetadata`, vLLM's per-step attention metadata): built once
+  per step on the host by :meth:`ModelRunner.prepare` — token ids, positions, the batched
+  rows' :class:`~cpbook.engine.attention.AttentionMetadata` (slot mapping, padded key slots,
+  mask), PCP's prefill partition, slots and context slots — copied to the device once and
+  reused by every layer.  The layer loop has no per-request Python and reads nothing back.
 * **Decode rows** (``1 + k`` per request: the last sampled token and ``k`` speculative drafts,
-  ``k = 0`` without speculation; every PCP rank holds all of them): the new K/V is written
-  through the DCP slot mapping, then :func:`cpbook.dcp.verify.dcp_verify_attention` over the DCP
-  group — each row attends the local keys at positions up to its own (causal by global
-  position), then AllGather Q, attention over the local shard, ``ag_rs`` or ``a2a`` combine.
-  MLA runs the same function on its absorbed latent queries against the cached latents.
-  :meth:`ModelRunner.rollback` invalidates the slots of rejected draft rows on this rank.
-* **Prefill rows** (whole or chunked prompts): split zigzag over the PCP group
+  ``k = 0`` without speculation; every PCP rank holds all of them): one
+  :func:`cpbook.engine.attention.batched_attention` call per layer for the whole batch — the
+  new K/V written through the DCP slot mapping, each row attending the local keys at positions
+  up to its own (causal by global position), AllGather Q and the ``ag_rs`` or ``a2a`` LSE
+  combine under DCP.  MLA runs the same call on its absorbed latent queries against the cached
+  latents.  :meth:`ModelRunner.rollback` invalidates the slots of rejected draft rows.
+  Without PCP (and with the ``"auto"`` strategy) the prefill chunks join the same call: a
+  chunk's rows are rows after a cached context, causal by global position like drafts.
+* **Prefill rows under PCP** (or a forced strategy): split zigzag over the PCP group
   (:mod:`cpbook.pcp.zigzag`), attended by :func:`cpbook.pcp.chunked.chunked_prefill_attention`
   (context from the paged cache, AllGather-Q or AllGather-KV picked by the selector), then the new
   K/V is all-gathered over PCP and written through the slot mapping.
@@ -32,25 +39,91 @@ code inline and under torchrun (vLLM's ``GPUModelRunner.execute_model``):
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
 
 import torch
 
 from cpbook.core.config import ParallelConfig
 from cpbook.core.groups import ParallelGroups
 from cpbook.core.heads import kv_heads_of, q_heads_of
-from cpbook.dcp.verify import dcp_verify_attention, local_verify_attention
+from cpbook.engine.attention import (
+    AttentionMetadata,
+    batch_slot_mapping,
+    batched_attention,
+    build_attention_metadata,
+    padded_block_tables,
+)
 from cpbook.engine.config import RunnerConfig
 from cpbook.engine.models import TinyModel
-from cpbook.engine.scheduler import ScheduledChunk, SchedulerOutput
+from cpbook.engine.scheduler import ChunkKind, ScheduledChunk, SchedulerOutput
 from cpbook.kv.context import ContextShard
-from cpbook.kv.layout import DCPShard
+from cpbook.kv.layout import PAD_SLOT_ID, DCPShard
 from cpbook.kv.paged import PagedKVCache
 from cpbook.pcp.chunked import chunked_prefill_attention
 from cpbook.pcp.chunked_plan import ChunkedPrefillConfig
 from cpbook.pcp.prefill import pcp_restore, pcp_shard
 from cpbook.pcp.zigzag import PCPMetadata, zigzag_partition
 
-__all__ = ["ModelRunner"]
+__all__ = ["ModelRunner", "PrefillMetadata", "StepMetadata"]
+
+
+@dataclass(frozen=True)
+class PrefillMetadata:
+    """The step's prefill chunks on this rank: the PCP partition (``pcp``), the chunks'
+    ``context_lens`` (tokens cached before each), the device slots their new K/V goes to
+    (``write_rows`` of the restored rows; ``None``: all), the device slots of every chunk's
+    cached context (``context_slots``, split by ``context_sizes``); host ``slot_mapping`` and
+    ``read_slots`` for the step's checks."""
+
+    pcp: PCPMetadata
+    context_lens: tuple[int, ...]
+    slot_mapping: torch.Tensor
+    read_slots: torch.Tensor
+    write_rows: torch.Tensor | None
+    write_slots: torch.Tensor
+    context_slots: torch.Tensor
+    context_sizes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class StepMetadata:
+    """Everything a step's layers need, built once (vLLM's ``CommonAttentionMetadata`` plus the
+    model inputs): ``input_ids``/``positions`` (device; the batched backend's rows first —
+    decode chunks, then without PCP the prefill chunks — then this PCP rank's prefill rows),
+    ``num_batched_rows``, ``attention`` (the batched rows' metadata) and ``prefill`` (PCP's;
+    ``None`` when the step has none), and the sampling plan: ``sample_ids``/``sample_counts``
+    (rows per sampling request), ``sample_rows`` (device rows of the batched rows that yield
+    a token; ``None``: all) and ``prefill_sample_rows`` (rows of the restored PCP prefill)."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    num_batched_rows: int
+    attention: AttentionMetadata | None
+    prefill: PrefillMetadata | None
+    sample_ids: tuple[str, ...]
+    sample_counts: tuple[int, ...]
+    sample_rows: torch.Tensor | None
+    prefill_sample_rows: torch.Tensor | None
+
+    def summary(self) -> dict:
+        """A compact host view of the step (what chapter 9 prints)."""
+        d, p = self.attention, self.prefill
+        out: dict = {"input_ids": self.input_ids.cpu().tolist()}
+        out["positions"] = self.positions.cpu().tolist()
+        if d is not None:
+            out["attention"] = {
+                "query_start_loc": d.query_start_loc.tolist(),
+                "seq_lens": d.seq_lens.tolist(),
+                "slot_mapping": d.slot_mapping.tolist(),
+                "key_slots": d.key_slots.shape[1],
+            }
+        if p is not None:
+            out["prefill"] = {
+                "query_lens": p.pcp.query_lens,
+                "context_lens": list(p.context_lens),
+                "slot_mapping": p.slot_mapping.tolist(),
+            }
+        return out
 
 
 class ModelRunner:
@@ -76,6 +149,9 @@ class ModelRunner:
         self.kv_heads = kv_heads_of(config, c.tp_rank)
         self.cols = model.mlp_shard(c.tp_rank, config.tp)
         nkv = self.kv_heads.stop - self.kv_heads.start
+        self.shard = DCPShard(config.dcp, c.dcp_rank, config.interleave)
+        # without PCP (and with the automatic strategy) prefill chunks join the batched call
+        self.batched_prefill = config.pcp == 1 and run.strategy == "auto"
         self.caches = [
             PagedKVCache(
                 num_blocks,
@@ -83,13 +159,16 @@ class ModelRunner:
                 nkv,
                 mc.kv_cache_dim,
                 0 if mc.use_mla else None,
-                shard=DCPShard(config.dcp, c.dcp_rank, config.interleave),
+                shard=self.shard,
                 dtype=model.embed.dtype,
                 device=model.device,
             )
             for _ in range(mc.num_hidden_layers)
         ]
+        for c in self.caches[1:]:  # every layer stores the same slots: one bookkeeping
+            c.written = self.caches[0].written
         self.strategies: Counter[str] = Counter()
+        self.last_metadata: StepMetadata | None = None
 
     # -- helpers ------------------------------------------------------------------------------
     def _tp_sum(self, t: torch.Tensor) -> torch.Tensor:
@@ -101,68 +180,123 @@ class ModelRunner:
             return t.index_select(0, meta.restore_index.to(t.device))
         return pcp_restore(t, meta, self.groups.pcp)
 
-    def _value_view(self, k: torch.Tensor, v: torch.Tensor | None) -> torch.Tensor:
-        return k[..., : self.model.config.kv_lora_rank] if v is None else v
-
-    # -- attention ----------------------------------------------------------------------------
-    def _decode(
-        self,
-        layer: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor | None,
-        chunks: list[ScheduledChunk],
-    ) -> torch.Tensor:
-        cache, cfg = self.caches[layer], self.config
-        slots = torch.cat([cache.slot_mapping(self._positions(c), c.block_table) for c in chunks])
-        cache.write(k, v, slots)
-        ks, vs = [], []
-        for c in chunks:
-            kk, vv, _ = cache.read(c.block_table, c.start + c.num_tokens)
-            ks.append(kk)
-            vs.append(self._value_view(kk, vv))
-        grp, scale = self.groups.dcp, self.model.attn_scale(layer)
-        starts, rows = [c.start for c in chunks], [c.num_tokens for c in chunks]
-        if grp.size == 1:
-            return local_verify_attention(q, ks, vs, starts, rows, DCPShard(), scale)[0]
-        if ks[0].shape[1] > 1:  # gathered heads come in DCP blocks: tile the KV heads to match
-            ks = [x.repeat(1, grp.size, 1) for x in ks]
-            vs = [x.repeat(1, grp.size, 1) for x in vs]
-        return dcp_verify_attention(
-            q, ks, vs, starts, rows, grp, cfg.interleave, cfg.dcp_comm_backend, scale
-        )
-
-    @staticmethod
-    def _positions(c: ScheduledChunk) -> torch.Tensor:
-        return torch.arange(c.start, c.start + c.num_tokens)
-
     def rollback(self, block_table: tuple[int, ...], start: int, end: int) -> int:
         """Invalidate this rank's slots of positions ``[start, end)`` (rejected draft rows) in
         every layer's cache; returns how many it dropped (per layer; 0 if it owns none)."""
-        pos = torch.arange(start, end)
-        dropped = {c.invalidate(c.slot_mapping(pos, block_table)) for c in self.caches}
-        return dropped.pop()  # the same slots in every layer
+        c = self.caches[0]  # the layers share one record of written slots
+        return c.invalidate(c.slot_mapping(torch.arange(start, end), block_table))
 
+    # -- the step's metadata, once ------------------------------------------------------------
+    def _prefill_metadata(self, pre: list[ScheduledChunk], dev: torch.device) -> PrefillMetadata:
+        cache = self.caches[0]
+        pcp = zigzag_partition([c.num_tokens for c in pre], self.config.pcp).metadata(
+            self.groups.coords.pcp_rank
+        )
+        counts = torch.tensor([c.num_tokens for c in pre], dtype=torch.long)
+        req = torch.repeat_interleave(torch.arange(len(pre)), counts)
+        first = torch.cumsum(counts, 0) - counts
+        starts = torch.tensor([c.start for c in pre], dtype=torch.long)
+        positions = starts[req] + torch.arange(int(counts.sum())) - first[req]
+        tables = padded_block_tables([c.block_table for c in pre])
+        slots = batch_slot_mapping(positions, req, tables, self.config.block_size, self.shard)
+        ctx = [cache.local_slots(c.block_table, c.start) for c in pre]
+        read = torch.cat(ctx) if ctx else torch.zeros(0, dtype=torch.long)
+        mine = slots != PAD_SLOT_ID
+        return PrefillMetadata(
+            pcp,
+            tuple(c.start for c in pre),
+            slots,
+            read,
+            None if bool(mine.all()) else mine.nonzero().flatten().to(dev),
+            slots[mine].to(dev),
+            read.to(dev),
+            tuple(x.numel() for x in ctx),
+        )
+
+    def prepare(self, out: SchedulerOutput) -> StepMetadata:
+        """The step's :class:`StepMetadata`, built on the host and copied once; checks (once
+        for every layer) that each slot read holds a token and each slot written lies in the
+        cache.  Decode chunks, and without PCP every prefill chunk too, go to the batched
+        backend; PCP's prefill chunks to the PCP path."""
+        model, dev = self.model, self.model.device
+        dec = [c for c in out.chunks if c.kind is ChunkKind.DECODE]
+        pre = [c for c in out.chunks if c.kind is not ChunkKind.DECODE]
+        batch, pre = (dec + pre, []) if self.batched_prefill else (dec, pre)
+        ids = [t for c in batch for t in c.token_ids]
+        attn = prefill = None
+        pos, names, counts, rows = [], [], [], []
+        if batch:
+            attn = build_attention_metadata(
+                [c.start for c in batch],
+                [c.num_tokens for c in batch],
+                [c.block_table for c in batch],
+                self.config.block_size,
+                self.shard,
+                model.embed.dtype,
+                dev,
+            )
+            pos.append(attn.positions)
+            qsl = attn.query_start_loc.tolist()
+            for j, c in enumerate(batch):
+                if c.kind is ChunkKind.DECODE or c.sample:
+                    n = c.num_tokens if c.kind is ChunkKind.DECODE else 1
+                    names.append(c.request_id)
+                    counts.append(n)
+                    rows.extend(range(qsl[j + 1] - n, qsl[j + 1]))
+        sample_rows = None
+        keep = [j for j, c in enumerate(pre) if c.sample]
+        if pre:
+            prefill = self._prefill_metadata(pre, dev)
+            flat = torch.tensor([t for c in pre for t in c.token_ids], dtype=torch.long)
+            ids_pre = pcp_shard(flat, prefill.pcp)
+            starts = torch.tensor([c.start for c in pre], dtype=torch.long)
+            pos.append(prefill.pcp.positions + starts[prefill.pcp.request_ids])
+            cu = prefill.pcp.cu_seq_lens
+            if keep:
+                sample_rows = torch.tensor([cu[j + 1] - 1 for j in keep], device=dev)
+        self._check(
+            [m.read_slots for m in (attn, prefill) if m is not None],
+            [m.slot_mapping[m.slot_mapping != PAD_SLOT_ID] for m in (attn, prefill) if m],
+        )
+        ids_t = torch.tensor(ids, dtype=torch.long)
+        if pre:
+            ids_t = torch.cat([ids_t, ids_pre])
+        pos_t = torch.cat(pos) if pos else torch.zeros(0, dtype=torch.long)
+        return StepMetadata(
+            ids_t.to(dev),
+            pos_t.to(dev),
+            len(ids),
+            attn,
+            prefill,
+            tuple(names) + tuple(pre[j].request_id for j in keep),
+            tuple(counts) + (1,) * len(keep),
+            None if len(rows) == len(ids) else torch.tensor(rows, dtype=torch.long, device=dev),
+            sample_rows,
+        )
+
+    def _check(self, read: list[torch.Tensor], written: list[torch.Tensor]) -> None:
+        """Mark the step's ``written`` slots (host) in the layers' shared bookkeeping, then
+        check that every slot it ``read``s holds a token (a decode row reads its own new key)."""
+        for slots in written:
+            self.caches[0].mark_written(slots)
+        for slots in read:
+            self.caches[0].check_written(slots)
+
+    # -- attention ----------------------------------------------------------------------------
     def _prefill(
         self,
         layer: int,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor | None,
-        chunks: list[ScheduledChunk],
-        meta: PCPMetadata,
+        meta: PrefillMetadata,
     ) -> torch.Tensor:
-        cache, cfg = self.caches[layer], self.config
-        keys, values = [], []
-        for c in chunks:
-            kk, vv, _ = cache.read(c.block_table, c.start)
-            keys.append(kk)
-            values.append(vv)
-        mla = self.model.config.use_mla
+        cache, cfg, mla = self.caches[layer], self.config, self.model.config.use_mla
+        keys, values = cache.gather(meta.context_slots)
         context = ContextShard(
-            tuple(c.start for c in chunks),
-            tuple(keys),
-            None if mla else tuple(values),
+            meta.context_lens,
+            keys.split(meta.context_sizes),
+            None if mla else values.split(meta.context_sizes),
             cfg.dcp,
             self.groups.coords.dcp_rank,
             cfg.interleave,
@@ -174,7 +308,7 @@ class ModelRunner:
             k,
             v,
             context,
-            meta,
+            meta.pcp,
             self.groups,
             ChunkedPrefillConfig(
                 strategy=self.strategy,
@@ -188,69 +322,58 @@ class ModelRunner:
         )
         self.strategies[stats["strategy"]] += 1
         d = k.shape[-1]
-        new = self._restore(k if v is None else torch.cat([k, v], dim=-1), meta)  # one gather
+        new = self._restore(k if v is None else torch.cat([k, v], dim=-1), meta.pcp)  # one gather
         new_k, new_v = (new, None) if v is None else (new[..., :d], new[..., d:])
-        slots = torch.cat(
-            [
-                cache.slot_mapping(torch.arange(c.start, c.start + c.num_tokens), c.block_table)
-                for c in chunks
-            ]
-        )
-        cache.write(new_k, new_v, slots)
+        cache.store(new_k, new_v, meta.write_slots, meta.write_rows)
         return out
 
     # -- one step -----------------------------------------------------------------------------
     def execute(self, out: SchedulerOutput) -> tuple[dict[str, list[int]], dict[str, torch.Tensor]]:
         """Run the step; returns, for every sampling chunk, its greedy tokens (one per decode
         row; one for a prefill chunk) and their logits rows ``[n, vocab]``."""
-        model, groups = self.model, self.groups
-        dec = [c for c in out.chunks if c.kind == "decode"]
-        pre = [c for c in out.chunks if c.kind != "decode"]
-        nd = sum(c.num_tokens for c in dec)
-        ids = [torch.tensor([t for c in dec for t in c.token_ids], dtype=torch.long)]
-        pos = [torch.cat([self._positions(c) for c in dec]) if dec else torch.zeros(0).long()]
-        meta = None
-        if pre:
-            meta = zigzag_partition([c.num_tokens for c in pre], self.config.pcp).metadata(
-                groups.coords.pcp_rank
-            )
-            flat = torch.tensor([t for c in pre for t in c.token_ids], dtype=torch.long)
-            ids.append(pcp_shard(flat, meta))
-            starts = torch.tensor([c.start for c in pre], dtype=torch.long)
-            pos.append(meta.positions + starts[meta.request_ids])
-        dev = model.device  # the step's metadata is built on the host, then copied once
-        ids_t, pos_t = torch.cat(ids).to(dev), torch.cat(pos).to(dev)
-        x = model.embed[ids_t]
+        model, groups, cfg = self.model, self.groups, self.config
+        meta = self.last_metadata = self.prepare(out)
+        if self.batched_prefill and any(c.kind is not ChunkKind.DECODE for c in out.chunks):
+            # prefill rows in the batched call: their "strategy", once per layer
+            self.strategies["batched"] += model.config.num_hidden_layers
+        nd, dec, pre = meta.num_batched_rows, meta.attention, meta.prefill
+        mla_dim = model.config.kv_lora_rank if model.config.use_mla else None
+        x = model.embed[meta.input_ids]
         for layer in range(model.config.num_hidden_layers):
             h = model.attn_input(layer, x)
-            q, k, v = model.qkv(layer, h, pos_t, self.heads, self.kv_heads)
+            q, k, v = model.qkv(layer, h, meta.positions, self.heads, self.kv_heads)
             parts = []
-            if dec:
+            if dec is not None:
                 parts.append(
-                    self._decode(layer, q[:nd], k[:nd], None if v is None else v[:nd], dec)
+                    batched_attention(
+                        q[:nd],
+                        k[:nd],
+                        None if v is None else v[:nd],
+                        self.caches[layer],
+                        dec,
+                        model.attn_scale(layer),
+                        groups.dcp,
+                        cfg.dcp_comm_backend,
+                        mla_dim,
+                    )
                 )
-            if pre:
+            if pre is not None:
                 parts.append(
-                    self._prefill(layer, q[nd:], k[nd:], None if v is None else v[nd:], pre, meta)
+                    self._prefill(layer, q[nd:], k[nd:], None if v is None else v[nd:], pre)
                 )
-            attn = torch.cat(parts)
+            attn = parts[0] if len(parts) == 1 else torch.cat(parts)
             x = x + self._tp_sum(model.o_proj(layer, attn, self.heads))
             x = x + self._tp_sum(model.mlp(layer, x, self.cols))
-        names, counts, rows = [c.request_id for c in dec], [c.num_tokens for c in dec], [x[:nd]]
-        if pre and any(c.sample for c in pre):
-            seq = self._restore(x[nd:], meta)
-            keep = [j for j, c in enumerate(pre) if c.sample]
-            names += [pre[j].request_id for j in keep]
-            counts += [1] * len(keep)
-            ends = torch.tensor([meta.cu_seq_lens[j + 1] - 1 for j in keep], device=dev)
-            rows.append(seq.index_select(0, ends))
-        logits = model.logits(torch.cat(rows))
+        rows = [x[:nd] if meta.sample_rows is None else x.index_select(0, meta.sample_rows)]
+        if meta.prefill_sample_rows is not None:
+            rows.append(self._restore(x[nd:], pre.pcp).index_select(0, meta.prefill_sample_rows))
+        logits = model.logits(rows[0] if len(rows) == 1 else torch.cat(rows))
         tokens = logits.argmax(dim=-1)
         if groups.world.size > 1:  # everyone continues with rank 0's tokens
             tokens = groups.world.all_gather(tokens[None], dim=0)[0]
         # the step's one host read: the scheduler needs the sampled tokens
         flat, per_tok, per_row, at = tokens.tolist(), {}, {}, 0
-        for name, n in zip(names, counts):
+        for name, n in zip(meta.sample_ids, meta.sample_counts):
             per_tok[name], per_row[name] = flat[at : at + n], logits[at : at + n]
             at += n
         return per_tok, per_row

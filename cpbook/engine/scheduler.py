@@ -22,7 +22,8 @@ blocks of ``block_size * dcp`` tokens, prefix caching).  Simplifications, stated
   (:func:`~cpbook.engine.spec_decode.greedy_accept`) and rolls the rest back: the manager is
   truncated to the accepted length (:meth:`~cpbook.kv.manager.KVCacheManager.truncate`: blocks a
   rejected row opened are freed, no prefix hash names rejected tokens), and the rejected
-  positions are listed in :attr:`Scheduler.rollbacks` for the runner to invalidate on every rank.
+  positions are returned (:class:`SchedulerUpdate`'s ``rollbacks``) for the runner to
+  invalidate on every rank.
 
 The scheduler is pure Python and deterministic: every rank runs the same one and reaches the
 same decision without communicating (vLLM schedules on one process and broadcasts instead).
@@ -32,13 +33,42 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import NamedTuple
 
 from cpbook.core.config import ConfigError, check_positive
 from cpbook.engine.spec_decode import greedy_accept
 from cpbook.kv.layout import num_virtual_blocks
 from cpbook.kv.manager import AllocationError, KVCacheManager
 
-__all__ = ["Request", "ScheduledChunk", "SchedulerOutput", "Scheduler"]
+__all__ = [
+    "RequestStatus",
+    "ChunkKind",
+    "Request",
+    "ScheduledChunk",
+    "SchedulerOutput",
+    "Rollback",
+    "SchedulerUpdate",
+    "Scheduler",
+]
+
+
+class RequestStatus(StrEnum):
+    """Where a request is (vLLM's ``RequestStatus``, fewer states)."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    ERROR = "error"
+
+
+class ChunkKind(StrEnum):
+    """What a scheduled chunk does: ``decode`` (the last sampled token and any drafts),
+    ``prefill`` (the whole remaining prompt) or ``chunked_prefill`` (a part of it)."""
+
+    DECODE = "decode"
+    PREFILL = "prefill"
+    CHUNKED_PREFILL = "chunked_prefill"
 
 
 @dataclass
@@ -50,7 +80,7 @@ class Request:
     max_new_tokens: int
     output: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    status: str = "waiting"  # waiting | running | finished | error
+    status: RequestStatus = RequestStatus.WAITING
     error: str | None = None
     prefill_done: bool = False
     preemptions: int = 0
@@ -69,19 +99,28 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt) + len(self.output)
 
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """``tokens_with_spec[start:end]`` without building the whole list."""
+        out: list[int] = []
+        for part in (self.prompt, self.output, self.spec_token_ids):
+            if start < len(part) and end > 0:
+                out.extend(part[max(start, 0) : end])
+            start, end = start - len(part), end - len(part)
+        return out
+
 
 @dataclass(frozen=True)
 class ScheduledChunk:
     """Tokens ``[start, start + num_tokens)`` of one request in this step.
 
-    ``kind``: ``"decode"`` (the last sampled token after a finished prefill, then any draft
-    tokens), ``"prefill"`` (the whole remaining prompt in one chunk) or ``"chunked_prefill"``
-    (a part of it).  ``sample``: the chunk reaches the request's last token, so its last row
-    (a decode chunk: every row) yields a token.
+    ``kind``: a :class:`ChunkKind` (``decode``: the last sampled token after a finished
+    prefill, then any draft tokens; ``prefill``: the whole remaining prompt in one chunk;
+    ``chunked_prefill``: a part of it).  ``sample``: the chunk reaches the request's last
+    token, so its last row (a decode chunk: every row) yields a token.
     """
 
     request_id: str
-    kind: str
+    kind: ChunkKind
     start: int
     token_ids: tuple[int, ...]
     block_table: tuple[int, ...]
@@ -106,6 +145,29 @@ class SchedulerOutput:
         return sum(c.num_tokens for c in self.chunks)
 
 
+class Rollback(NamedTuple):
+    """Rejected draft rows of one request: positions ``[start, end)`` under ``block_table``,
+    for every rank's runner to invalidate."""
+
+    request_id: str
+    block_table: tuple[int, ...]
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class SchedulerUpdate:
+    """What :meth:`Scheduler.update` did with one step's samples: the requests that
+    ``finished``, the tokens each sampling request gained (``emitted``), the ``rollbacks`` of
+    rejected drafts, and the step's ``drafted`` / ``accepted`` draft counts."""
+
+    finished: tuple[Request, ...]
+    emitted: dict[str, int]
+    rollbacks: tuple[Rollback, ...]
+    drafted: int = 0
+    accepted: int = 0
+
+
 class Scheduler:
     """FCFS continuous batching over one :class:`KVCacheManager` (the DCP group's block ids)."""
 
@@ -121,8 +183,6 @@ class Scheduler:
         self.written: set[int] = set()  # block ids whose whole virtual block holds computed K/V
         self.step_count = 0
         self.num_preemptions = 0
-        self.rollbacks: list[tuple[str, tuple[int, ...], int, int]] = []  # last update's
-        self.emitted: dict[str, int] = {}  # tokens each request gained in the last update
         self.spec_stats = {"decode_steps": 0, "drafted": 0, "accepted": 0, "emitted": 0}
 
     # -- requests ---------------------------------------------------------------------------
@@ -142,7 +202,7 @@ class Scheduler:
         total = len(request.prompt) + request.max_new_tokens
         need = num_virtual_blocks(total, self.kv.block_size, self.kv.dcp)
         if need > self.kv.num_blocks:
-            request.status = "error"
+            request.status = RequestStatus.ERROR
             request.error = str(
                 AllocationError(
                     "request-fits-cache",
@@ -167,7 +227,8 @@ class Scheduler:
         blocks = self.kv.block_table(req.request_id).tolist()
         self.kv.free(req.request_id)
         self.kv.uncache([b for b in blocks if b not in self.written and not self.kv.ref_cnt[b]])
-        req.status, req.num_computed_tokens, req.prefill_done = "waiting", 0, False
+        req.status, req.num_computed_tokens = RequestStatus.WAITING, 0
+        req.prefill_done = False
         req.spec_token_ids = []
         req.preemptions += 1
         self.num_preemptions += 1
@@ -177,24 +238,24 @@ class Scheduler:
         """Make the manager hold ``upto`` tokens of ``req`` (raises AllocationError)."""
         have = self.kv.num_tokens(req.request_id)
         if upto > have:
-            new = self.kv.append(req.request_id, upto - have, req.tokens_with_spec[have:upto])
+            new = self.kv.append(req.request_id, upto - have, req.token_slice(have, upto))
             self.written.difference_update(new)
 
     def _chunk(self, req: Request, n: int) -> ScheduledChunk:
         start = req.num_computed_tokens
         end = start + n
         kind = (
-            "decode"
+            ChunkKind.DECODE
             if req.prefill_done
-            else "prefill"
+            else ChunkKind.PREFILL
             if end == req.num_tokens and start == req.prefix_hit_tokens
-            else "chunked_prefill"
+            else ChunkKind.CHUNKED_PREFILL
         )
         return ScheduledChunk(
             req.request_id,
             kind,
             start,
-            tuple(req.tokens_with_spec[start:end]),
+            tuple(req.token_slice(start, end)),
             tuple(self.kv.block_table(req.request_id).tolist()),
             end >= req.num_tokens,
         )
@@ -217,7 +278,7 @@ class Scheduler:
                     preempted.append(victim.request_id)
                     if victim is req:
                         break
-            if req.status != "running":
+            if req.status is not RequestStatus.RUNNING:
                 continue
             chunks.append(self._chunk(req, n))
             budget -= n
@@ -237,7 +298,7 @@ class Scheduler:
                 self.kv.block_table(req.request_id).tolist()[hit.num_blocks :]
             )
             self.waiting.popleft()
-            req.status, req.num_computed_tokens = "running", hit.num_tokens
+            req.status, req.num_computed_tokens = RequestStatus.RUNNING, hit.num_tokens
             req.prefix_hit_tokens = hit.num_tokens
             self.running.append(req)
             admitted.append(req.request_id)
@@ -245,49 +306,57 @@ class Scheduler:
             chunks.append(self._chunk(req, n))
             budget -= n
         self.step_count += 1
-        chunks.sort(key=lambda c: c.kind != "decode")
+        chunks.sort(key=lambda c: c.kind is not ChunkKind.DECODE)
         return SchedulerOutput(self.step_count, tuple(chunks), tuple(admitted), tuple(preempted))
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int | list[int]]) -> list[Request]:
+    def update(self, out: SchedulerOutput, sampled: dict[str, int | list[int]]) -> SchedulerUpdate:
         """Advance every scheduled request by its chunk and append its sampled tokens; returns
-        the requests that finished this step (their blocks are freed).
+        a :class:`SchedulerUpdate` (the finished requests' blocks are freed).
 
         ``sampled[id]``: the greedy token of each row of a decode chunk (of the last row of a
         prefill chunk); a bare ``int`` is one row.  A decode chunk keeps :func:`greedy_accept`
-        of its drafts; its rejected rows are truncated from the manager and listed in
-        :attr:`rollbacks`."""
-        finished = []
+        of its drafts; its rejected rows are truncated from the manager and returned as
+        :class:`Rollback` records."""
+        finished, rollbacks, emitted = [], [], {}
+        drafted = accepted = 0
         vb = self.kv.virtual_block_size
-        self.rollbacks, self.emitted = [], {}
         rows = {k: [v] if isinstance(v, int) else list(v) for k, v in sampled.items()}
         for c in out.chunks:
             req = self.requests[c.request_id]
             new = rows.get(c.request_id, [])[-1:]
-            if c.kind == "decode":
+            decode = c.kind is ChunkKind.DECODE
+            if decode:
                 drafts = list(c.token_ids[1:])
                 new = greedy_accept(drafts, rows[c.request_id])
+                drafted += len(drafts)
+                accepted += len(new) - 1
                 st = self.spec_stats
                 st["decode_steps"] += 1
                 st["drafted"] += len(drafts)
                 st["accepted"] += len(new) - 1
                 st["emitted"] += len(new)
                 req.spec_token_ids = []
-            keep = c.num_tokens if c.kind != "decode" else len(new)
+            keep = len(new) if decode else c.num_tokens
             req.num_computed_tokens = c.start + keep
             if keep < c.num_tokens:  # rejected rows: undo them everywhere
                 self.kv.truncate(req.request_id, req.num_computed_tokens)
-                self.rollbacks.append(
-                    (req.request_id, c.block_table, req.num_computed_tokens, c.start + c.num_tokens)
+                rollbacks.append(
+                    Rollback(
+                        req.request_id,
+                        c.block_table,
+                        req.num_computed_tokens,
+                        c.start + c.num_tokens,
+                    )
                 )
             self.written.update(c.block_table[: req.num_computed_tokens // vb])
             if not c.sample:
                 continue
             req.prefill_done = True
-            self.emitted[req.request_id] = len(new)
+            emitted[req.request_id] = len(new)
             req.output.extend(new)
             if len(req.output) >= req.max_new_tokens:
-                req.status = "finished"
+                req.status = RequestStatus.FINISHED
                 self.running.remove(req)
                 self.kv.free(req.request_id)
                 finished.append(req)
-        return finished
+        return SchedulerUpdate(tuple(finished), emitted, tuple(rollbacks), drafted, accepted)

@@ -148,6 +148,46 @@ class PagedKVCache:
         self.written[mine] = True
         return int(mine.numel())
 
+    # -- the batched path: the step checks its slots once, every layer reuses them ----------
+    def store(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor | None,
+        slots: torch.Tensor,
+        rows: torch.Tensor | None = None,
+    ) -> None:
+        """Store rows ``rows`` of ``k``/``v`` (all rows if ``None``) in ``slots`` (on the
+        cache's device, already checked: :meth:`mark_written` does that once per step); no
+        host work, so every layer of a step can call it."""
+        for cache, x in ((self.key_cache, k), (self.value_cache, v)):
+            if cache is not None:
+                x = x if rows is None else x.index_select(0, rows)
+                x = x if x.dtype == cache.dtype else x.to(cache.dtype)
+                cache.view(self.num_slots, *cache.shape[2:]).index_copy_(0, slots, x)
+
+    def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """K and V (``None`` without a V cache) of ``slots`` (device, already checked by
+        :meth:`check_written`), one ``index_select`` each."""
+        return tuple(
+            None if c is None else c.view(self.num_slots, *c.shape[2:]).index_select(0, slots)
+            for c in (self.key_cache, self.value_cache)
+        )
+
+    def mark_written(self, slots: torch.Tensor) -> None:
+        """Record host ``slots`` (no ``-1``) as holding a token, after checking they lie in
+        the store (rule ``slot-in-cache``): the bookkeeping of :meth:`store`."""
+        self.written[self._slots_in_cache(slots)] = True
+
+    def check_written(self, slots: torch.Tensor) -> None:
+        """Rule ``read-written-slots``: every host slot in ``slots`` holds a token."""
+        if slots.numel() and not bool(self.written[self._slots_in_cache(slots)].all()):
+            raise ConfigError(
+                "read-written-slots",
+                "every slot read to have been written",
+                dcp_rank=self.dcp_rank,
+                unwritten=int((~self.written[slots]).sum()),
+            )
+
     def invalidate(self, slot_mapping: torch.Tensor | Sequence[int]) -> int:
         """Forget the tokens in ``slot_mapping``'s slots (skip ``-1``): a speculative step's
         rejected rows.  Their K/V stays in memory but the slots count as never written, so a

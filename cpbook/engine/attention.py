@@ -1,0 +1,253 @@
+"""The engine's attention backend: one call per layer for every row of the step.
+
+vLLM splits a step three ways: the scheduler decides, the model runner builds the step's
+attention metadata once (``CommonAttentionMetadata`` in ``vllm/v1/attention/backend.py``,
+v0.34.0: query start locations, sequence lengths, block table, slot mapping, DCP-local
+sequence lengths), and the attention backend makes one call per layer for the whole batch,
+reading the paged cache in place (``vllm/v1/attention/backends/cpu_attn.py`` on the CPU).
+Here:
+
+* :func:`build_attention_metadata` — on the host, once per step, for this rank's DCP shard:
+  the slots of the step's new rows (``-1`` where another DCP rank owns the position), the
+  slots of every request's local keys (a padded ``[num_reqs, max_keys]`` table) and the mask
+  that makes row ``j`` of a request see exactly the local keys at global positions
+  ``<= start + j`` (causal by global position: one decode row, a speculative step's ``k + 1``
+  rows, or a prefill chunk's rows after its cached context).  Then one copy to the device.
+* :func:`batched_attention` — per layer: write the new K/V through the slots, gather the keys
+  of the whole batch, one attention call (plain decode folds the query heads of a KV head into
+  its query rows; otherwise the rows of a request are padded to the longest, the query heads
+  of a KV head side by side), output and LSE; under DCP the query heads are all-gathered
+  and the LSE combine of chapter 3 (:func:`cpbook.dcp.decode.dcp_combine`) merges the shards.
+  No host read and no per-request Python.
+
+The key read is one ``index_select`` of the batch's local slots (the cache stays
+``[num_blocks, block_size, num_kv_heads, head_dim]``, the layout every chapter's
+:class:`~cpbook.kv.paged.PagedKVCache` uses); vLLM v0.34.0's CPU backend reads its
+``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` cache in place instead.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from cpbook.core.comm import Group
+from cpbook.dcp.decode import dcp_combine
+from cpbook.kv.layout import PAD_SLOT_ID, DCPShard
+from cpbook.kv.paged import PagedKVCache
+
+__all__ = [
+    "AttentionMetadata",
+    "padded_block_tables",
+    "batch_slot_mapping",
+    "build_attention_metadata",
+    "batched_attention",
+]
+
+
+def padded_block_tables(tables: Sequence[Sequence[int]]) -> torch.Tensor:
+    """The requests' block tables as one int64 ``[num_reqs, max_blocks]`` tensor (0-padded)."""
+    width = max(1, max(len(t) for t in tables))
+    return torch.tensor([list(t) + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+
+
+def batch_slot_mapping(
+    positions: torch.Tensor,
+    request_index: torch.Tensor,
+    block_tables: torch.Tensor,
+    block_size: int,
+    shard: DCPShard,
+) -> torch.Tensor:
+    """:func:`cpbook.kv.layout.slot_mapping` for many requests at once: row ``t`` at global
+    position ``positions[t]`` of request ``request_index[t]`` (its table a row of
+    ``block_tables``); ``-1`` where another DCP rank owns the position."""
+    n, i = shard.dcp, shard.interleave
+    vb = block_size * n
+    blk = torch.div(positions, vb, rounding_mode="floor")
+    off = positions - blk * vb
+    stripe = torch.div(off, i, rounding_mode="floor")
+    slot = (
+        block_tables[request_index, blk] * block_size
+        + torch.div(stripe, n, rounding_mode="floor") * i
+        + (off - stripe * i)
+    )
+    return torch.where(stripe % n == shard.dcp_rank, slot, PAD_SLOT_ID)
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """One step's decode rows on one rank, built once and read by every layer.
+
+    Host (``int``/host tensors, for checks and display): ``query_start_loc``
+    ``[num_reqs + 1]``, ``positions`` (global position of each row), ``seq_lens`` (tokens a
+    request holds after the step), ``local_seq_lens`` (this rank's keys of each),
+    ``slot_mapping`` ``[num_rows]`` (this rank's slot of each new row, ``-1`` if foreign),
+    ``key_slots`` ``[num_reqs, max_keys]`` (slots of each request's local keys, in position
+    order; padding repeats a valid slot and is masked).  Device: the same index tensors and
+    the additive ``mask`` ``[num_reqs, 1, max_query_len, max_keys]`` (broadcast over heads).
+    """
+
+    num_reqs: int
+    max_query_len: int
+    query_start_loc: torch.Tensor
+    positions: torch.Tensor
+    seq_lens: torch.Tensor
+    local_seq_lens: torch.Tensor
+    slot_mapping: torch.Tensor
+    key_slots: torch.Tensor
+    write_rows: torch.Tensor | None  # device: rows this rank stores (None: all of them)
+    write_slots: torch.Tensor  # device
+    gather: torch.Tensor  # device, flat key_slots
+    query_index: torch.Tensor | None  # device: row -> padded (request, row) slot; None: 1 row each
+    mask: torch.Tensor  # device, additive
+    has_key: torch.Tensor  # device [num_rows, 1]: the row sees at least one local key
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.query_start_loc[-1])
+
+    @property
+    def read_slots(self) -> torch.Tensor:
+        """Host: every slot the step reads (each request's local keys)."""
+        k, n = self.key_slots.numpy(), self.local_seq_lens.numpy()
+        return torch.from_numpy(k[np.arange(k.shape[1])[None] < n[:, None]])
+
+
+def build_attention_metadata(
+    starts: Sequence[int],
+    num_rows: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    block_size: int,
+    shard: DCPShard,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> AttentionMetadata:
+    """The :class:`AttentionMetadata` of requests whose rows ``[starts[i], starts[i] +
+    num_rows[i])`` decode (or verify drafts) this step, on rank ``shard`` of the DCP group.
+    Built with NumPy on the host (a few microseconds per array, as vLLM's input batch does),
+    then copied to ``device`` once."""
+    n, i, rank = shard.dcp, shard.interleave, shard.dcp_rank
+    start = np.asarray(starts, dtype=np.int64)
+    rows = np.asarray(num_rows, dtype=np.int64)
+    b, q = len(start), int(rows.max())
+    tables = np.zeros((b, max(len(t) for t in block_tables)), dtype=np.int64)
+    for r, t in enumerate(block_tables):
+        tables[r, : len(t)] = t
+    qsl = np.zeros(b + 1, dtype=np.int64)
+    np.cumsum(rows, out=qsl[1:])
+    req = np.repeat(np.arange(b), rows)
+    qi = np.arange(qsl[-1]) - qsl[req]
+    positions = start[req] + qi
+    vb = block_size * n
+    blk, off = np.divmod(positions, vb)
+    stripe, within = np.divmod(off, i)
+    slots = tables[req, blk] * block_size + stripe // n * i + within
+    slots = np.where(stripe % n == rank, slots, PAD_SLOT_ID)
+    seq = start + rows
+    base = seq // (i * n) * i
+    local = base + np.clip(seq - base * n - rank * i, 0, i)  # local_seq_len, vectorised
+    width = max(1, int(local.max()))
+    j = np.arange(width)
+    key_slots = tables[:, np.minimum(j // block_size, tables.shape[1] - 1)] * block_size
+    key_slots += j % block_size
+    key_pos = j // i * (n * i) + rank * i + j % i
+    row_pos = start[:, None] + np.arange(q)[None]  # [b, q]
+    sees = key_pos[None, None] <= row_pos[..., None]  # [b, q, keys]: causal by global position
+    mask = torch.from_numpy(np.where(sees, 0.0, -np.inf)).to(dtype)
+    mine = slots != PAD_SLOT_ID
+    dev = torch.device(device)
+    t = torch.from_numpy
+    return AttentionMetadata(
+        b,
+        q,
+        t(qsl),
+        t(positions),
+        t(seq),
+        t(local),
+        t(slots),
+        t(key_slots),
+        None if mine.all() else t(np.flatnonzero(mine)).to(dev),
+        t(slots[mine]).to(dev),
+        t(key_slots.reshape(-1)).to(dev),
+        None if q == 1 else t(req * q + qi).to(dev),
+        mask[:, None].to(dev),
+        t(sees.any(-1)[req, qi][:, None]).to(dev),
+    )
+
+
+def _attend(
+    q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, mask: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B, H, Tq, D]`` queries against ``[B, Hkv, L, D]`` keys with an additive mask (query
+    head ``h`` reads KV head ``h // (H / Hkv)``); ``(out, lse [B, H, Tq])``.  CPU: the fused
+    flash kernel (it broadcasts the KV heads itself); elsewhere the same maths."""
+    if q4.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q4, k4, v4, 0.0, False, attn_mask=mask, scale=scale
+        )
+    if k4.shape[1] != q4.shape[1]:
+        group = q4.shape[1] // k4.shape[1]
+        k4, v4 = k4.repeat_interleave(group, dim=1), v4.repeat_interleave(group, dim=1)
+    s = torch.matmul(q4, k4.transpose(-1, -2)) * scale + mask
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse.nan_to_num(neginf=0.0)[..., None])
+    return torch.matmul(p, v4), lse
+
+
+def batched_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor | None,
+    cache: PagedKVCache,
+    meta: AttentionMetadata,
+    scale: float | None,
+    group: Group,
+    dcp_comm_backend: str = "ag_rs",
+    v_head_dim: int | None = None,
+) -> torch.Tensor:
+    """Every decode row of the step in one call: returns ``[num_rows, h, Dv]``, exact.
+
+    ``q [R, h, D]`` this rank's query heads of the ``R`` rows (request by request), ``k``/``v``
+    ``[R, Hkv, ·]`` their new K/V (``v=None``: MLA's latent cache, values are the first
+    ``v_head_dim`` columns of the keys).  The new K/V is stored through ``meta``'s slots
+    first; each row then attends this rank's keys it may see; under DCP (``group.size > 1``)
+    the query heads are all-gathered and the per-rank ``(out, lse)`` combined.
+
+    More than eight parameters: the attention inputs, the cache and the step's metadata, the
+    DCP group and its combine, and MLA's value width."""
+    cache.store(k, v, meta.write_slots, meta.write_rows)
+    keys, values = cache.gather(meta.gather)
+    b, width = meta.num_reqs, meta.gather.numel() // meta.num_reqs
+    hkv, d = keys.shape[1], keys.shape[2]
+    k4 = keys.view(b, width, hkv, d).transpose(1, 2)
+    v4 = k4 if values is None else values.view(b, width, hkv, -1).transpose(1, 2)
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    dcp, qlen = group.size, meta.max_query_len
+    dv = v_head_dim if values is None and v_head_dim is not None else v4.shape[-1]
+    if dcp == 1 and qlen == 1:  # plain decode: the heads of a KV head as one KV head's rows
+        out, _ = _attend(q.view(b, hkv, -1, d), k4, v4, meta.mask, scale)
+        return out[..., :dv].reshape(b, q.shape[1], dv)
+    if dcp > 1:
+        q = group.all_gather(q, dim=1)  # [R, dcp*h, D]: rank r's heads are block r
+    rows, heads = q.shape[0], q.shape[1]
+    g = heads // (hkv * dcp)
+    if dcp > 1:  # (rank, kv head, g) -> (kv head, rank, g): a KV head's query heads adjacent
+        q = q.view(rows, dcp, hkv, g, d).transpose(1, 2).reshape(rows, heads, d)
+    if meta.query_index is not None:  # rows of a request side by side, padded to max_query_len
+        q = q.new_zeros(b * qlen, heads, d).index_copy_(0, meta.query_index, q)
+    out, lse = _attend(q.view(b, qlen, heads, d).transpose(1, 2), k4, v4, meta.mask, scale)
+    out = out[..., :dv].transpose(1, 2).reshape(b * qlen, heads, dv)
+    lse = lse.transpose(1, 2).reshape(b * qlen, heads)
+    if meta.query_index is not None:
+        out, lse = out.index_select(0, meta.query_index), lse.index_select(0, meta.query_index)
+    if dcp > 1:  # back to (rank, kv head, g)
+        out = out.view(rows, hkv, dcp, g, dv).transpose(1, 2).reshape(rows, heads, dv)
+        lse = lse.view(rows, hkv, dcp, g).transpose(1, 2).reshape(rows, heads)
+    if dcp == 1:
+        return out
+    lse = lse.masked_fill(~meta.has_key, -math.inf)  # the kernel's LSE of no key is 0
+    return dcp_combine(out.contiguous(), lse.to(out.dtype), group, dcp_comm_backend)
