@@ -124,7 +124,7 @@ def test_cli_torchrun_backend_reports_a_rejected_config_in_one_line():
 
 
 def test_vllm_runs_layout_follows_pcp_managers_model_rules():
-    """vLLM v0.33's PCPManager.validate_config: PCP > 1 needs MLA; with DCP > 1, sparse MLA
+    """vLLM v0.34's PCPManager.validate_config: PCP > 1 needs MLA; with DCP > 1, sparse MLA
     (which no engine model is); PCP = 1 layouts are all vLLM's."""
     assert vllm_runs_layout("tiny-gqa", 2, 1) and vllm_runs_layout("tiny-mla", 4, 1)
     assert not vllm_runs_layout("tiny-gqa", 1, 2)  # GQA under PCP

@@ -4,7 +4,7 @@ serve_flags and ``python -m cpbook plan``.
 The properties of issue 19 (every ranked deployment passes the rules and holds the concurrency;
 more GPUs never worsen the best objective; a tighter target never improves it; the printed
 flags parse back; ``plan`` equals a brute-force search), the four wrong answers of the old
-decision path as tests of the right ones, every vLLM v0.33 rule by name, and the CLI."""
+decision path as tests of the right ones, every vLLM v0.34 rule by name, and the CLI."""
 
 from __future__ import annotations
 
@@ -436,7 +436,7 @@ def test_4k_512_users_says_what_it_shows():
 
 def test_llama_8b_128k_ttft_2s_ranks_tp8_first():
     """The peer's answer: TP8 first (the article's decision path picks TP1 + PCP8, which vLLM
-    v0.33 does not run for GQA: PCP is MLA-only; tests/test_decision_path.py)."""
+    v0.34 does not run for GQA: PCP is MLA-only; tests/test_decision_path.py)."""
     p = plan(L8B, H200, 8, ServingWorkload(128 * K, 1 * K, 1, ttft_target_s=2))
     assert p.winner.deployment == Deployment(tp=8) and p.winner.ttft_s <= 2
     with pytest.raises(ConfigError, match=r"\[pcp-mla-only\]"):

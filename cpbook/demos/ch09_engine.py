@@ -1,7 +1,7 @@
 """Chapter 9's harness around the engine: every valid grid of a model as
 :func:`~cpbook.engine.engine.serve_rank` keyword sets (:func:`grid_runs`), one launch that serves
 them all (:func:`serve_grid_rank`), the capacity count of long requests
-(:func:`max_concurrent_long_requests`), and which layouts vLLM v0.33 itself runs
+(:func:`max_concurrent_long_requests`), and which layouts vLLM v0.34 itself runs
 (:func:`vllm_runs_layout`), and one engine step seen from every rank (:func:`engine_step_rank`)."""
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def run_world(run: dict[str, Any]) -> int:
 def vllm_runs_layout(
     model: str, decode_context_parallel_size: int, prefill_context_parallel_size: int
 ) -> bool:
-    """Whether vLLM v0.33.0 runs this layout's model family (the sizes are valid by
+    """Whether vLLM v0.34.0 runs this layout's model family (the sizes are valid by
     :func:`valid_grid`): PCP > 1 needs an MLA model, and PCP > 1 with DCP > 1 a *sparse* MLA
     model with the ``ag_rs`` combine (``PCPManager.validate_config`` in
     ``vllm/v1/worker/gpu/pcp_manager.py``, PR #56157).  The engine's models are GQA

@@ -9,9 +9,11 @@ applies the rules vLLM v0.34.0 adds at run time for a *model*, each a
 ``kv-cache-dtype``
     The KV cache is 16-bit (the model's dtype) or FP8: the two choices the planner weighs.
 ``pcp-needs-model-runner-v2``
-    PCP runs only on Model Runner V2: ``VllmConfig._get_v1_model_runner_unsupported_features``
-    lists "prefill context parallel" (``vllm/config/vllm.py``).  V2 is the default;
-    ``VLLM_USE_V2_MODEL_RUNNER=0`` turns it off.
+    PCP runs only on Model Runner V2.  In v0.34.0 V2 is the only GPU model runner (V1 is
+    removed, ``vllm/platforms/interface.py``), so the rule binds only a reader on v0.33.0,
+    where ``VLLM_USE_V2_MODEL_RUNNER=0`` fell back to V1, whose
+    ``VllmConfig._get_v1_model_runner_unsupported_features`` lists "prefill context parallel"
+    (``vllm/config/vllm.py``).
 ``pcp-mla-only``
     PCP > 1 needs an MLA model: ``PCPManager.validate_config`` raises "MRV2 PCP currently
     supports MLA models only" (``vllm/v1/worker/gpu/pcp_manager.py``).
