@@ -47,10 +47,10 @@ class ServingWorkload:
     ``prompt_tokens`` tokens followed by ``output_tokens`` generated ones; optional targets on
     time to first token and time per output token; the KV cache dtypes allowed (cpbook's
     names, ``bf16`` and ``fp8``); vLLM's ``gpu_memory_utilization`` (``None``: vLLM's
-    default, :data:`VLLM_GPU_MEMORY_UTILIZATION`); whether Model Runner V2 (the only one that runs
-    PCP; v0.34.0's only GPU runner, v0.33.0's default) is on; and how the GPUs sit in nodes: ``gpus_per_node``
-    (``None``: the GPU's own, 8 for an HGX / DGX node) joined by ``inter_node_link`` (a key
-    of :data:`~cpbook.costmodel.specs.LINKS`), see :meth:`nodes`."""
+    default, :data:`VLLM_GPU_MEMORY_UTILIZATION`); whether Model Runner V2 (the only one
+    that runs PCP; v0.34.0's only GPU runner, v0.33.0's default) is on; and how the GPUs sit
+    in nodes: ``gpus_per_node`` (``None``: the GPU's own, 8 for an HGX / DGX node) joined by
+    ``inter_node_link`` (a key of :data:`~cpbook.costmodel.specs.LINKS`), see :meth:`nodes`."""
 
     prompt_tokens: int
     output_tokens: int = 1
