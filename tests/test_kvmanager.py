@@ -53,6 +53,8 @@ def test_allocator_never_double_assigns(layout, caching, script):
             if len(contents) > 1:  # shared only through the prefix cache: full, identical blocks
                 assert caching and all(c == contents[0] and len(c) == vb for c in contents)
         assert len(owners) + m.num_free_blocks == m.num_blocks
+        # the prefix cache and the blocks' hashes name each other: one block per hash
+        assert {h: b for b, h in enumerate(m.block_hash) if h is not None} == m.cached
 
 
 def test_prefix_hits_come_in_whole_virtual_blocks():
@@ -159,3 +161,16 @@ def test_rollback_frees_exactly_the_blocks_no_rank_needs(layout, caching, prompt
             if m.block_hash[blk] is not None:
                 assert (b + 1) * vb <= keep
         assert all(v in table[: keep // vb] for v in m.cached.values())
+
+
+def test_eviction_takes_the_freed_requests_tail_first():
+    """vLLM frees a request's blocks in reverse order and evicts the least recently freed first
+    (``single_type_kv_cache_manager.py`` ``free``, v0.34.0), so a new request that needs one id
+    of a full cache evicts the freed request's last block and its prefix stays cached."""
+    m = KVCacheManager(4, 4, 2, enable_prefix_caching=True)  # virtual blocks of 8 tokens
+    prompt = list(range(32))
+    m.allocate("a", 32, prompt)
+    m.free("a")
+    m.allocate("x", 8, [99] * 8)  # one id: a's tail block
+    m.free("x")
+    assert m.allocate("b", 32, prompt).num_blocks == 3  # a's first three blocks hit

@@ -283,3 +283,26 @@ def test_a_step_that_preempts_admits_nobody():
         sched.update(out, sampled)
     assert fits_but_waits >= 1 and sched.num_preemptions >= 1
     assert a.output == expected_output(a.prompt, 10) and b.output == expected_output(b.prompt, 11)
+
+
+def test_preemption_takes_the_newest_request_and_requeues_it_first():
+    """vLLM preempts the last running request (``self.running.pop()``) and puts it back at the
+    head of the waiting queue (``self.waiting.prepend_request``): ``scheduler.py``, v0.34.0."""
+    kv = KVCacheManager(7, 4)
+    sched = Scheduler(kv, max_num_batched_tokens=64, max_num_seqs=3)
+    for i in range(3):
+        sched.add_request(Request(str(i), [i + 1] * 7, 12))
+    sched.add_request(Request("late", [9] * 3, 2))
+    for _ in range(100):
+        running = [r.request_id for r in sched.running]
+        out = sched.schedule()
+        if out.preempted:
+            break
+        sampled = {
+            c.request_id: fake_next(sched.requests[c.request_id].all_tokens)
+            for c in out.chunks
+            if c.sample
+        }
+        sched.update(out, sampled)
+    assert out.preempted == (running[-1],)
+    assert [r.request_id for r in sched.waiting][:2] == [running[-1], "late"]
