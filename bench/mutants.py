@@ -55,6 +55,7 @@ FAST_SUBSET = [
     "tests/test_tpa.py::test_tpa_rules_name_themselves",
     "tests/test_spec_decode.py",
     "tests/test_hf.py",
+    "tests/test_hf_rope.py",
     "tests/test_plan.py",
 ]
 MARKERS = "not torchrun and not slow and not notebook"
@@ -76,7 +77,7 @@ AREA_FIRST = {
     "cpbook/core/": ["tests/test_attention.py", "tests/test_groups.py", "tests/test_config.py"],
     "cpbook/dcp/": ["tests/test_dcp.py", "tests/test_mla.py"],
     "cpbook/pcp/": ["tests/test_pcp.py", "tests/test_ring.py", "tests/test_chunked.py"],
-    "cpbook/engine/hf": ["tests/test_hf.py"],
+    "cpbook/engine/hf": ["tests/test_hf_rope.py", "tests/test_hf.py"],
     "cpbook/engine/": ["tests/test_scheduler.py", "tests/test_spec_decode.py"],
     "cpbook/planner/": ["tests/test_plan.py"],
 }

@@ -584,3 +584,18 @@ def test_max_num_seqs_admits_each_replicas_share():
             sched.add_request(Request(str(r), [1, 2, 3], 1))
         assert len(sched.schedule().admitted) == len(share) == seqs
     assert len(seen) > 1 and any(w.concurrency % dp for dp in seen)
+
+
+def test_serve_args_state_the_interleave_whenever_the_kv_is_sharded():
+    """vLLM v0.34.0 lays the KV cache over PCP as well as DCP ranks in stripes of
+    ``cp_kv_cache_interleave_size`` (``v1/worker/gpu/pcp_manager.py`` passes it as
+    ``cp_interleave``): a deployment with PCP or DCP states the size it was planned with."""
+    from cpbook.planner.serve_flags import serve_args
+
+    kw = dict(max_model_len=4096, max_num_seqs=1, gpu_memory_utilization=0.9)
+    for dep in (Deployment(tp=4, pcp=2), Deployment(tp=4, dcp=4), Deployment(tp=8)):
+        args = serve_args(DSV3, dep, "bf16", cp_kv_cache_interleave_size=16, **kw)
+        flag = "--cp-kv-cache-interleave-size"
+        sharded = dep.pcp > 1 or dep.dcp > 1
+        assert (flag in args) == sharded
+        assert not sharded or args[args.index(flag) + 1] == "16"
