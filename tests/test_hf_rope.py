@@ -18,6 +18,7 @@ CASES = [
     dict(YARN, factor=8.0, mscale=0.707, mscale_all_dim=1.2, beta_fast=32, beta_slow=1),
     dict(YARN, factor=4.0, beta_fast=64, beta_slow=0.25, truncate=False),  # ramp hits dim - 1
     dict(YARN, factor=40.0, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1),
+    dict(YARN, rope_theta=100.0, factor=4.0, original_max_position_embeddings=4096),  # ramp > D/2
     dict(YARN, factor=4.0, attention_factor=0.8),
     dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
          high_freq_factor=4.0, original_max_position_embeddings=64),
