@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cpbook.core.config import ParallelConfig
-from cpbook.kv.layout import num_virtual_blocks
+from cpbook.kv.layout import local_seq_len, num_virtual_blocks
 from cpbook.kv.manager import AllocationError, KVCacheManager
 from tests.test_kvcache import layouts
 
@@ -53,6 +53,8 @@ def test_allocator_never_double_assigns(layout, caching, script):
             if len(contents) > 1:  # shared only through the prefix cache: full, identical blocks
                 assert caching and all(c == contents[0] and len(c) == vb for c in contents)
         assert len(owners) + m.num_free_blocks == m.num_blocks
+        # the prefix cache and the blocks' hashes name each other: one block per hash
+        assert {h: b for b, h in enumerate(m.block_hash) if h is not None} == m.cached
 
 
 def test_prefix_hits_come_in_whole_virtual_blocks():
@@ -108,3 +110,67 @@ def test_cached_prefix_previews_the_hit_and_uncache_forgets_it():
     m.uncache(m.cached_prefix(prompt)[1:])
     assert len(m.cached_prefix(prompt)) == 1
     assert m.allocate("b", 20, prompt).num_blocks == 1
+
+
+# -- rollback (a speculative step's rejected rows) --------------------------------------------
+def _blocks_per_rank(num_tokens: int, bs: int, dcp: int, inter: int) -> list[int]:
+    """Physical blocks each DCP rank needs for a request's first ``num_tokens`` tokens: its
+    local tokens (vLLM's ``get_dcp_local_seq_lens``) in blocks of ``block_size`` slots."""
+    return [-(-local_seq_len(num_tokens, dcp, r, inter) // bs) for r in range(dcp)]
+
+
+@given(
+    layouts(max_len=0),
+    st.booleans(),
+    st.integers(1, 120),
+    st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40)), min_size=1, max_size=6),
+)
+@PROPERTY
+def test_rollback_frees_exactly_the_blocks_no_rank_needs(layout, caching, prompt_len, steps):
+    """Grow a request by ``k`` draft tokens, then roll back ``r`` of them: afterwards every DCP
+    rank keeps exactly the physical blocks its local tokens need, the shared block table is as
+    long as the neediest rank's, every other id is free again (no leak), and no prefix-cache
+    entry names a block that is no longer full of the request's tokens."""
+    dcp, inter, bs, _, _ = layout
+    m = KVCacheManager(64, bs, dcp, inter, enable_prefix_caching=caching)
+    vb = m.virtual_block_size
+    tokens = [t % 3 for t in range(prompt_len)]
+    if num_virtual_blocks(prompt_len, bs, dcp) > m.num_blocks:
+        return
+    m.allocate("a", prompt_len, tokens)
+    for grow, back in steps:
+        n = m.num_tokens("a")
+        try:
+            m.append("a", grow + 1, [(n + i) % 3 for i in range(grow + 1)])
+        except AllocationError:
+            continue
+        before = m.block_table("a").tolist()
+        keep = max(m.num_tokens("a") - back, 0)
+        released = m.truncate("a", keep)
+        need = _blocks_per_rank(keep, bs, dcp, inter)
+        table = m.block_table("a").tolist()
+        assert len(table) == max(need)
+        assert table == before[: len(table)] and released == before[len(table) :][::-1]
+        assert [u["used_blocks"] for u in m.rank_usage()] == need
+        assert [u["tokens"] for u in m.rank_usage()] == [
+            local_seq_len(keep, dcp, r, inter) for r in range(dcp)
+        ]
+        assert m.num_free_blocks == m.num_blocks - len(table)
+        assert all(b in m.free_queue for b in released)
+        for b, blk in enumerate(table):
+            if m.block_hash[blk] is not None:
+                assert (b + 1) * vb <= keep
+        assert all(v in table[: keep // vb] for v in m.cached.values())
+
+
+def test_eviction_takes_the_freed_requests_tail_first():
+    """vLLM frees a request's blocks in reverse order and evicts the least recently freed first
+    (``single_type_kv_cache_manager.py`` ``free``, v0.34.0), so a new request that needs one id
+    of a full cache evicts the freed request's last block and its prefix stays cached."""
+    m = KVCacheManager(4, 4, 2, enable_prefix_caching=True)  # virtual blocks of 8 tokens
+    prompt = list(range(32))
+    m.allocate("a", 32, prompt)
+    m.free("a")
+    m.allocate("x", 8, [99] * 8)  # one id: a's tail block
+    m.free("x")
+    assert m.allocate("b", 32, prompt).num_blocks == 3  # a's first three blocks hit

@@ -2,6 +2,7 @@
 the traced bytes equal the formulas; the measured crossover matches the analytic one; vLLM
 v0.34.0's up-projected All2All combine is exact on both sides of its 8-token threshold."""
 
+import math
 import random
 
 import pytest
@@ -278,3 +279,59 @@ def test_v_up_proj_combine_under_torchrun():
             (r["load_comm"] + r["comm"] for r in per_rank), []
         )
     assert [r["comm"][1][1] for r in res[0]] == [3 * 2 * 33 * 8 * 3, 8 * 2 * 17 * 8 * 3]
+
+
+def test_tiny_mla_attention_equals_transformers_deepseek_v2():
+    """The tiny MLA model's attention against transformers' ``DeepseekV2Attention`` (code
+    nobody here wrote) with the same weights, in float64: the MHA form the reference uses and
+    the absorbed form the engine runs both equal it, which pins the softmax scale from outside
+    (``1/sqrt(qk_nope_head_dim + qk_rope_head_dim)``: plain RoPE, no YaRN mscale).
+
+    DeepSeek rotates the rope part interleaved, pairs ``(x[2i], x[2i+1])``; the tiny model
+    rotates half, pairs ``(x[i], x[i + R/2])``: the rope columns of the query and ``k_pe``
+    projections are permuted to match (a dot product over both rope parts is unchanged)."""
+    tf = pytest.importorskip("transformers")
+    from transformers.models.deepseek_v2 import modeling_deepseek_v2 as ds
+
+    from cpbook.engine.models import TinyModel
+    from tests.hf_models import float64_transformers
+
+    model = TinyModel.from_name("tiny-mla", seed=7, num_hidden_layers=1)
+    c = model.config
+    n, C, Dn, R, Dv, H = (c.num_q_heads, c.kv_lora_rank, c.qk_nope_head_dim,
+                          c.qk_rope_head_dim, c.v_head_dim, c.hidden_size)  # fmt: skip
+    assert C != Dn + R  # a scale taken from the wrong width shows
+    cfg = tf.DeepseekV2Config(
+        vocab_size=c.vocab_size, hidden_size=H, num_attention_heads=n, num_key_value_heads=n,
+        kv_lora_rank=C, q_lora_rank=None, qk_nope_head_dim=Dn, qk_rope_head_dim=R,
+        v_head_dim=Dv, rms_norm_eps=c.rms_norm_eps, attention_bias=False,
+        max_position_embeddings=64, attn_implementation="eager",
+        rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
+    )  # fmt: skip
+    lw, mla = model.layers[0], model.mla[0]
+    perm = torch.stack([torch.arange(R // 2), torch.arange(R // 2) + R // 2], 1).flatten()
+    wq = torch.cat([lw["wq"][..., :Dn], lw["wq"][..., Dn:][..., perm]], -1)
+    with float64_transformers():
+        attn = ds.DeepseekV2Attention(cfg, 0).to(torch.float64).eval()
+        rotary = ds.DeepseekV2RotaryEmbedding(cfg)
+        with torch.no_grad():
+            attn.q_proj.weight.copy_(wq.reshape(H, n * (Dn + R)).T)
+            attn.kv_a_proj_with_mqa.weight.copy_(torch.cat([lw["w_dkv"], lw["w_kr"][:, perm]], 1).T)
+            attn.kv_a_layernorm.weight.copy_(lw["kv_norm"])
+            attn.kv_b_proj.weight.copy_(torch.cat([mla.W_UK, mla.W_UV], 2).reshape(C, -1).T)
+            attn.o_proj.weight.copy_(lw["wo"].reshape(n * Dv, H).T)
+            T, start = 11, 5
+            h = torch.randn(T, H, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+            pos = torch.arange(start, start + T)
+            mask = torch.full((T, T), -math.inf, dtype=torch.float64).triu(1)[None, None]
+            ref = attn(h[None], mask, position_embeddings=rotary(h[None], pos[None]))[0][0]
+    every, scale = slice(None), model.attn_scale(0)
+    q, lat = model.mla_q_and_latent(0, h, pos)
+    k, v = mla.expand_kv(lat, every)
+    mha = torch.einsum("tnd,ndh->th", dense_attention(q, k, v, True, scale=scale)[0], lw["wo"])
+    q_lat, row, _ = model.qkv(0, h, pos, every, every)
+    absorbed = model.o_proj(
+        0, dense_attention(q_lat, row, row[..., :C], True, scale=scale)[0], every
+    )
+    assert (mha - ref).abs().max() <= 1e-10
+    assert (absorbed - ref).abs().max() <= 1e-10

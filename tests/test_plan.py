@@ -8,6 +8,7 @@ decision path as tests of the right ones, every vLLM v0.34 rule by name, and the
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -727,3 +728,89 @@ def test_cli_output_piped_into_head_stops_quietly():
     )
     assert r.stdout.startswith('{"name": "deployment", "rank": 1')
     assert r.stderr == "" and r.returncode == 0, (r.returncode, r.stderr)
+
+
+# ------------------------------------------------- the frontier and the serve line, by brute force
+
+
+def _dominates(a, b, t: str) -> bool:
+    """``a`` is at least as good as ``b`` on ``t`` (lower) and tokens/s per GPU (higher), and
+    better on one of them."""
+    at, bt, ar, br = getattr(a, t), getattr(b, t), a.tokens_per_s_per_gpu, b.tokens_per_s_per_gpu
+    return at <= bt and ar >= br and (at < bt or ar > br)
+
+
+_FRONTIER_PLAN = {}
+
+
+def _frontier_rows():
+    if not _FRONTIER_PLAN:
+        _FRONTIER_PLAN["p"] = plan(DSV3, H200, 16, ServingWorkload(32 * K, 1 * K, 16))
+    return _FRONTIER_PLAN["p"].ranked
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    t=st.sampled_from(["ttft_s", "tpot_s"]),
+    picks=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 3)), min_size=1, max_size=12),
+)
+def test_pareto_is_the_brute_force_non_dominated_set_with_ties(t, picks):
+    """Real estimates given few distinct times and rates, so ties on either axis are common:
+    the frontier is exactly the set of points no row dominates (a row tied on one axis and
+    worse on the other is dominated and dropped), each point once, fastest first."""
+    rows = _frontier_rows()
+    rates = [1.0, 2.0, 2.0, 3.0]
+    tied = [
+        dataclasses.replace(
+            rows[j % len(rows)],
+            prefill=rows[i].prefill,
+            decode=rows[i].decode,
+            tokens_per_s_per_gpu=rates[r],
+        )
+        for j, (i, r) in enumerate(picks)
+    ]
+    front = pl.pareto(tied, t)
+    point = lambda e: (getattr(e, t), e.tokens_per_s_per_gpu)  # noqa: E731
+    want = {point(e) for e in tied if not any(_dominates(o, e, t) for o in tied)}
+    assert {point(e) for e in front} == want and len(front) == len(want)
+    assert [point(e) for e in front] == sorted(want)
+
+
+def test_max_num_seqs_admits_each_replicas_share():
+    """Every ranked deployment's ``--max-num-seqs``, given to the engine's scheduler, admits all
+    the requests the busiest of its ``dp`` replicas receives (round robin) in one step, and is
+    no larger than that share."""
+    from cpbook.engine.scheduler import Request, Scheduler
+    from cpbook.kv.manager import KVCacheManager
+
+    w = ServingWorkload(4 * K, 256, 13)
+    p = plan(L8B, H200, 8, w)
+    seen = set()
+    for e in p.ranked:
+        dp = e.deployment.dp
+        if dp in seen:
+            continue
+        seen.add(dp)
+        argv = shlex.split(p.command(e))
+        seqs = int(argv[argv.index("--max-num-seqs") + 1])
+        share = [r for r in range(w.concurrency) if r % dp == 0]  # replica 0: the busiest
+        sched = Scheduler(KVCacheManager(4 * len(share), 16), 64 * len(share), seqs)
+        for r in share:
+            sched.add_request(Request(str(r), [1, 2, 3], 1))
+        assert len(sched.schedule().admitted) == len(share) == seqs
+    assert len(seen) > 1 and any(w.concurrency % dp for dp in seen)
+
+
+def test_serve_args_state_the_interleave_whenever_the_kv_is_sharded():
+    """vLLM v0.34.0 lays the KV cache over PCP as well as DCP ranks in stripes of
+    ``cp_kv_cache_interleave_size`` (``v1/worker/gpu/pcp_manager.py`` passes it as
+    ``cp_interleave``): a deployment with PCP or DCP states the size it was planned with."""
+    from cpbook.planner.serve_flags import serve_args
+
+    kw = dict(max_model_len=4096, max_num_seqs=1, gpu_memory_utilization=0.9)
+    for dep in (Deployment(tp=4, pcp=2), Deployment(tp=4, dcp=4), Deployment(tp=8)):
+        args = serve_args(DSV3, dep, "bf16", cp_kv_cache_interleave_size=16, **kw)
+        flag = "--cp-kv-cache-interleave-size"
+        sharded = dep.pcp > 1 or dep.dcp > 1
+        assert (flag in args) == sharded
+        assert not sharded or args[args.index(flag) + 1] == "16"

@@ -67,12 +67,36 @@ def assert_work_conserving(sched: Scheduler, out) -> None:
                     copy.deepcopy(sched.kv).allocate(head.request_id, len(tokens), tokens)
 
 
+def check_prefix_hits_read_written_kv(sched: Scheduler, out, kv_store: dict) -> None:
+    """Right after ``schedule()``: every token a prefix hit lets an admitted request skip has
+    its K/V in the cache already, written by an earlier step for the same token prefix.
+    ``kv_store[(block id, offset)]`` is what the runner last wrote there (the token prefix the
+    K/V row was computed from), so a block marked written while partly computed fails here."""
+    vb = sched.kv.virtual_block_size
+    for rid in out.admitted:
+        req = sched.requests[rid]
+        table = sched.kv.block_table(rid).tolist()
+        for p in range(req.prefix_hit_tokens):
+            assert kv_store.get((table[p // vb], p % vb)) == tuple(req.all_tokens[: p + 1]), (
+                f"step {out.step}: {rid} reuses position {p} of block {table[p // vb]}, whose "
+                "K/V was never computed for that prefix"
+            )
+
+
 def run_to_completion(sched: Scheduler, max_steps: int = 2000) -> list:
-    steps = []
+    """Run the scheduler with :func:`fake_next` as the model, checking every step: the budget,
+    work conservation, ``max_num_seqs``, vLLM's no-admission-in-a-step-that-preempted rule,
+    that prefix hits read only computed K/V, chunk contents and block ownership."""
+    steps, kv_store = [], {}
+    vb = sched.kv.virtual_block_size
     for _ in range(max_steps):
         if not sched.has_unfinished:
             return steps
         out = sched.schedule()
+        # vllm/v1/core/sched/scheduler.py (v0.34.0): "if not preempted_reqs ..." (line 1066)
+        # guards the whole WAITING loop: a step that preempted admits no new request
+        assert not (out.preempted and out.admitted), out
+        check_prefix_hits_read_written_kv(sched, out, kv_store)
         assert out.num_batched_tokens <= sched.max_num_batched_tokens
         assert_work_conserving(sched, out)
         assert len(sched.running) <= sched.max_num_seqs
@@ -85,6 +109,8 @@ def run_to_completion(sched: Scheduler, max_steps: int = 2000) -> list:
             assert all(
                 b in sched.written for b in c.block_table[: c.start // sched.kv.virtual_block_size]
             )
+            for p in range(c.start, c.start + c.num_tokens):  # the runner writes K/V rows
+                kv_store[(c.block_table[p // vb], p % vb)] = tuple(req.all_tokens[: p + 1])
             if c.sample:
                 sampled[c.request_id] = fake_next(req.all_tokens)
         assert len({c.request_id for c in out.chunks}) == len(out.chunks)
@@ -213,3 +239,70 @@ def test_exact_tokens_per_step_with_one_token_of_budget_left():
         [("b", "chunked_prefill", 5)],
         [("b", "decode", 1)],
     ]
+
+
+def test_a_partly_computed_block_is_not_a_prefix_hit():
+    """Budget 7, virtual blocks of 4: ``a``'s first chunk computes tokens 0-6, so its second
+    block holds 3 of 4 rows.  ``b`` shares ``a``'s first 8 tokens; it may reuse that block only
+    after the step that computes token 7 (vLLM caches ``num_computed_tokens // block_size``
+    blocks: ``single_type_kv_cache_manager.py`` ``cache_blocks``, v0.34.0)."""
+    kv = KVCacheManager(16, 4, enable_prefix_caching=True)
+    sched = Scheduler(kv, max_num_batched_tokens=7, max_num_seqs=4)
+    shared = list(range(1, 11))
+    sched.add_request(Request("a", shared, 2))
+    b = sched.add_request(Request("b", shared[:8] + [30], 2))
+    steps = run_to_completion(sched)
+    assert [s.admitted for s in steps[:3]] == [("a",), (), ("b",)]
+    assert b.prefix_hit_tokens == 8 and b.output == expected_output(b.prompt, 2)
+
+
+def test_a_step_that_preempts_admits_nobody():
+    """Two requests with one prompt on 5 blocks of 4 tokens: ``b`` decodes into a block whose
+    tokens ``a`` already cached, so once preempted it would fit again at once (its prefix is
+    shared).  vLLM admits no request in a step that preempted (``scheduler.py``, v0.34.0: the
+    WAITING loop runs only ``if not preempted_reqs``); ``b`` comes back a step later."""
+    kv = KVCacheManager(5, 4, enable_prefix_caching=True)
+    sched = Scheduler(kv, max_num_batched_tokens=8, max_num_seqs=2)
+    a = sched.add_request(Request("a", [3, 3, 3, 0, 0], 10))
+    b = sched.add_request(Request("b", [3, 3, 3, 0, 0], 11))
+    fits_but_waits = 0
+    for _ in range(200):
+        if not sched.has_unfinished:
+            break
+        out = sched.schedule()
+        assert not out.admitted or not out.preempted
+        if out.preempted and out.num_batched_tokens < sched.max_num_batched_tokens:
+            head = sched.waiting[0]
+            copy.deepcopy(kv).allocate(head.request_id, head.num_tokens, head.all_tokens)
+            fits_but_waits += 1  # the head fits: only the rule held it back
+        sampled = {
+            c.request_id: fake_next(sched.requests[c.request_id].all_tokens)
+            for c in out.chunks
+            if c.sample
+        }
+        sched.update(out, sampled)
+    assert fits_but_waits >= 1 and sched.num_preemptions >= 1
+    assert a.output == expected_output(a.prompt, 10) and b.output == expected_output(b.prompt, 11)
+
+
+def test_preemption_takes_the_newest_request_and_requeues_it_first():
+    """vLLM preempts the last running request (``self.running.pop()``) and puts it back at the
+    head of the waiting queue (``self.waiting.prepend_request``): ``scheduler.py``, v0.34.0."""
+    kv = KVCacheManager(7, 4)
+    sched = Scheduler(kv, max_num_batched_tokens=64, max_num_seqs=3)
+    for i in range(3):
+        sched.add_request(Request(str(i), [i + 1] * 7, 12))
+    sched.add_request(Request("late", [9] * 3, 2))
+    for _ in range(100):
+        running = [r.request_id for r in sched.running]
+        out = sched.schedule()
+        if out.preempted:
+            break
+        sampled = {
+            c.request_id: fake_next(sched.requests[c.request_id].all_tokens)
+            for c in out.chunks
+            if c.sample
+        }
+        sched.update(out, sampled)
+    assert out.preempted == (running[-1],)
+    assert [r.request_id for r in sched.waiting][:2] == [running[-1], "late"]
