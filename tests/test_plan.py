@@ -733,7 +733,7 @@ def test_cli_output_piped_into_head_stops_quietly():
 # ------------------------------------------------- the frontier and the serve line, by brute force
 
 
-def _dominates(a, b, t: str) -> bool:
+def _dominates_on(a, b, t: str) -> bool:
     """``a`` is at least as good as ``b`` on ``t`` (lower) and tokens/s per GPU (higher), and
     better on one of them."""
     at, bt, ar, br = getattr(a, t), getattr(b, t), a.tokens_per_s_per_gpu, b.tokens_per_s_per_gpu
@@ -771,7 +771,7 @@ def test_pareto_is_the_brute_force_non_dominated_set_with_ties(t, picks):
     ]
     front = pl.pareto(tied, t)
     point = lambda e: (getattr(e, t), e.tokens_per_s_per_gpu)  # noqa: E731
-    want = {point(e) for e in tied if not any(_dominates(o, e, t) for o in tied)}
+    want = {point(e) for e in tied if not any(_dominates_on(o, e, t) for o in tied)}
     assert {point(e) for e in front} == want and len(front) == len(want)
     assert [point(e) for e in front] == sorted(want)
 
