@@ -13,7 +13,12 @@ from cpbook.costmodel import gpu_terms as gt
 from cpbook.costmodel.knobs import DEFAULT_HBM_EFFICIENCY, CostKnobs
 from cpbook.costmodel.memory import kv_bytes_per_token
 from cpbook.costmodel.specs import LINKS, GPUSpec, LinkSpec, ModelSpec, check_tokens
-from cpbook.dcp.comm_bytes import V_UP_PROJ_FIRST_MIN_TOKENS, tpa_comm_bytes, tpa_costs
+from cpbook.dcp.comm_bytes import (
+    V_UP_PROJ_FIRST_MIN_TOKENS,
+    check_v_up_proj_combine,
+    tpa_comm_bytes,
+    tpa_costs,
+)
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 #: bytes per LSE value in vLLM's DCP combine: ``cp_lse_ag_out_rs`` all-gathers fp32 LSEs, the
@@ -133,13 +138,8 @@ def decode_attention_calls(
 
     if model.use_mla:
         q_dim, out_dim = model.kv_lora_rank + model.qk_rope_head_dim, model.kv_lora_rank
-        if v_up_proj_combine and (cfg.dcp_comm_backend != "a2a" or cfg.pcp > 1):
-            raise RuleError(
-                "v-up-proj-combine-a2a",
-                "dcp_comm_backend == 'a2a' and no PCP",
-                dcp_comm_backend=cfg.dcp_comm_backend,
-                prefill_context_parallel_size=cfg.pcp,
-            )
+        if v_up_proj_combine:
+            check_v_up_proj_combine(cfg.dcp_comm_backend, cfg.pcp)
         if v_up_proj_combine and num_reqs >= V_UP_PROJ_FIRST_MIN_TOKENS:
             out_dim = model.head_dim - model.qk_rope_head_dim
     else:

@@ -10,10 +10,13 @@ tests check them against the traced bytes.
 from __future__ import annotations
 
 from cpbook.core.config import ParallelConfig, check_comm_backend
+from cpbook.core.errors import RuleError
 from cpbook.core.heads import uses_tpa
 
 __all__ = [
     "V_UP_PROJ_FIRST_MIN_TOKENS",
+    "check_v_up_proj_combine",
+    "config_decode_comm_bytes",
     "decode_comm_bytes",
     "tpa_comm_bytes",
     "tpa_costs",
@@ -23,6 +26,18 @@ __all__ = [
 #: this many tokens "reading every head's W_UV costs more than the smaller All-to-All saves
 #: (measured on MI355X, DCP8)", so the combine merges the latent outputs first
 V_UP_PROJ_FIRST_MIN_TOKENS = 8
+
+
+def check_v_up_proj_combine(dcp_comm_backend: str, prefill_context_parallel_size: int = 1) -> None:
+    """Rule ``v-up-proj-combine-a2a``: MLA's up-projected combine runs only with the ``a2a``
+    backend and no PCP (vLLM v0.34.0's ``MLADCPManager._init_combine``)."""
+    if dcp_comm_backend != "a2a" or prefill_context_parallel_size > 1:
+        raise RuleError(
+            "v-up-proj-combine-a2a",
+            "dcp_comm_backend == 'a2a' and no PCP (vLLM v0.34.0's MLADCPManager)",
+            dcp_comm_backend=dcp_comm_backend,
+            prefill_context_parallel_size=prefill_context_parallel_size,
+        )
 
 
 def decode_comm_bytes(
@@ -50,6 +65,28 @@ def decode_comm_bytes(
     return calls + [("all_to_all", b * h * (out_dim * e + lb) * (n - 1))]
 
 
+def config_decode_comm_bytes(
+    num_reqs: int,
+    config: ParallelConfig,
+    q_dim: int,
+    out_dim: int,
+    elem_bytes: int = 8,
+    lse_bytes: int | None = None,
+) -> list[tuple[str, int]]:
+    """:func:`decode_comm_bytes` for one rank of ``config``: its query heads per rank, DCP size
+    and combine backend."""
+    return decode_comm_bytes(
+        num_reqs,
+        config.q_heads_per_rank,
+        q_dim,
+        out_dim,
+        config.dcp,
+        config.dcp_comm_backend,
+        elem_bytes,
+        lse_bytes,
+    )
+
+
 def tpa_comm_bytes(
     config: ParallelConfig,
     num_reqs: int,
@@ -66,16 +103,7 @@ def tpa_comm_bytes(
     entry, the query all-gather.  ``lse_bytes``: bytes per LSE value (default ``elem_bytes``;
     vLLM's are fp32, 4), see :func:`cpbook.dcp.decode.decode_comm_bytes`.
     """
-    calls = decode_comm_bytes(
-        num_reqs,
-        config.q_heads_per_rank,
-        q_dim,
-        out_dim,
-        config.dcp,
-        config.dcp_comm_backend,
-        elem_bytes,
-        lse_bytes,
-    )
+    calls = config_decode_comm_bytes(num_reqs, config, q_dim, out_dim, elem_bytes, lse_bytes)
     b, tp = num_reqs * hidden_size * elem_bytes, config.tp
     return (calls[1:] if uses_tpa(config) else calls) + [("all_reduce", 2 * b * (tp - 1) // tp)]
 

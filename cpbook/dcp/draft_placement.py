@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from cpbook.core.config import ConfigError, ParallelConfig
-from cpbook.dcp.decode import decode_comm_bytes
+from cpbook.dcp.comm_bytes import config_decode_comm_bytes
 from cpbook.kv.layout import local_seq_len
 
 __all__ = [
@@ -76,15 +76,7 @@ def draft_comm_bytes(
     _check(placement)
     if placement == "replicated":
         return []
-    one = decode_comm_bytes(
-        num_reqs,
-        config.q_heads_per_rank,
-        q_dim,
-        out_dim,
-        config.dcp,
-        config.dcp_comm_backend,
-        elem_bytes,
-    )
+    one = config_decode_comm_bytes(num_reqs, config, q_dim, out_dim, elem_bytes)
     return one * (num_speculative_tokens * num_layers)
 
 
@@ -99,22 +91,14 @@ def draft_step_comm_bytes(
 ) -> list[tuple[str, int]]:
     """``[(op, bytes sent per rank)]`` of draft forwards of ``rows_per_call`` rows each, on a rank
     of the draft's ``config`` (the target's TP, the draft's DCP), in call order: per forward and
-    draft layer, a DCP decode of its rows when ``config.dcp > 1`` (:func:`decode_comm_bytes`),
+    draft layer, a DCP decode of its rows when ``config.dcp > 1`` (``config_decode_comm_bytes``),
     then two TP all-reduces of ``rows × hidden_size`` values when ``config.tp > 1``."""
     calls: list[tuple[str, int]] = []
     tp = config.tp
     for rows in rows_per_call:
         layer: list[tuple[str, int]] = []
         if config.dcp > 1:
-            layer += decode_comm_bytes(
-                rows,
-                config.q_heads_per_rank,
-                q_dim,
-                out_dim,
-                config.dcp,
-                config.dcp_comm_backend,
-                elem_bytes,
-            )
+            layer += config_decode_comm_bytes(rows, config, q_dim, out_dim, elem_bytes)
         if tp > 1:
             layer += [("all_reduce", 2 * rows * hidden_size * elem_bytes * (tp - 1) // tp)] * 2
         calls += layer * num_layers

@@ -13,11 +13,11 @@ import torch
 
 from cpbook.core.config import ParallelConfig
 from cpbook.core.context import RankContext
-from cpbook.core.errors import RuleError
 from cpbook.core.groups import make_groups
 from cpbook.core.heads import kv_heads_of, q_heads_of
 from cpbook.core.problems import gqa_decode_problem, mla_problem
 from cpbook.core.reference import decode_reference, mla_reference
+from cpbook.dcp.comm_bytes import check_v_up_proj_combine
 from cpbook.dcp.decode import dcp_decode_attention, decode_comm_bytes
 from cpbook.dcp.mla import (
     MLAShape,
@@ -187,13 +187,8 @@ def mla_decode_rank(
     qn, qp, lat = mla_problem(mla, [1] * len(seq_lens), ctx_lens, seed + 1)
     local, cache = _latent_shards(ctx, cfg, groups, lat)
     weights = mla.to(ctx.device)
-    if v_up_proj_combine and (cfg.dcp_comm_backend != "a2a" or cfg.pcp > 1):
-        raise RuleError(
-            "v-up-proj-combine-a2a",
-            "dcp_comm_backend == 'a2a' and no PCP (vLLM v0.34.0's MLADCPManager)",
-            dcp_comm_backend=cfg.dcp_comm_backend,
-            prefill_context_parallel_size=cfg.pcp,
-        )
+    if v_up_proj_combine:
+        check_v_up_proj_combine(cfg.dcp_comm_backend, cfg.pcp)
     with ctx.traced() as load:  # at load time in vLLM: once, not per step
         if v_up_proj_combine:
             weights = weights.with_w_uv_dcp(heads, groups.dcp)
