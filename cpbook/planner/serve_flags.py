@@ -152,9 +152,7 @@ def deployment_flags(model: ModelSpec, deployment: Deployment, kv_dtype: str) ->
     """The deployment alone in vLLM's short forms, e.g. ``-tp 8 -dcp 8 --dcp-q-replicate``: the
     parallel sizes, query replication when on, and the KV dtype when it is FP8 (no memory
     settings; :func:`parse_serve_command` reads it back)."""
-    args = serve_args(
-        model, deployment, kv_dtype, max_model_len=1, max_num_seqs=1, gpu_memory_utilization=1.0
-    )
+    args = serve_args(model, deployment, kv_dtype, max_model_len=1, max_num_seqs=1)
     keep, i = [], 0
     while i < len(args):
         flag = args[i]
