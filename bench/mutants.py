@@ -370,6 +370,8 @@ def _pytest(tree: Path, tests: list[str], timeout: int) -> tuple[int, str]:
         sys.executable,
         "-m",
         "pytest",
+        "-n",
+        "0",
         "-x",
         "-q",
         "-p",
