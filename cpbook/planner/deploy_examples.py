@@ -201,7 +201,7 @@ VIOLATIONS: dict[str, Violation] = {
     ),
     "pcp-dcp-dense-mla": Violation(
         "DeepSeek-V3",
-        _line("DeepSeek-V3", "-tp 8 -pcp 2 -dcp 2"),
+        _line("DeepSeek-V3", "-tp 4 -pcp 2 -dcp 2"),
         "PCP x DCP on dense MLA",
         "pcp-dcp-sparse-mla-only",
     ),
@@ -209,7 +209,7 @@ VIOLATIONS: dict[str, Violation] = {
         "DeepSeek-V3.2",
         _line(
             "DeepSeek-V3.2",
-            "-tp 8 -pcp 2 -dcp 2 --dcp-comm-backend a2a --kv-cache-dtype fp8_ds_mla",
+            "-tp 4 -pcp 2 -dcp 2 --dcp-comm-backend a2a --kv-cache-dtype fp8_ds_mla",
         ),
         "PCP x DCP with the a2a backend",
         "pcp-dcp-needs-ag-rs",
