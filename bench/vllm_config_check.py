@@ -17,14 +17,19 @@ a CPU lacks, all outside the rules checked:
   inspect_model_cls`` returns the ``_ModelInfo`` of a plain decoder-only text generator (what
   ``_ModelInfo.from_model_cls`` gives the DeepSeek, Kimi, Llama and Qwen classes).
 
-:func:`check_line` then does what ``vllm serve`` does before it touches a GPU, each step
-vLLM's own code: ``FlexibleArgumentParser`` with ``EngineArgs.add_cli_args`` parses the
-arguments (an unknown flag or a bad choice fails here), the ``NAME=VALUE`` prefix sets the
+:func:`run_line` (and :func:`check_line`, its verdict as text) then does what ``vllm serve``
+does before it touches a GPU, each step vLLM's own code: ``vllm serve``'s own parser
+(``make_arg_parser``, ``vllm/entrypoints/common/cli_args.py``) parses the arguments (an unknown
+flag or a bad choice fails here), the ``NAME=VALUE`` prefix sets the
 environment (``VLLM_ALLOW_LONG_MAX_MODEL_LEN``), and ``EngineArgs.create_engine_config``
 builds ``VllmConfig``: ``ModelConfig`` (``_get_and_verify_max_len``, the EP check),
 ``ParallelConfig`` (the TP / PCP / DCP sizes, ``--nnodes``), ``CacheConfig``,
 ``verify_with_parallel_config`` and the models' ``verify_and_update_config`` hooks.  Then
-``PCPManager.validate_config`` (``vllm/v1/worker/gpu/pcp_manager.py``).  The attention backend's
+``PCPManager.validate_config`` (``vllm/v1/worker/gpu/pcp_manager.py``), the engine core's
+``VllmConfig.validate_block_size`` (the interleave against the block size) and, for GQA with
+DCP, the worker's ``check_attention_cp_compatibility`` (``vllm/v1/worker/cp_utils.py``: the LSE
+and the speculative-decoding interleave rule) on a stand-in attention layer whose ``impl`` is
+a bare ``FlashAttentionImpl`` (:func:`_attention_layer_stand_in`).  The attention backend's
 start-up checks run in ``FlashMLASparseMetadataBuilder.__init__``, which allocates CUDA
 tensors, so for sparse MLA with DCP :func:`flashmla_sparse_check` restates its three
 ``NotImplementedError`` conditions literally (``vllm/v1/attention/backends/mla/
@@ -251,11 +256,6 @@ def _environment(env: dict[str, str]):
                 os.environ[k] = v
 
 
-#: the KV block size of the attention backend vLLM picks on SM90 when ``--block-size`` is not
-#: given (``Platform.update_block_size_for_backend``): FlashMLA 64, FlashAttention 16
-BACKEND_BLOCK_SIZE = {True: 64, False: 16}
-
-
 def _attention_layer_stand_in(vllm_config: object) -> object:
     """One decoder attention layer as ``check_attention_cp_compatibility`` reads it: an
     ``Attention`` whose ``impl`` is a bare instance of the backend vLLM picks on SM90 for a GQA
@@ -280,7 +280,9 @@ def run_line(line: str, config_json: dict) -> tuple[object | None, str, BaseExce
     (``vllm serve``'s parser, ``make_arg_parser``), ``config`` (``create_engine_config``, with
     ``headless`` as the line says), ``pcp`` (``PCPManager.validate_config``), ``engine``
     (``VllmConfig.validate_block_size``, which the engine core calls once the backend's block
-    size is known: the line's ``--block-size``, else :data:`BACKEND_BLOCK_SIZE`) and, for a
+    size is known: the line's ``--block-size``, else ``CacheConfig.DEFAULT_BLOCK_SIZE``, 64,
+    which FlashMLA and FlashAttention both run, so ``update_block_size_for_backend``, which
+    needs the backend classes, would keep it) and, for a
     GQA model with DCP, ``worker`` (``check_attention_cp_compatibility``,
     ``vllm/v1/worker/cp_utils.py``, on :func:`_attention_layer_stand_in`).  The exception is
     ``None`` when vLLM accepts the line (then the stage is ``"accepted"``)."""
@@ -304,8 +306,6 @@ def run_line(line: str, config_json: dict) -> tuple[object | None, str, BaseExce
         except Exception as e:
             return vllm_config, "pcp", e
     model = vllm_config.model_config
-    cache = vllm_config.cache_config
-    cache.block_size = cache.block_size or BACKEND_BLOCK_SIZE[model.use_mla]
     try:
         vllm_config.validate_block_size()
     except AssertionError as e:

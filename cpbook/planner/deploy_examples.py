@@ -54,6 +54,7 @@ from cpbook.planner.vllm_rules import (
 
 __all__ = [
     "DeployQuestion",
+    "FREE_KV_BYTES_PER_GPU",
     "QUESTIONS",
     "VIOLATIONS",
     "Violation",
@@ -67,6 +68,9 @@ __all__ = [
 ]
 
 K = 1024
+#: the KV-cache memory assumed free on each GPU once the weights are loaded, for the capacity
+#: the book and vLLM's own functions compute (``bench/vllm_deploy_check.py``)
+FREE_KV_BYTES_PER_GPU = 40 * 2**30
 
 
 def model_spec(name: str, source: str = "builtin") -> ModelSpec:
