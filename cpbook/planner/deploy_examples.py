@@ -7,7 +7,8 @@ is the planner's :class:`~cpbook.planner.plan.Plan` for one and :func:`serve_lin
 ``small-mla``
     DeepSeek-V2-Lite (MLA, 16 query heads, one 576-wide latent per token) on up to 4 H100s,
     one request of 128K + 1K tokens: the planner spends the four GPUs on TP 4 with DCP 4 and
-    query replication, which shortens the latency (each GPU reads a quarter of the latent).
+    query replication, for the lowest latency (each GPU reads a quarter of the request's
+    cached latents each decode step).
 ``gqa-node``
     Qwen3-235B-A22B (GQA, 4 KV heads) on one node of 8 H200s, 64 requests of 32K + 1K tokens
     (its native window, 40,960 positions).  TP 8 replicates each KV head on 8 / 4 = 2 GPUs,
@@ -16,7 +17,8 @@ is the planner's :class:`~cpbook.planner.plan.Plan` for one and :func:`serve_lin
     replicate at TP 8: no DCP on one node.)
 ``mla-two-nodes``
     DeepSeek-V3 on 16 H200s in two nodes of 8, 32 requests of 128K + 1K tokens: two TP 8
-    replicas (one per node) with DCP 8 and query replication; the line carries
+    replicas of 8 GPUs (DP 2) with DCP 8 and query replication, where without DCP each
+    replica holds only a few such requests; the line carries
     ``--nnodes 2 --node-rank R --master-addr`` and node 1's ``--headless``.
 
 :data:`VIOLATIONS` holds one broken line per rule, with the model's ``config.json`` (package
