@@ -71,6 +71,8 @@ def test_stored_kv_capacity_agrees_with_the_book_within_one_block_per_rank(key):
         book = de.book_kv_capacity_tokens(model, d, winner.kv_dtype, de.FREE_KV_BYTES_PER_GPU)
         assert row["book_tokens"] == book
         assert 0 <= book - row["vllm_tokens"] < row["block_size"] * d.dcp
+        assert row["vllm_log"].startswith(f"GPU KV cache size: {row['vllm_tokens']:,} tokens")
+        assert row["vllm_log_at"].startswith("vllm/v1/core/kv_cache_utils.py:")
     on, off, dcp = cap["dcp"], cap["no_dcp"], cap["dcp"]["dcp"]
     assert abs(on["vllm_tokens"] - dcp * off["vllm_tokens"]) < on["block_size"] * dcp
     assert abs(on["book_tokens"] - dcp * off["book_tokens"]) < dcp
