@@ -12,7 +12,8 @@ The environment (``.vllmenv``, gitignored), from the book's venv interpreter::
     PYTHONPATH=$PWD .vllmenv/bin/python bench/vllm_deploy_check.py --json --store
 
 For every line of :data:`~cpbook.planner.deploy_examples.QUESTIONS` (each node's line of a
-multi-node deployment) and of :data:`~cpbook.planner.deploy_examples.VIOLATIONS`,
+multi-node deployment) and of :data:`~cpbook.planner.deploy_examples.VIOLATIONS` (each broken
+line and its fix),
 :func:`vllm_config_check.run_line` (the one place that imports vLLM; see there for what stands
 in for a GPU) gives vLLM's verdict: ``accepted``, the stage that raised, the exception's type,
 its message's first line (vLLM's words, from its own code) and ``raised_at``, the
@@ -213,7 +214,12 @@ def run() -> dict:
             "kv_capacity": capacities(key),
         }
     violations = {
-        key: {"model": v.model, "cpbook_rule": v.cpbook_rule, **verdict(v.line, v.hf_config())}
+        key: {
+            "model": v.model,
+            "cpbook_rule": v.cpbook_rule,
+            **verdict(v.line, v.hf_config()),
+            "fix": verdict(v.fix, v.hf_config()),
+        }
         for key, v in de.VIOLATIONS.items()
     }
     return {

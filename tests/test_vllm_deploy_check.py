@@ -49,11 +49,14 @@ def test_every_violation_is_rejected_by_vllm_and_by_the_named_cpbook_rule(key):
     assert stored["message"] and stored["raised_at"].startswith("vllm/")
     assert de.cpbook_rule(v) == v.cpbook_rule
     assert de.cpbook_rule(v.line) == v.cpbook_rule  # the model read from the line's repository
+    assert stored["fix"]["line"] == v.fix and stored["fix"]["accepted"]
+    assert de.cpbook_rule(v.fix) is None
 
 
 def test_cpbook_rejects_exactly_the_lines_vllm_rejected():
     rows = [r for q in STORED["questions"].values() for r in q["lines"]]
     rows += list(STORED["violations"].values())
+    rows += [v["fix"] for v in STORED["violations"].values()]
     for row in rows:
         assert (de.cpbook_rule(row["line"]) is None) == row["accepted"], row["line"]
 
