@@ -184,7 +184,7 @@ def _violation(model: str, flags: str, broken: str, rule: str, fixed: str) -> Vi
 _NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4})
 _V2_LITE, _QWEN3, _LLAMA = "DeepSeek-V2-Lite", "Qwen3-235B-A22B", "Llama-3.1-70B"
 _INTERLEAVE = "-tp 8 -dcp 2 --block-size 16 --cp-kv-cache-interleave-size"
-_SPARSE_PCP_DCP = "-tp 4 -pcp 2 -dcp 2 --kv-cache-dtype fp8_ds_mla"
+_SPARSE_PCP_DCP = "-tp 4 -pcp 2 -dcp 2 --dcp-comm-backend {backend} --kv-cache-dtype fp8_ds_mla"
 
 VIOLATIONS: dict[str, Violation] = {
     "dcp-not-dividing-tp": _violation(
@@ -214,10 +214,10 @@ VIOLATIONS: dict[str, Violation] = {
     ),
     "pcp-dcp-a2a": _violation(
         "DeepSeek-V3.2",
-        f"{_SPARSE_PCP_DCP} --dcp-comm-backend a2a",
+        _SPARSE_PCP_DCP.format(backend="a2a"),
         "PCP x DCP with the a2a backend",
         "pcp-dcp-needs-ag-rs",
-        f"{_SPARSE_PCP_DCP} --dcp-comm-backend ag_rs",
+        _SPARSE_PCP_DCP.format(backend="ag_rs"),
     ),
     "interleave-above-block": _violation(
         _QWEN3,
