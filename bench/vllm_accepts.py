@@ -49,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from cpbook import costmodel as cm  # noqa: E402
 from cpbook.core.config import ConfigError  # noqa: E402
+from cpbook.data import hf_config_json  # noqa: E402
 from cpbook.planner.hf_config import model_from_hf_config  # noqa: E402
 from cpbook.planner.search_space import ServingWorkload, deployments  # noqa: E402
 from cpbook.planner.serve_flags import Launch, serve_command  # noqa: E402
@@ -58,134 +59,19 @@ K = 1024
 NUM_GPUS, GPUS_PER_NODE = 16, 8
 PROMPTS = (32 * K, 128 * K, 1024 * K)
 OUTPUT = 1 * K
-FP8 = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8"}
-FP8["weight_block_size"] = [128, 128]
-_LLAMA = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "vocab_size": 128256,
-    "max_position_embeddings": 131072,
-    "rope_theta": 500000.0,
-    "rope_scaling": {
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-        "rope_type": "llama3",
-    },
-    "rms_norm_eps": 1e-05,
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-}
-_DSV3 = {
-    "architectures": ["DeepseekV3ForCausalLM"],
-    "model_type": "deepseek_v3",
-    "hidden_size": 7168,
-    "intermediate_size": 18432,
-    "moe_intermediate_size": 2048,
-    "num_hidden_layers": 61,
-    "num_attention_heads": 128,
-    "num_key_value_heads": 128,
-    "n_routed_experts": 256,
-    "n_shared_experts": 1,
-    "num_experts_per_tok": 8,
-    "first_k_dense_replace": 3,
-    "moe_layer_freq": 1,
-    "n_group": 8,
-    "topk_group": 4,
-    "topk_method": "noaux_tc",
-    "scoring_func": "sigmoid",
-    "norm_topk_prob": True,
-    "routed_scaling_factor": 2.5,
-    "kv_lora_rank": 512,
-    "q_lora_rank": 1536,
-    "qk_nope_head_dim": 128,
-    "qk_rope_head_dim": 64,
-    "v_head_dim": 128,
-    "num_nextn_predict_layers": 1,
-    "quantization_config": FP8,
-    "max_position_embeddings": 163840,
-    "rope_theta": 10000,
-    "rope_scaling": {
-        "beta_fast": 32,
-        "beta_slow": 1,
-        "factor": 40,
-        "mscale": 1.0,
-        "mscale_all_dim": 1.0,
-        "original_max_position_embeddings": 4096,
-        "type": "yarn",
-    },
-    "rms_norm_eps": 1e-06,
-    "vocab_size": 129280,
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-}
-#: the ``config.json`` of each model, as its Hugging Face repository has it (shape, positions,
-#: RoPE scaling and quantisation; the fields vLLM's config classes read)
-CONFIGS: dict[str, dict] = {
-    "Llama-3.1-8B": _LLAMA,
-    "Llama-3.1-70B": _LLAMA
-    | {"hidden_size": 8192, "intermediate_size": 28672}
-    | {"num_hidden_layers": 80, "num_attention_heads": 64},
-    "Llama-3.1-405B": _LLAMA
-    | {"hidden_size": 16384, "intermediate_size": 53248}
-    | {"num_hidden_layers": 126, "num_attention_heads": 128},
-    "Qwen2.5-7B-1M": {
-        "architectures": ["Qwen2ForCausalLM"],
-        "model_type": "qwen2",
-        "hidden_size": 3584,
-        "intermediate_size": 18944,
-        "num_hidden_layers": 28,
-        "num_attention_heads": 28,
-        "num_key_value_heads": 4,
-        "vocab_size": 152064,
-        "max_position_embeddings": 1010000,
-        "rope_theta": 10000000.0,
-        "sliding_window": 32768,
-        "use_sliding_window": False,
-        "max_window_layers": 28,
-        "rms_norm_eps": 1e-05,
-        "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
-    },
-    "Qwen3-235B-A22B": {
-        "architectures": ["Qwen3MoeForCausalLM"],
-        "model_type": "qwen3_moe",
-        "hidden_size": 4096,
-        "intermediate_size": 12288,
-        "moe_intermediate_size": 1536,
-        "num_hidden_layers": 94,
-        "num_attention_heads": 64,
-        "num_key_value_heads": 4,
-        "head_dim": 128,
-        "num_experts": 128,
-        "num_experts_per_tok": 8,
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": [],
-        "norm_topk_prob": True,
-        "max_position_embeddings": 40960,
-        "rope_theta": 1000000.0,
-        "rms_norm_eps": 1e-06,
-        "vocab_size": 151936,
-        "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
-    },
-    "DeepSeek-V3": _DSV3,
-    "Kimi-K2": _DSV3
-    | {"num_attention_heads": 64, "num_key_value_heads": 64, "n_routed_experts": 384}
-    | {"first_k_dense_replace": 1, "vocab_size": 163840, "n_group": 1, "topk_group": 1}
-    | {"num_nextn_predict_layers": 0, "max_position_embeddings": 131072}
-    | {"rope_scaling": _DSV3["rope_scaling"] | {"factor": 32.0}},
-    "DeepSeek-V3.2": _DSV3
-    | {"architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32"}
-    | {"index_head_dim": 128, "index_n_heads": 64, "index_topk": 2048},
-}
+#: the models checked; their ``config.json`` ships as package data (``cpbook/data/hf_configs/``,
+#: the shape, positions, RoPE scaling and quantisation fields vLLM's config classes read)
+MODELS = (
+    "Llama-3.1-8B",
+    "Llama-3.1-70B",
+    "Llama-3.1-405B",
+    "Qwen2.5-7B-1M",
+    "Qwen3-235B-A22B",
+    "DeepSeek-V3",
+    "Kimi-K2",
+    "DeepSeek-V3.2",
+)
+CONFIGS: dict[str, dict] = {name: hf_config_json(name) for name in MODELS}
 
 
 def models() -> dict[str, cm.ModelSpec]:

@@ -47,6 +47,9 @@ finer set of rules; each rule below says which part of the article's line it ref
     this case open ("the materials did not provide handling details").
 ``pcp-dcp-combination``
     With PCP > 1, ``dcp`` must be 1, ``pcp`` or ``tp * pcp`` (vLLM's ``ParallelConfig``).
+``spec-cp-interleave-one``
+    Speculative decoding with PCP x DCP > 1 needs ``cp_kv_cache_interleave_size == 1``
+    unless the attention backend says otherwise (:func:`check_vllm_spec_interleave`).
 ``comm-backend``
     ``dcp_comm_backend`` is ``"ag_rs"`` (AllGather + ReduceScatter; vLLM's ``None`` default
     picks it unless the model overrides it) or ``"a2a"`` (one All2All, vLLM's newer backend).
@@ -87,6 +90,7 @@ __all__ = [
     "ParallelConfig",
     "check_positive",
     "check_interleave",
+    "check_vllm_spec_interleave",
 ]
 
 
@@ -361,3 +365,25 @@ class ParallelConfig:
                 num_kv_heads=kv,
                 tensor_parallel_size_attention=tpa,
             )
+
+
+def check_vllm_spec_interleave(
+    parallel_config: ParallelConfig, backend_supports_interleave: bool = False
+) -> None:
+    """vLLM's rule ``spec-cp-interleave-one``: with context parallelism (PCP × DCP > 1), *any*
+    speculative method needs ``cp_kv_cache_interleave_size == 1`` unless the attention backend
+    declares ``supports_mtp_with_cp_non_trivial_interleave_size`` (FlashMLA sparse and
+    TokenSpeed MLA do).  ``check_attention_cp_compatibility`` in ``vllm/v1/worker/cp_utils.py``
+    (v0.34.0, as v0.33.0) asserts it whenever ``speculative_config`` is set; only its message
+    says MTP.  The mini engine's attention verifies any interleave exactly, so the engine does
+    not apply it; a vLLM deployment must."""
+    c = parallel_config
+    if c.pcp * c.dcp > 1 and c.interleave > 1 and not backend_supports_interleave:
+        raise ConfigError(
+            "spec-cp-interleave-one",
+            "cp_kv_cache_interleave_size == 1 for speculative decoding with PCP x DCP > 1 "
+            "(unless the backend supports_mtp_with_cp_non_trivial_interleave_size)",
+            cp_kv_cache_interleave_size=c.interleave,
+            decode_context_parallel_size=c.dcp,
+            prefill_context_parallel_size=c.pcp,
+        )

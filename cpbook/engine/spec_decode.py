@@ -33,7 +33,7 @@ from typing import Any, Sequence
 
 import torch
 
-from cpbook.core.config import ConfigError, ParallelConfig
+from cpbook.core.config import ConfigError, ParallelConfig, check_vllm_spec_interleave
 from cpbook.core.groups import ParallelGroups
 from cpbook.core.heads import kv_heads_of, q_heads_of
 from cpbook.dcp.verify import dcp_verify_attention, local_verify_attention
@@ -324,25 +324,3 @@ def greedy_accept(drafts: Sequence[int], targets: Sequence[int]) -> list[int]:
     while a < len(drafts) and drafts[a] == targets[a]:
         a += 1
     return list(targets[: a + 1])
-
-
-def check_vllm_spec_interleave(
-    parallel_config: ParallelConfig, backend_supports_interleave: bool = False
-) -> None:
-    """vLLM's rule ``spec-cp-interleave-one``: with context parallelism (PCP × DCP > 1), *any*
-    speculative method needs ``cp_kv_cache_interleave_size == 1`` unless the attention backend
-    declares ``supports_mtp_with_cp_non_trivial_interleave_size`` (FlashMLA sparse and
-    TokenSpeed MLA do).  ``check_attention_cp_compatibility`` in ``vllm/v1/worker/cp_utils.py``
-    (v0.34.0, as v0.33.0) asserts it whenever ``speculative_config`` is set; only its message
-    says MTP.  The mini engine's attention verifies any interleave exactly, so the engine does
-    not apply it; a vLLM deployment must."""
-    c = parallel_config
-    if c.pcp * c.dcp > 1 and c.interleave > 1 and not backend_supports_interleave:
-        raise ConfigError(
-            "spec-cp-interleave-one",
-            "cp_kv_cache_interleave_size == 1 for speculative decoding with PCP x DCP > 1 "
-            "(unless the backend supports_mtp_with_cp_non_trivial_interleave_size)",
-            cp_kv_cache_interleave_size=c.interleave,
-            decode_context_parallel_size=c.dcp,
-            prefill_context_parallel_size=c.pcp,
-        )

@@ -42,7 +42,7 @@ from cpbook.planner.plan_space import (
     search,
 )
 from cpbook.planner.search_space import ServingWorkload
-from cpbook.planner.serve_flags import Launch, serve_command
+from cpbook.planner.serve_flags import Launch, node_commands
 from cpbook.planner.vllm_rules import check_deployment
 
 RUNNERS_UP = 4
@@ -88,12 +88,17 @@ class Plan:
         as ``--max-model-len``, each replica's share of the concurrency, rounded up, as
         ``--max-num-seqs`` (the busiest replica's batch the plan priced, never fewer), and
         ``--gpu-memory-utilization`` only when the workload sets one (else vLLM's default)."""
+        return self.commands(e)[0]
+
+    def commands(self, e: Estimate | None = None) -> list[str]:
+        """:meth:`command` for every node ``e`` spans (one line on one node), node 0 first:
+        the same line with ``--node-rank R`` (and ``--headless`` off node 0)."""
         e = e or self.winner
         if e is None:
             why = self.would_fit.lines[0] if self.would_fit else "no deployment serves it"
             raise RuleError("plan-fits", "a winning deployment", why=why)
         w = self.workload
-        return serve_command(
+        return node_commands(
             self.model,
             e.deployment,
             e.kv_dtype,

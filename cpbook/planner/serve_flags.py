@@ -33,9 +33,12 @@ from cpbook.costmodel.nodes import node_count
 from cpbook.costmodel.specs import ModelSpec
 from cpbook.planner.vllm_rules import check_max_model_len
 
-#: Hugging Face repositories of the built-in models (book/references.bib, ``hf_*``)
+#: Hugging Face repositories of the built-in models and of the configs in ``cpbook/data/
+#: hf_configs`` (book/references.bib, ``hf_*``)
 HF_REPOS = {
+    "DeepSeek-V2-Lite": "deepseek-ai/DeepSeek-V2-Lite",
     "DeepSeek-V3": "deepseek-ai/DeepSeek-V3",
+    "DeepSeek-V3.2": "deepseek-ai/DeepSeek-V3.2",
     "Kimi-K2": "moonshotai/Kimi-K2-Instruct",
     "Llama-3.1-8B": "meta-llama/Llama-3.1-8B",
     "Llama-3.1-70B": "meta-llama/Llama-3.1-70B",
@@ -229,16 +232,21 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--max-num-seqs", type=int)
     p.add_argument("--gpu-memory-utilization", type=float)
+    p.add_argument("--block-size", type=int)
+    p.add_argument("--speculative-config")
     return p
 
 
-def parse_serve_command(command: str | Sequence[str]) -> tuple[Deployment, str]:
-    """``(deployment, kv_dtype)`` of a ``vllm serve`` line written with the flags above (the
-    ``vllm serve`` prefix and ``NAME=VALUE`` environment assignments before it optional);
-    ValueError naming any other argument."""
+def serve_options(command: str | Sequence[str]) -> tuple[dict[str, str], argparse.Namespace]:
+    """``(environment, flags)`` of a ``vllm serve`` line written with the flags above (the
+    ``vllm serve`` prefix optional): the ``NAME=VALUE`` assignments before it, and every flag
+    under vLLM's field name (``a.cp_kv_cache_interleave_size``, ``a.block_size``, ...);
+    rule ``serve-command`` for any other argument."""
     argv = shlex.split(command) if isinstance(command, str) else list(command)
+    env = {}
     while argv and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", argv[0]):
-        argv = argv[1:]
+        name, value = argv.pop(0).split("=", 1)
+        env[name] = value
     if argv[:2] == ["vllm", "serve"]:
         argv = argv[2:]
     try:
@@ -247,6 +255,14 @@ def parse_serve_command(command: str | Sequence[str]) -> tuple[Deployment, str]:
         raise RuleError("serve-command", "vllm serve MODEL [FLAGS]", argv=argv) from e
     if rest:
         raise RuleError("serve-command", "only the planner's flags", rest=rest)
+    return env, a
+
+
+def parse_serve_command(command: str | Sequence[str]) -> tuple[Deployment, str]:
+    """``(deployment, kv_dtype)`` of a ``vllm serve`` line written with the flags above (the
+    ``vllm serve`` prefix and ``NAME=VALUE`` environment assignments before it optional);
+    ValueError naming any other argument (:func:`serve_options`)."""
+    _, a = serve_options(command)
     deployment = Deployment(
         tp=a.tensor_parallel_size,
         dcp=a.decode_context_parallel_size,

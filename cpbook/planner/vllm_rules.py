@@ -52,8 +52,10 @@ applies the rules vLLM v0.34.0 adds at run time for a *model*, each a
     EP spans ``dp x tp x pcp`` GPUs (``ParallelConfig.data_parallel_size``'s docstring); on one
     GPU vLLM accepts the flag and changes nothing, so the planner keeps the deployment without it.
 
-PCP x DCP also requires ``--dcp-comm-backend ag_rs`` (``PCPManager.validate_config``): the
-cost model prices ``ag_rs`` and :mod:`cpbook.planner.serve_flags` prints it.  Two more rules
+PCP x DCP also requires ``--dcp-comm-backend ag_rs``, rule ``pcp-dcp-needs-ag-rs``
+(:func:`check_pcp_dcp_comm_backend`; ``PCPManager.validate_config``): the cost model prices
+``ag_rs`` and :mod:`cpbook.planner.serve_flags` prints it, so only a hand-written line breaks it
+(cpbook's own engine runs PCP x DCP over ``a2a`` too; vLLM v0.34.0 does not).  Two more rules
 are about the launch, not the deployment: :func:`check_nodes` (``nnodes-divides-world``) and
 :func:`check_max_model_len` (``max-model-len-within-positions``).
 """
@@ -137,6 +139,20 @@ def check_deployment(
             num_gpus=deployment.num_gpus,
         )
     return cfg
+
+
+def check_pcp_dcp_comm_backend(cfg: ParallelConfig) -> None:
+    """Rule ``pcp-dcp-needs-ag-rs``: with PCP > 1 and DCP > 1, ``dcp_comm_backend`` is
+    ``"ag_rs"``; vLLM v0.34.0's ``PCPManager.validate_config`` raises "MRV2 PCP + DCP requires
+    dcp_comm_backend='ag_rs'" otherwise (``vllm/v1/worker/gpu/pcp_manager.py``)."""
+    if cfg.pcp > 1 and cfg.dcp > 1 and cfg.dcp_comm_backend != "ag_rs":
+        raise ConfigError(
+            "pcp-dcp-needs-ag-rs",
+            "dcp_comm_backend == 'ag_rs' when pcp > 1 and dcp > 1 (PCPManager.validate_config)",
+            dcp_comm_backend=cfg.dcp_comm_backend,
+            prefill_context_parallel_size=cfg.pcp,
+            decode_context_parallel_size=cfg.dcp,
+        )
 
 
 def fp8_decode_padded_heads(num_heads: int) -> int:
