@@ -17,14 +17,19 @@ a CPU lacks, all outside the rules checked:
   inspect_model_cls`` returns the ``_ModelInfo`` of a plain decoder-only text generator (what
   ``_ModelInfo.from_model_cls`` gives the DeepSeek, Kimi, Llama and Qwen classes).
 
-:func:`check_line` then does what ``vllm serve`` does before it touches a GPU, each step
-vLLM's own code: ``FlexibleArgumentParser`` with ``EngineArgs.add_cli_args`` parses the
-arguments (an unknown flag or a bad choice fails here), the ``NAME=VALUE`` prefix sets the
+:func:`run_line` (and :func:`check_line`, its verdict as text) then does what ``vllm serve``
+does before it touches a GPU, each step vLLM's own code: ``vllm serve``'s own parser
+(``make_arg_parser``, ``vllm/entrypoints/common/cli_args.py``) parses the arguments (an unknown
+flag or a bad choice fails here), the ``NAME=VALUE`` prefix sets the
 environment (``VLLM_ALLOW_LONG_MAX_MODEL_LEN``), and ``EngineArgs.create_engine_config``
 builds ``VllmConfig``: ``ModelConfig`` (``_get_and_verify_max_len``, the EP check),
 ``ParallelConfig`` (the TP / PCP / DCP sizes, ``--nnodes``), ``CacheConfig``,
 ``verify_with_parallel_config`` and the models' ``verify_and_update_config`` hooks.  Then
-``PCPManager.validate_config`` (``vllm/v1/worker/gpu/pcp_manager.py``).  The attention backend's
+``PCPManager.validate_config`` (``vllm/v1/worker/gpu/pcp_manager.py``), the engine core's
+``VllmConfig.validate_block_size`` (the interleave against the block size) and, for GQA with
+DCP, the worker's ``check_attention_cp_compatibility`` (``vllm/v1/worker/cp_utils.py``: the LSE
+and the speculative-decoding interleave rule) on a stand-in attention layer whose ``impl`` is
+a bare ``FlashAttentionImpl`` (:func:`_attention_layer_stand_in`).  The attention backend's
 start-up checks run in ``FlashMLASparseMetadataBuilder.__init__``, which allocates CUDA
 tensors, so for sparse MLA with DCP :func:`flashmla_sparse_check` restates its three
 ``NotImplementedError`` conditions literally (``vllm/v1/attention/backends/mla/
@@ -100,9 +105,11 @@ def load(version: str = ANCHOR_RELEASE, gpus_per_node: int = 8) -> dict[str, obj
     for name in dir(ops):  # the compiled capability queries the FP8 configs ask (SM90: yes)
         if name.startswith("cutlass_scaled_mm_supports"):
             setattr(ops, name, lambda capability: capability >= 90)
-    from vllm.engine.arg_utils import EngineArgs
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.common.cli_args import make_arg_parser
     from vllm.model_executor.models import registry
     from vllm.utils.argparse_utils import FlexibleArgumentParser
+    from vllm.v1.worker.cp_utils import check_attention_cp_compatibility
     from vllm.v1.worker.gpu.pcp_manager import PCPManager
 
     def decoder_info(self: object) -> object:
@@ -136,9 +143,10 @@ def load(version: str = ANCHOR_RELEASE, gpus_per_node: int = 8) -> dict[str, obj
         )
 
     registry._LazyRegisteredModel.inspect_model_cls = decoder_info
-    parser = EngineArgs.add_cli_args(FlexibleArgumentParser(exit_on_error=False))
+    parser = make_arg_parser(FlexibleArgumentParser(exit_on_error=False))
     logging.getLogger("vllm").setLevel(logging.ERROR)
-    _LOADED.update(EngineArgs=EngineArgs, parser=parser, PCPManager=PCPManager, version=version)
+    _LOADED.update(EngineArgs=AsyncEngineArgs, parser=parser, PCPManager=PCPManager)
+    _LOADED.update(version=version, check_attention_cp=check_attention_cp_compatibility)
     return _LOADED
 
 
@@ -248,10 +256,36 @@ def _environment(env: dict[str, str]):
                 os.environ[k] = v
 
 
-def check_line(line: str, config_json: dict) -> tuple[bool, str]:
-    """``(True, "")`` if vLLM accepts the ``vllm serve`` ``line`` for a model whose
-    ``config.json`` is ``config_json``, else ``(False, vLLM's message)``, naming the stage
-    (``parse``, ``config``, ``pcp``, ``attention``)."""
+def _attention_layer_stand_in(vllm_config: object) -> object:
+    """One decoder attention layer as ``check_attention_cp_compatibility`` reads it: an
+    ``Attention`` whose ``impl`` is a bare instance of the backend vLLM picks on SM90 for a GQA
+    model (``FlashAttentionImpl``), its class attributes vLLM's own, its ``dcp_world_size`` and
+    ``need_to_return_lse_for_decode`` set as ``AttentionImplBase.__new__`` sets them (it needs
+    the process groups)."""
+    from vllm.model_executor.layers.attention import Attention
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl
+
+    impl = object.__new__(FlashAttentionImpl)
+    impl.dcp_world_size = vllm_config.parallel_config.decode_context_parallel_size
+    impl.need_to_return_lse_for_decode = impl.dcp_world_size > 1 and impl.can_return_lse_for_decode
+    layer = object.__new__(Attention)
+    object.__setattr__(layer, "impl", impl)
+    object.__setattr__(layer, "get_attn_backend", None)  # read only with PCP (GQA has none)
+    return layer
+
+
+def run_line(line: str, config_json: dict) -> tuple[object | None, str, BaseException | None]:
+    """``(VllmConfig, stage, exception)``: what vLLM's own code makes of the ``vllm serve``
+    ``line`` for a model whose ``config.json`` is ``config_json``, stage by stage: ``parse``
+    (``vllm serve``'s parser, ``make_arg_parser``), ``config`` (``create_engine_config``, with
+    ``headless`` as the line says), ``pcp`` (``PCPManager.validate_config``), ``engine``
+    (``VllmConfig.validate_block_size``, which the engine core calls once the backend's block
+    size is known: the line's ``--block-size``, else ``CacheConfig.DEFAULT_BLOCK_SIZE``, 64,
+    which FlashMLA and FlashAttention both run, so ``update_block_size_for_backend``, which
+    needs the backend classes, would keep it) and, for a
+    GQA model with DCP, ``worker`` (``check_attention_cp_compatibility``,
+    ``vllm/v1/worker/cp_utils.py``, on :func:`_attention_layer_stand_in`).  The exception is
+    ``None`` when vLLM accepts the line (then the stage is ``"accepted"``)."""
     names = load()
     env, args = split_line(line)
     argv = ["--model", model_folder(config_json), "--skip-tokenizer-init", *args]
@@ -261,25 +295,51 @@ def check_line(line: str, config_json: dict) -> tuple[bool, str]:
             ns = names["parser"].parse_args(argv)
         except (SystemExit, Exception) as e:  # argparse's error paths
             said = [s for s in err.getvalue().splitlines() if s.strip()]
-            return False, f"parse: {said[-1] if said else e}"
+            return None, "parse", ValueError(said[-1] if said else str(e))
         try:
             engine_args = names["EngineArgs"].from_cli_args(ns)
-            vllm_config = engine_args.create_engine_config()
+            vllm_config = engine_args.create_engine_config(headless=bool(ns.headless))
         except Exception as e:  # vLLM's ValueError, pydantic's ValidationError, asserts
-            return False, f"config: {type(e).__name__}: {_first_line(e)}"
+            return None, "config", e
         try:
             names["PCPManager"].validate_config(vllm_config, supports_mm_inputs=False)
         except Exception as e:
-            return False, f"pcp: {type(e).__name__}: {_first_line(e)}"
-    hf = vllm_config.model_config.hf_text_config
+            return vllm_config, "pcp", e
+    model = vllm_config.model_config
+    try:
+        vllm_config.validate_block_size()
+    except AssertionError as e:
+        return vllm_config, "engine", e
+    if not model.use_mla and vllm_config.parallel_config.decode_context_parallel_size > 1:
+        context = vllm_config.compilation_config.static_forward_context
+        context["model.layers.0.self_attn.attn"] = _attention_layer_stand_in(vllm_config)
+        try:
+            names["check_attention_cp"](vllm_config)
+        except AssertionError as e:
+            return vllm_config, "worker", e
+        finally:
+            context.pop("model.layers.0.self_attn.attn")
+    hf = model.hf_text_config
     if hasattr(hf, "index_topk") and vllm_config.parallel_config.decode_context_parallel_size > 1:
         message = flashmla_sparse_check(vllm_config)
         if message:
-            return False, f"attention: NotImplementedError: {message}"
-    return True, ""
+            return vllm_config, "attention", NotImplementedError(message)
+    return vllm_config, "accepted", None
 
 
-def _first_line(e: Exception) -> str:
+def check_line(line: str, config_json: dict) -> tuple[bool, str]:
+    """``(True, "")`` if vLLM accepts the ``vllm serve`` ``line`` for a model whose
+    ``config.json`` is ``config_json``, else ``(False, vLLM's message)``, naming the stage
+    (:func:`run_line`)."""
+    _, stage, e = run_line(line, config_json)
+    if e is None:
+        return True, ""
+    if stage == "parse":
+        return False, f"parse: {e}"
+    return False, f"{stage}: {type(e).__name__}: {first_line(e)}"
+
+
+def first_line(e: BaseException) -> str:
     text = str(e).strip()
     lines = [s.strip() for s in text.splitlines() if s.strip()]
     for s in lines:  # pydantic puts the rule's message on a later line

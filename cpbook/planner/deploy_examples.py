@@ -54,6 +54,7 @@ from cpbook.planner.vllm_rules import (
 
 __all__ = [
     "DeployQuestion",
+    "FREE_KV_BYTES_PER_GPU",
     "QUESTIONS",
     "VIOLATIONS",
     "Violation",
@@ -67,6 +68,9 @@ __all__ = [
 ]
 
 K = 1024
+#: the KV-cache memory assumed free on each GPU once the weights are loaded, for the capacity
+#: the book and vLLM's own functions compute (``bench/vllm_deploy_check.py``)
+FREE_KV_BYTES_PER_GPU = 40 * 2**30
 
 
 def model_spec(name: str, source: str = "builtin") -> ModelSpec:
@@ -201,7 +205,7 @@ VIOLATIONS: dict[str, Violation] = {
     ),
     "pcp-dcp-dense-mla": Violation(
         "DeepSeek-V3",
-        _line("DeepSeek-V3", "-tp 8 -pcp 2 -dcp 2"),
+        _line("DeepSeek-V3", "-tp 4 -pcp 2 -dcp 2"),
         "PCP x DCP on dense MLA",
         "pcp-dcp-sparse-mla-only",
     ),
@@ -209,7 +213,7 @@ VIOLATIONS: dict[str, Violation] = {
         "DeepSeek-V3.2",
         _line(
             "DeepSeek-V3.2",
-            "-tp 8 -pcp 2 -dcp 2 --dcp-comm-backend a2a --kv-cache-dtype fp8_ds_mla",
+            "-tp 4 -pcp 2 -dcp 2 --dcp-comm-backend a2a --kv-cache-dtype fp8_ds_mla",
         ),
         "PCP x DCP with the a2a backend",
         "pcp-dcp-needs-ag-rs",
