@@ -45,6 +45,22 @@ def test_group_links(deployment, gpus_per_node, links):
 
 
 @pytest.mark.parametrize(
+    "deployment, links",
+    [
+        (D(tp=8, dcp=8), {"tp": NV, "dcp": NV}),  # one replica: the experts' group is TP's
+        (D(tp=8, dcp=8, dp=2), {"tp": NV, "dcp": NV, "moe": RDMA}),
+        (D(tp=8, pcp=2), {"pcp": RDMA, "tp": NV, "moe": RDMA}),
+        (D(tp=4, dp=2), {"tp": NV, "moe": NV}),  # 8 GPUs: one node
+        (D(tp=2, dp=8, ep=True), {"tp": NV, "ep": RDMA}),  # EP: the experts are EP's
+    ],
+)
+def test_moe_experts_span_every_replica(deployment, links):
+    """vLLM v0.34.0 shards a MoE model's experts with TP over dp x pcp x tp GPUs
+    (FusedMoEParallelConfig.flatten_tp_across_dp_and_pcp) unless expert parallelism is on."""
+    assert group_links(deployment, 8, moe=True) == links
+
+
+@pytest.mark.parametrize(
     "tp, pcp, dcp", [(16, 1, 8), (16, 1, 16), (8, 2, 1), (8, 2, 2), (8, 2, 16), (4, 4, 4)]
 )
 def test_links_follow_vllms_rank_grid(tp, pcp, dcp):
@@ -68,4 +84,9 @@ def test_node_map_draws_every_gpu_and_names_the_crossing_link():
     assert "two nodes: 16 GPUs, 2 nodes" in texts and "small: 4 GPUs, one node" in texts
     assert min(t.get_fontsize() for t in fig.findobj(Text) if t.get_text()) >= 11
     assert fig.get_figwidth() == 7.2
+    plt.close(fig)
+    fig = node_map_figure([("replicas", D(tp=8, dcp=8, dp=2))], moe=True)
+    texts = [t.get_text() for t in fig.findobj(Text) if t.get_text()]
+    assert {"DP", "TP", "DCP", "MoE", "own requests"} <= set(texts)
+    assert texts.count(RDMA) == 2  # the experts' row, and the label between the nodes
     plt.close(fig)
