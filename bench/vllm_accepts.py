@@ -3,12 +3,14 @@
     python -m venv .vllmenv                        # from the book's venv interpreter
     echo "$PWD/.venv/lib/python3.11/site-packages" > .vllmenv/lib/python3.11/site-packages/zz.pth
     .vllmenv/bin/pip install aiohttp pybase64 cachetools cbor2 msgspec cloudpickle uvloop \\
-        py-cpuinfo llguidance xgrammar einops && .vllmenv/bin/pip uninstall -y triton
+        py-cpuinfo llguidance xgrammar einops compressed-tensors==0.17.0 loguru fastapi \\
+        openai openai-harmony partial-json-parser && .vllmenv/bin/pip uninstall -y triton
     PYTHONPATH=$PWD .vllmenv/bin/python bench/vllm_accepts.py --json \\
         [--store bench/results/vllm_accepts.jsonl] [--lines FILE]
 
 The ``.pth`` line lets the bench's environment fall back on the book's (torch, transformers,
-pydantic); the packages installed on top are the light ones vLLM's config modules import
+pydantic); the packages installed on top are the light ones vLLM's config modules and its
+``vllm serve`` argument parser import
 (``triton``, pulled in by ``xgrammar``, is not needed).  vLLM itself is never installed:
 :mod:`vllm_wheel` downloads the v0.34.0 wheel and :mod:`vllm_config_check` imports its Python
 sources (see there for what stands in for a GPU and what is restated).

@@ -26,11 +26,11 @@ builds ``VllmConfig``: ``ModelConfig`` (``_get_and_verify_max_len``, the EP chec
 ``ParallelConfig`` (the TP / PCP / DCP sizes, ``--nnodes``), ``CacheConfig``,
 ``verify_with_parallel_config`` and the models' ``verify_and_update_config`` hooks.  Then
 ``PCPManager.validate_config`` (``vllm/v1/worker/gpu/pcp_manager.py``), the engine core's
-``VllmConfig.validate_block_size`` (the interleave against the block size) and, for GQA with
-DCP, the worker's ``check_attention_cp_compatibility`` (``vllm/v1/worker/cp_utils.py``: the LSE
-and the speculative-decoding interleave rule) on a stand-in attention layer whose ``impl`` is
-a bare ``FlashAttentionImpl`` (:func:`_attention_layer_stand_in`).  The attention backend's
-start-up checks run in ``FlashMLASparseMetadataBuilder.__init__``, which allocates CUDA
+``VllmConfig.validate_block_size`` (the interleave against the block size) and, with DCP or
+PCP, the worker's ``check_attention_cp_compatibility`` (``vllm/v1/worker/cp_utils.py``: PCP
+support, the LSE and the speculative-decoding interleave rule) on a stand-in attention layer
+whose backend vLLM's own selector picks (:func:`_attention_layer_stand_in`).  The attention
+backend's start-up checks run in ``FlashMLASparseMetadataBuilder.__init__``, which allocates CUDA
 tensors, so for sparse MLA with DCP :func:`flashmla_sparse_check` restates its three
 ``NotImplementedError`` conditions literally (``vllm/v1/attention/backends/mla/
 flashmla_sparse.py``, v0.34.0) over the built ``VllmConfig`` (``cache_dtype``,
@@ -71,7 +71,8 @@ def load(version: str = ANCHOR_RELEASE, gpus_per_node: int = 8) -> dict[str, obj
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "CRITICAL")
     sys.modules.setdefault("vllm._C_stable_libtorch", types.ModuleType("vllm._C_stable_libtorch"))
-    sys.modules.setdefault("vllm.vllm_flash_attn", _flash_attn_stand_in())
+    fa = sys.modules.setdefault("vllm.vllm_flash_attn", _flash_attn_stand_in())
+    sys.modules.setdefault("vllm.vllm_flash_attn.flash_attn_interface", fa)
     import vllm.platforms as platforms
     from vllm.platforms.cuda import NonNvmlCudaPlatform
     from vllm.platforms.interface import DeviceCapability
@@ -156,8 +157,9 @@ def vllm_version() -> str:
 
 
 def _flash_attn_stand_in() -> types.ModuleType:
-    """``vllm.vllm_flash_attn`` without its CUDA extensions: FA3 reported supported (as on
-    SM90), every kernel entry point raising if called (no rule calls one)."""
+    """``vllm.vllm_flash_attn`` (and its ``flash_attn_interface``, the same module here)
+    without its CUDA extensions: FA3 reported supported (as on SM90), every kernel entry point
+    raising if called (no rule calls one)."""
     fa = types.ModuleType("vllm.vllm_flash_attn")
 
     def kernel(*args: object, **kwargs: object) -> None:
@@ -258,19 +260,35 @@ def _environment(env: dict[str, str]):
 
 def _attention_layer_stand_in(vllm_config: object) -> object:
     """One decoder attention layer as ``check_attention_cp_compatibility`` reads it: an
-    ``Attention`` whose ``impl`` is a bare instance of the backend vLLM picks on SM90 for a GQA
-    model (``FlashAttentionImpl``), its class attributes vLLM's own, its ``dcp_world_size`` and
-    ``need_to_return_lse_for_decode`` set as ``AttentionImplBase.__new__`` sets them (it needs
-    the process groups)."""
+    ``Attention`` (GQA) or ``MLAAttention`` whose backend is the one vLLM's own selector
+    (``get_attn_backend``, ``vllm/v1/attention/selector.py``) picks for the config on the SM90
+    stand-in, and whose ``impl`` is a bare instance of that backend's implementation class:
+    its class attributes vLLM's own, ``dcp_world_size`` and ``need_to_return_lse_for_decode``
+    set as ``AttentionImplBase.__new__`` sets them (it needs the process groups).  On a CPU the
+    selector passes over FlashMLA (its compiled-kernel probe, ``vllm._flashmla_C``, fails);
+    FlashAttention-MLA, SM90's first choice, and Triton-MLA declare the same two attributes the
+    check reads."""
+    from vllm.config import set_current_vllm_config
     from vllm.model_executor.layers.attention import Attention
-    from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+    from vllm.v1.attention.selector import get_attn_backend
 
-    impl = object.__new__(FlashAttentionImpl)
-    impl.dcp_world_size = vllm_config.parallel_config.decode_context_parallel_size
+    model, par = vllm_config.model_config, vllm_config.parallel_config
+    with set_current_vllm_config(vllm_config):
+        backend = get_attn_backend(
+            model.get_head_size(),
+            model.dtype,
+            vllm_config.cache_config.cache_dtype,
+            use_mla=model.use_mla,
+            use_sparse=hasattr(model.hf_text_config, "index_topk"),
+            num_heads=model.get_num_attention_heads(par),
+        )
+    impl = object.__new__(backend.get_impl_cls())
+    impl.dcp_world_size = par.decode_context_parallel_size
     impl.need_to_return_lse_for_decode = impl.dcp_world_size > 1 and impl.can_return_lse_for_decode
-    layer = object.__new__(Attention)
+    layer = object.__new__(MLAAttention if model.use_mla else Attention)
     object.__setattr__(layer, "impl", impl)
-    object.__setattr__(layer, "get_attn_backend", None)  # read only with PCP (GQA has none)
+    object.__setattr__(layer, "get_attn_backend", lambda: backend)
     return layer
 
 
@@ -282,8 +300,8 @@ def run_line(line: str, config_json: dict) -> tuple[object | None, str, BaseExce
     (``VllmConfig.validate_block_size``, which the engine core calls once the backend's block
     size is known: the line's ``--block-size``, else ``CacheConfig.DEFAULT_BLOCK_SIZE``, 64,
     which FlashMLA and FlashAttention both run, so ``update_block_size_for_backend``, which
-    needs the backend classes, would keep it) and, for a
-    GQA model with DCP, ``worker`` (``check_attention_cp_compatibility``,
+    needs the backend classes, would keep it) and, with DCP or PCP, ``worker``
+    (``check_attention_cp_compatibility``,
     ``vllm/v1/worker/cp_utils.py``, on :func:`_attention_layer_stand_in`).  The exception is
     ``None`` when vLLM accepts the line (then the stage is ``"accepted"``)."""
     names = load()
@@ -310,12 +328,13 @@ def run_line(line: str, config_json: dict) -> tuple[object | None, str, BaseExce
         vllm_config.validate_block_size()
     except AssertionError as e:
         return vllm_config, "engine", e
-    if not model.use_mla and vllm_config.parallel_config.decode_context_parallel_size > 1:
+    par = vllm_config.parallel_config
+    if par.decode_context_parallel_size * par.prefill_context_parallel_size > 1:
         context = vllm_config.compilation_config.static_forward_context
         context["model.layers.0.self_attn.attn"] = _attention_layer_stand_in(vllm_config)
         try:
             names["check_attention_cp"](vllm_config)
-        except AssertionError as e:
+        except (AssertionError, ValueError) as e:  # ValueError: no backend for the config
             return vllm_config, "worker", e
         finally:
             context.pop("model.layers.0.self_attn.attn")

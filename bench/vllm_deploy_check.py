@@ -12,7 +12,8 @@ The environment (``.vllmenv``, gitignored), from the book's venv interpreter::
     PYTHONPATH=$PWD .vllmenv/bin/python bench/vllm_deploy_check.py --json --store
 
 For every line of :data:`~cpbook.planner.deploy_examples.QUESTIONS` (each node's line of a
-multi-node deployment) and of :data:`~cpbook.planner.deploy_examples.VIOLATIONS`,
+multi-node deployment) and of :data:`~cpbook.planner.deploy_examples.VIOLATIONS` (each broken
+line and its fix),
 :func:`vllm_config_check.run_line` (the one place that imports vLLM; see there for what stands
 in for a GPU) gives vLLM's verdict: ``accepted``, the stage that raised, the exception's type,
 its message's first line (vLLM's words, from its own code) and ``raised_at``, the
@@ -27,7 +28,8 @@ builds it (``FullAttentionSpec`` for GQA with the rank's KV heads, ``MLAAttentio
 ``get_kv_cache_configs`` with :data:`~cpbook.planner.deploy_examples.FREE_KV_BYTES_PER_GPU`
 free on each GPU (what vLLM would measure after loading the weights; assumed), and
 ``get_kv_cache_capacity`` (``vllm/v1/core/kv_cache_utils.py``), the number behind the start-up
-log line "GPU KV cache size: N tokens"; next to it the book's prediction for the same line
+log line "GPU KV cache size: N tokens", and that line itself, as ``update_kv_cache_capacity``
+logs it (captured from its logger); next to it the book's prediction for the same line
 (:func:`~cpbook.planner.deploy_examples.book_kv_capacity_tokens`).
 
 ``--store`` writes ``cpbook/data/vllm_deploy_check.json``, read by
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import traceback
 from pathlib import Path
@@ -92,10 +95,11 @@ def verdict(line: str, config_json: dict) -> dict:
     }
 
 
-def kv_capacity_tokens(line: str, config_json: dict) -> tuple[int, int]:
+def kv_capacity_tokens(line: str, config_json: dict) -> tuple[int, int, tuple[str, str]]:
     """vLLM's "GPU KV cache size" in tokens for ``line`` with
-    :data:`~cpbook.planner.deploy_examples.FREE_KV_BYTES_PER_GPU` free on each GPU, and the
-    block size (tokens per block on one GPU)."""
+    :data:`~cpbook.planner.deploy_examples.FREE_KV_BYTES_PER_GPU` free on each GPU, the
+    block size (tokens per block on one GPU) and vLLM's start-up log line that reports it
+    (:func:`_capacity_log_line`)."""
     import torch
     from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
     from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
@@ -131,8 +135,40 @@ def kv_capacity_tokens(line: str, config_json: dict) -> tuple[int, int]:
     resolve_kv_cache_layout(vllm_config, [[KV_CACHE_LAYOUT]], [spec])
     groups = get_global_kv_cache_groups(vllm_config, specs)
     configs = get_kv_cache_configs(vllm_config, specs, [de.FREE_KV_BYTES_PER_GPU], groups)
-    tokens, _ = get_kv_cache_capacity(vllm_config, generate_scheduler_kv_cache_config(configs))
-    return tokens, block
+    scheduler_config = generate_scheduler_kv_cache_config(configs)
+    tokens, _ = get_kv_cache_capacity(vllm_config, scheduler_config)
+    return tokens, block, _capacity_log_line(vllm_config, scheduler_config)
+
+
+class _Records(logging.Handler):
+    """Each record's message and ``vllm/...py:LINE`` (relative to ``root``)."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(logging.INFO)
+        self.root, self.lines = root, []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        at = f"{Path(record.pathname).relative_to(self.root).as_posix()}:{record.lineno}"
+        self.lines.append((record.getMessage(), at))
+
+
+def _capacity_log_line(vllm_config: object, kv_cache_config: object) -> tuple[str, str]:
+    """The start-up log line vLLM's ``update_kv_cache_capacity`` writes for this config
+    ("GPU KV cache size: N tokens, Maximum concurrency ..."), captured from its logger, and
+    the ``vllm/...py:LINE`` that logs it."""
+    from vllm.v1.core import kv_cache_utils
+
+    log, records = kv_cache_utils.logger, _Records(Path(kv_cache_utils.__file__).parents[3])
+    level = log.level
+    log.setLevel(logging.INFO)
+    log.addHandler(records)
+    try:
+        kv_cache_utils.update_kv_cache_capacity(vllm_config, kv_cache_config)
+    finally:
+        log.removeHandler(records)
+        log.setLevel(level)
+    (line,) = records.lines
+    return line
 
 
 def capacities(key: str) -> dict:
@@ -150,12 +186,14 @@ def capacities(key: str) -> dict:
             max_num_seqs=1,
             launch=Launch(q.gpus_per_node),
         )
-        tokens, block = kv_capacity_tokens(line, hf_config_json(q.model))
+        tokens, block, (log_line, log_at) = kv_capacity_tokens(line, hf_config_json(q.model))
         out[name] = {
             "line": line,
             "dcp": d.dcp,
             "block_size": block,
             "vllm_tokens": tokens,
+            "vllm_log": log_line,
+            "vllm_log_at": log_at,
             "book_tokens": de.book_kv_capacity_tokens(
                 p.model, d, e.kv_dtype, de.FREE_KV_BYTES_PER_GPU
             ),
@@ -176,7 +214,12 @@ def run() -> dict:
             "kv_capacity": capacities(key),
         }
     violations = {
-        key: {"model": v.model, "cpbook_rule": v.cpbook_rule, **verdict(v.line, v.hf_config())}
+        key: {
+            "model": v.model,
+            "cpbook_rule": v.cpbook_rule,
+            **verdict(v.line, v.hf_config()),
+            "fix": verdict(v.fix, v.hf_config()),
+        }
         for key, v in de.VIOLATIONS.items()
     }
     return {

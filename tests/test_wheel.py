@@ -60,6 +60,9 @@ data = resources.files("cpbook.data")
 for name in cpbook.data.STORED:
     assert inside(str(data.joinpath(name)), venv), f"{name} read from {data}"
     assert cpbook.data.stored_text(name) == expected["texts"][name], f"{name} differs"
+for name, path in cpbook.data.HF_CONFIGS.items():
+    assert inside(path, venv), f"{name}'s config.json read from {path}"
+    assert cpbook.data.hf_config_json(name) == expected["hf_configs"][name], f"{name} differs"
 
 from cpbook.core.launch import run
 from cpbook.demos import get_demo
@@ -137,7 +140,10 @@ def test_wheel_installs_and_runs_outside_checkout(tmp_path):
     work = tmp_path / "elsewhere"
     work.mkdir()
     (work / "check.py").write_text(CHECK)
-    (work / "expected.json").write_text(json.dumps({"texts": texts, "break_even": break_even}))
+    hf_configs = (src / "cpbook" / "data" / "hf_configs").glob("*.json")
+    hf = {p.stem: json.loads(p.read_text()) for p in hf_configs}
+    expected = {"texts": texts, "break_even": break_even, "hf_configs": hf}
+    (work / "expected.json").write_text(json.dumps(expected))
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
     env.pop("VIRTUAL_ENV", None)
     proc = _run([py, "-I", "check.py", venv, ROOT, "expected.json"], cwd=work, env=env)

@@ -7,7 +7,9 @@ through :mod:`cpbook.core.hf_config`), :mod:`.vllm_rules` (what vLLM serves),
 workload and every deployment vLLM serves), :mod:`.objective` (what a plan ranks by, the
 default by workload), :mod:`.plan_space` (one deployment's numbers, the ranking, the Pareto
 set), :mod:`.plan_advice` (the reasons, and what would fit), :mod:`.plan` (:func:`plan`), and
-:mod:`.decision_path` (the article's three questions, kept as a check on the planner).  The
+:mod:`.decision_path` (the article's three questions, kept as a check on the planner) and
+:mod:`.deploy_examples` (three deployments a reader would run, and one broken ``vllm serve``
+line per rule, with vLLM's stored verdicts).  The
 planner and the cost model import no torch.  Its public names are re-exported here
 (``from cpbook import planner; planner.plan(...)``).
 """

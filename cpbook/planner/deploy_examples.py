@@ -7,7 +7,8 @@ is the planner's :class:`~cpbook.planner.plan.Plan` for one and :func:`serve_lin
 ``small-mla``
     DeepSeek-V2-Lite (MLA, 16 query heads, one 576-wide latent per token) on up to 4 H100s,
     one request of 128K + 1K tokens: the planner spends the four GPUs on TP 4 with DCP 4 and
-    query replication, which shortens the latency (each GPU reads a quarter of the latent).
+    query replication, for the lowest latency (each GPU reads a quarter of the request's
+    cached latents each decode step).
 ``gqa-node``
     Qwen3-235B-A22B (GQA, 4 KV heads) on one node of 8 H200s, 64 requests of 32K + 1K tokens
     (its native window, 40,960 positions).  TP 8 replicates each KV head on 8 / 4 = 2 GPUs,
@@ -16,7 +17,8 @@ is the planner's :class:`~cpbook.planner.plan.Plan` for one and :func:`serve_lin
     replicate at TP 8: no DCP on one node.)
 ``mla-two-nodes``
     DeepSeek-V3 on 16 H200s in two nodes of 8, 32 requests of 128K + 1K tokens: two TP 8
-    replicas (one per node) with DCP 8 and query replication; the line carries
+    replicas of 8 GPUs (DP 2) with DCP 8 and query replication, where without DCP each
+    replica holds only a few such requests; the line carries
     ``--nnodes 2 --node-rank R --master-addr`` and node 1's ``--headless``.
 
 :data:`VIOLATIONS` holds one broken line per rule, with the model's ``config.json`` (package
@@ -161,89 +163,89 @@ def book_kv_capacity_tokens(
 @dataclass(frozen=True)
 class Violation:
     """A ``vllm serve`` ``line`` for ``model`` (a key of :data:`cpbook.data.HF_CONFIGS`) that
-    breaks one rule: ``broken`` says which in words, ``cpbook_rule`` names cpbook's rule."""
+    breaks one rule: ``broken`` says which in words, ``cpbook_rule`` names cpbook's rule, and
+    ``fix`` is the nearest line that keeps it."""
 
     model: str
     line: str
     broken: str
     cpbook_rule: str
+    fix: str
 
     def hf_config(self) -> dict:
         return data.hf_config_json(self.model)
 
 
-def _line(model: str, flags: str, env: str = "") -> str:
-    return f"{env}vllm serve {HF_REPOS[model]} {flags}"
+def _violation(model: str, flags: str, broken: str, rule: str, fixed: str) -> Violation:
+    serve = f"vllm serve {HF_REPOS[model]}"
+    return Violation(model, f"{serve} {flags}", broken, rule, f"{serve} {fixed}")
 
 
 _NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4})
+_V2_LITE, _QWEN3, _LLAMA = "DeepSeek-V2-Lite", "Qwen3-235B-A22B", "Llama-3.1-70B"
+_INTERLEAVE = "-tp 8 -dcp 2 --block-size 16 --cp-kv-cache-interleave-size"
+_SPARSE_PCP_DCP = "-tp 4 -pcp 2 -dcp 2 --dcp-comm-backend {backend} --kv-cache-dtype fp8_ds_mla"
 
 VIOLATIONS: dict[str, Violation] = {
-    "dcp-not-dividing-tp": Violation(
-        "DeepSeek-V2-Lite",
-        _line("DeepSeek-V2-Lite", "-tp 4 -dcp 3"),
-        "DCP does not divide TP",
-        "tp-divisible-by-dcp",
+    "dcp-not-dividing-tp": _violation(
+        _V2_LITE, "-tp 4 -dcp 3", "DCP does not divide TP", "tp-divisible-by-dcp", "-tp 4 -dcp 4"
     ),
-    "gqa-dcp-without-replicas": Violation(
-        "Llama-3.1-70B",
-        _line("Llama-3.1-70B", "-tp 8 -dcp 2"),
+    "gqa-dcp-without-replicas": _violation(
+        _LLAMA,
+        "-tp 8 -dcp 2",
         "GQA DCP with no KV head replicated (TP = KV heads)",
         "gqa-dcp-needs-replicated-kv",
+        "-tp 8",
     ),
-    "gqa-dcp-beyond-replicas": Violation(
-        "Qwen3-235B-A22B",
-        _line("Qwen3-235B-A22B", "-tp 8 -dcp 4"),
+    "gqa-dcp-beyond-replicas": _violation(
+        _QWEN3,
+        "-tp 8 -dcp 4",
         "GQA DCP larger than the KV head's copies (TP / KV heads = 2)",
         "gqa-dcp-within-replicas",
+        "-tp 8 -dcp 2",
     ),
-    "pcp-gqa": Violation(
-        "Qwen3-235B-A22B",
-        _line("Qwen3-235B-A22B", "-tp 4 -pcp 2"),
-        "PCP on a GQA model",
-        "pcp-mla-only",
-    ),
-    "pcp-dcp-dense-mla": Violation(
+    "pcp-gqa": _violation(_QWEN3, "-tp 4 -pcp 2", "PCP on a GQA model", "pcp-mla-only", "-tp 8"),
+    "pcp-dcp-dense-mla": _violation(
         "DeepSeek-V3",
-        _line("DeepSeek-V3", "-tp 4 -pcp 2 -dcp 2"),
+        "-tp 4 -pcp 2 -dcp 2",
         "PCP x DCP on dense MLA",
         "pcp-dcp-sparse-mla-only",
+        "-tp 4 -pcp 2",
     ),
-    "pcp-dcp-a2a": Violation(
+    "pcp-dcp-a2a": _violation(
         "DeepSeek-V3.2",
-        _line(
-            "DeepSeek-V3.2",
-            "-tp 4 -pcp 2 -dcp 2 --dcp-comm-backend a2a --kv-cache-dtype fp8_ds_mla",
-        ),
+        _SPARSE_PCP_DCP.format(backend="a2a"),
         "PCP x DCP with the a2a backend",
         "pcp-dcp-needs-ag-rs",
+        _SPARSE_PCP_DCP.format(backend="ag_rs"),
     ),
-    "interleave-above-block": Violation(
-        "Qwen3-235B-A22B",
-        _line("Qwen3-235B-A22B", "-tp 8 -dcp 2 --block-size 16 --cp-kv-cache-interleave-size 32"),
+    "interleave-above-block": _violation(
+        _QWEN3,
+        f"{_INTERLEAVE} 32",
         "interleave size above the block size",
         "interleave-le-block-size",
+        f"{_INTERLEAVE} 16",
     ),
-    "interleave-not-dividing-block": Violation(
-        "Qwen3-235B-A22B",
-        _line("Qwen3-235B-A22B", "-tp 8 -dcp 2 --block-size 16 --cp-kv-cache-interleave-size 12"),
+    "interleave-not-dividing-block": _violation(
+        _QWEN3,
+        f"{_INTERLEAVE} 12",
         "interleave size not dividing the block size",
         "block-size-divisible-by-interleave",
+        f"{_INTERLEAVE} 8",
     ),
-    "spec-decode-interleave": Violation(
-        "Qwen3-235B-A22B",
-        _line(
-            "Qwen3-235B-A22B",
-            f"-tp 8 -dcp 2 --cp-kv-cache-interleave-size 16 --speculative-config '{_NGRAM}'",
-        ),
+    "spec-decode-interleave": _violation(
+        _QWEN3,
+        f"-tp 8 -dcp 2 --cp-kv-cache-interleave-size 16 --speculative-config '{_NGRAM}'",
         "speculative decoding with interleave size > 1",
         "spec-cp-interleave-one",
+        f"-tp 8 -dcp 2 --speculative-config '{_NGRAM}'",
     ),
-    "max-model-len-past-positions": Violation(
-        "Qwen3-235B-A22B",
-        _line("Qwen3-235B-A22B", "-tp 8 --max-model-len 131072"),
+    "max-model-len-past-positions": _violation(
+        _QWEN3,
+        "-tp 8 --max-model-len 131072",
         "--max-model-len past the model's positions, without VLLM_ALLOW_LONG_MAX_MODEL_LEN=1",
         "max-model-len-within-positions",
+        "-tp 8 --max-model-len 40960",
     ),
 }
 

@@ -15,7 +15,9 @@ wider than a node, vLLM's multiprocessing multi-node launch: the same line on ev
 ``--max-model-len`` beyond the model's ``max_position_embeddings`` is prefixed with
 ``VLLM_ALLOW_LONG_MAX_MODEL_LEN=1``, the variable vLLM asks for
 (:func:`~cpbook.planner.vllm_rules.check_max_model_len`).
-:func:`parse_serve_command` reads those flags (long or short) back into the deployment.
+:func:`parse_serve_command` reads those flags (long or short) back into the deployment;
+:func:`serve_options` reads every one of them, and two a reader adds by hand, ``--block-size``
+(``CacheConfig.block_size``) and ``--speculative-config`` (a JSON ``SpeculativeConfig``).
 """
 
 from __future__ import annotations
