@@ -165,10 +165,9 @@ def peer_ms(case: Case, mode: str = "static", osl: int = OSL) -> tuple[float, fl
     from aiconfigurator.cli.api import cli_estimate
 
     lay = case.layout
-    if lay.ep:
-        par = dict(tp_size=lay.tp, attention_dp_size=lay.dp, moe_tp_size=1, moe_ep_size=lay.dp)
-    elif case.moe:
-        par = dict(tp_size=lay.tp, attention_dp_size=lay.dp, moe_tp_size=lay.moe_tp, moe_ep_size=1)
+    if case.moe:  # the experts over the whole pool: EP, or split by TP
+        ep = lay.num_gpus if lay.ep else 1
+        par = dict(tp_size=lay.tp, attention_dp_size=lay.dp, moe_tp_size=lay.moe_tp, moe_ep_size=ep)
     else:
         par = dict(tp_size=lay.tp)
     r = cli_estimate(
