@@ -26,12 +26,14 @@ A case runs only where cpbook's memory model holds the batch (``max_concurrency`
 
 Two sets: the *fitting set* (:data:`PEER_MODELS` at :data:`ISLS` x :data:`BATCHES`), the cases
 ``cpbook/costmodel/gpu_terms.py``'s terms were read off, and the *held-out set*
-(:data:`HELD_OUT_MODELS` at :data:`HELD_OUT_ISLS` x :data:`HELD_OUT_BATCHES`, with two more MoE
-layouts: DP 8 attention with each expert split by TP over the 8 GPUs, the peer's
-``attention_dp_size=8, moe_tp_size=8``, and DP2 x TP8 x EP16), which no term was read off.
+(:data:`HELD_OUT_MODELS` at :data:`HELD_OUT_ISLS` x :data:`HELD_OUT_BATCHES`, with one more MoE
+layout: DP 8 attention with each expert split by TP over the 8 GPUs, the peer's
+``attention_dp_size=8, moe_tp_size=8``), which no term was read off.  Kimi-K2 is not among
+them: its FP8 weights do not fit 8 H200s in cpbook's memory model, and the peer has no
+cross-node EP data for the vLLM backend.
 Held-out rows are named ``vs_aic_held_out`` and summarised per model
 (``vs_aic_held_out_summary``); ``vs_aic_family`` lines give both sets' errors per model family
-(dense, MoE).  Both sides price groups that span the peer's 8-GPU nodes on the inter-node link.
+(dense, MoE).
 
 Aggregated mode (continuous batching with chunked prefill, ``--agg`` cases, H200, one layout
 per model): the peer's ``mode="agg"`` with ``batch_size`` = concurrency and its default
@@ -61,7 +63,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cpbook import costmodel as cm
-from cpbook.costmodel.nodes import Nodes
 from cpbook.planner.hf_config import model_from_hf_config
 
 #: cpbook's model name -> the peer's Hugging Face id (shipped with the peer, no network): the
@@ -79,7 +80,6 @@ HELD_OUT_MODELS = {
     "Llama-3.1-405B": "meta-llama/Meta-Llama-3.1-405B",
     "Qwen3-30B-A3B": "Qwen/Qwen3-30B-A3B",
     "Mixtral-8x7B": "mistralai/Mixtral-8x7B-v0.1",
-    "Kimi-K2": "moonshotai/Kimi-K2-Instruct",
 }
 PEER_SYSTEMS = {"H200": "h200_sxm", "H100": "h100_sxm"}
 ISLS = (4096, 32768, 131072)
@@ -120,12 +120,10 @@ def model_spec(name: str) -> cm.ModelSpec:
 
 def layouts(model: str, held_out: bool = False) -> list[cm.Deployment]:
     """TP 1-8 for dense models (held out: TP 2-8); TP 4/8 and DP8 x EP8 for MoE models, and
-    held out also DP 8 attention with each expert split by TP over the 8 GPUs, and DP2 x TP8
-    x EP16 on two 8-GPU nodes."""
+    held out also DP 8 attention with each expert split by TP over the 8 GPUs."""
     if model_spec(model).expert_params:
         moe = [cm.Deployment(tp=4), cm.Deployment(tp=8), cm.Deployment(dp=8, ep=True)]
-        wide = [cm.Deployment(dp=8), cm.Deployment(tp=8, dp=2, ep=True)]
-        return moe + wide if held_out else moe
+        return moe + [cm.Deployment(dp=8)] if held_out else moe
     return [cm.Deployment(tp=t) for t in ((2, 4, 8) if held_out else (1, 2, 4, 8))]
 
 
@@ -152,10 +150,8 @@ def cases(models: list[str], gpus: list[str], held_out: bool = False) -> list[Ca
 def cpbook_ms(case: Case) -> tuple[float, float]:
     """cpbook's TTFT and TPOT of ``case`` in milliseconds (see the module docstring)."""
     spec, gpu = model_spec(case.model), cm.get_gpu(case.gpu)
-    knobs = cm.CostKnobs(nodes=Nodes(gpu.gpus_per_node))  # the peer's systems: 8 GPUs a node
-    ttft = case.batch * cm.ttft(spec, gpu, case.layout, case.isl, knobs=knobs).total_s
-    batch = case.batch * case.layout.dp
-    step = cm.tpot(spec, gpu, case.layout, case.isl + OSL // 2, batch, knobs=knobs)
+    ttft = case.batch * cm.ttft(spec, gpu, case.layout, case.isl).total_s
+    step = cm.tpot(spec, gpu, case.layout, case.isl + OSL // 2, case.batch * case.layout.dp)
     return ttft * 1e3, step.total_s * 1e3
 
 
