@@ -24,6 +24,17 @@ decode steps.  The two sides are matched as follows:
 
 A case runs only where cpbook's memory model holds the batch (``max_concurrency``).
 
+Two sets: the *fitting set* (:data:`PEER_MODELS` at :data:`ISLS` x :data:`BATCHES`), the cases
+``cpbook/costmodel/gpu_terms.py``'s terms were read off, and the *held-out set*
+(:data:`HELD_OUT_MODELS` at :data:`HELD_OUT_ISLS` x :data:`HELD_OUT_BATCHES`, with one more MoE
+layout: DP 8 attention with each expert split by TP over the 8 GPUs, the peer's
+``attention_dp_size=8, moe_tp_size=8``), which no term was read off.  Kimi-K2 is not among
+them: its FP8 weights do not fit 8 H200s in cpbook's memory model, and the peer has no
+cross-node EP data for the vLLM backend.
+Held-out rows are named ``vs_aic_held_out`` and summarised per model
+(``vs_aic_held_out_summary``); ``vs_aic_family`` lines give both sets' errors per model family
+(dense, MoE).
+
 Aggregated mode (continuous batching with chunked prefill, ``--agg`` cases, H200, one layout
 per model): the peer's ``mode="agg"`` with ``batch_size`` = concurrency and its default
 ``ctx_tokens`` (= ``isl``) against cpbook's ``tpot(..., concurrency,
@@ -44,6 +55,7 @@ stop at ``isl`` 128K, and nothing here covers longer contexts.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import statistics
@@ -51,17 +63,29 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cpbook import costmodel as cm
+from cpbook.planner.hf_config import model_from_hf_config
 
-#: cpbook's model name -> the peer's Hugging Face id (shipped with the peer, no network)
+#: cpbook's model name -> the peer's Hugging Face id (shipped with the peer, no network): the
+#: fitting set, the models the GPU-side terms of ``gpu_terms.py`` were read off
 PEER_MODELS = {
     "Llama-3.1-8B": "meta-llama/Meta-Llama-3.1-8B",
     "Llama-3.1-70B": "meta-llama/Meta-Llama-3.1-70B",
     "Qwen3-235B-A22B": "Qwen/Qwen3-235B-A22B",
     "DeepSeek-V3": "deepseek-ai/DeepSeek-V3",
 }
+#: the held-out set: models no term was read off (cpbook's spec from its built-in table, else
+#: from the ``config.json`` the peer ships), at other prompt lengths and batch sizes
+HELD_OUT_MODELS = {
+    "Qwen3-32B": "Qwen/Qwen3-32B",
+    "Llama-3.1-405B": "meta-llama/Meta-Llama-3.1-405B",
+    "Qwen3-30B-A3B": "Qwen/Qwen3-30B-A3B",
+    "Mixtral-8x7B": "mistralai/Mixtral-8x7B-v0.1",
+}
 PEER_SYSTEMS = {"H200": "h200_sxm", "H100": "h100_sxm"}
 ISLS = (4096, 32768, 131072)
 BATCHES = (1, 8, 32, 64)
+HELD_OUT_ISLS = (2048, 8192, 65536)
+HELD_OUT_BATCHES = (2, 16, 128)
 OSL = 256
 #: aggregated-mode cases: one TP layout per model, 4K prompts, two output lengths
 AGG_LAYOUTS = {"Llama-3.1-8B": 1, "Llama-3.1-70B": 8, "Qwen3-235B-A22B": 8, "DeepSeek-V3": 8}
@@ -79,37 +103,53 @@ class Case:
 
     @property
     def moe(self) -> bool:
-        return bool(cm.get_model(self.model).expert_params)
+        return bool(model_spec(self.model).expert_params)
 
 
-def layouts(model: str) -> list[cm.Deployment]:
-    """TP 1-8 for dense models; TP 4/8 and DP8 x EP8 for MoE models."""
-    if cm.get_model(model).expert_params:
-        return [cm.Deployment(tp=4), cm.Deployment(tp=8), cm.Deployment(dp=8, ep=True)]
-    return [cm.Deployment(tp=t) for t in (1, 2, 4, 8)]
+@functools.cache
+def model_spec(name: str) -> cm.ModelSpec:
+    """cpbook's spec of ``name``: the built-in one, else read from the peer's ``config.json``."""
+    if name in cm.MODELS:
+        return cm.get_model(name)
+    from aiconfigurator_core import __file__ as core
+
+    org, model = HELD_OUT_MODELS[name].split("/")
+    path = Path(core).parent / "model_configs" / f"{org}--{model}_config.json"
+    return model_from_hf_config(json.loads(path.read_text()), name=name)
 
 
-def cases(models: list[str], gpus: list[str]) -> list[Case]:
-    """Every (model, GPU, layout, isl, batch) whose batch fits cpbook's memory model."""
+def layouts(model: str, held_out: bool = False) -> list[cm.Deployment]:
+    """TP 1-8 for dense models (held out: TP 2-8); TP 4/8 and DP8 x EP8 for MoE models, and
+    held out also DP 8 attention with each expert split by TP over the 8 GPUs."""
+    if model_spec(model).expert_params:
+        moe = [cm.Deployment(tp=4), cm.Deployment(tp=8), cm.Deployment(dp=8, ep=True)]
+        return moe + [cm.Deployment(dp=8)] if held_out else moe
+    return [cm.Deployment(tp=t) for t in ((2, 4, 8) if held_out else (1, 2, 4, 8))]
+
+
+def cases(models: list[str], gpus: list[str], held_out: bool = False) -> list[Case]:
+    """Every (model, GPU, layout, isl, batch) whose batch fits cpbook's memory model, at the
+    fitting set's prompt lengths and batches or the held-out set's."""
+    isls, batches = (HELD_OUT_ISLS, HELD_OUT_BATCHES) if held_out else (ISLS, BATCHES)
     out = []
     for name in models:
-        spec = cm.get_model(name)
+        spec = model_spec(name)
         for gpu in gpus:
-            for layout in layouts(name):
-                for isl in ISLS:
+            for layout in layouts(name, held_out):
+                for isl in isls:
                     try:
                         fits = cm.max_concurrency(spec, cm.get_gpu(gpu), layout, isl + OSL)
                     except ValueError:  # the weights alone do not fit
                         continue
                     out += [
-                        Case(name, gpu, layout, isl, b) for b in BATCHES if b * layout.dp <= fits
+                        Case(name, gpu, layout, isl, b) for b in batches if b * layout.dp <= fits
                     ]
     return out
 
 
 def cpbook_ms(case: Case) -> tuple[float, float]:
     """cpbook's TTFT and TPOT of ``case`` in milliseconds (see the module docstring)."""
-    spec, gpu = cm.get_model(case.model), cm.get_gpu(case.gpu)
+    spec, gpu = model_spec(case.model), cm.get_gpu(case.gpu)
     ttft = case.batch * cm.ttft(spec, gpu, case.layout, case.isl).total_s
     step = cm.tpot(spec, gpu, case.layout, case.isl + OSL // 2, case.batch * case.layout.dp)
     return ttft * 1e3, step.total_s * 1e3
@@ -121,14 +161,13 @@ def peer_ms(case: Case, mode: str = "static", osl: int = OSL) -> tuple[float, fl
     from aiconfigurator.cli.api import cli_estimate
 
     lay = case.layout
-    if lay.ep:
-        par = dict(tp_size=lay.tp, attention_dp_size=lay.dp, moe_tp_size=1, moe_ep_size=lay.dp)
-    elif case.moe:
-        par = dict(tp_size=lay.tp, moe_tp_size=lay.tp, moe_ep_size=1)
+    if case.moe:  # the experts over the whole pool: EP, or split by TP
+        ep = lay.num_gpus if lay.ep else 1
+        par = dict(tp_size=lay.tp, attention_dp_size=lay.dp, moe_tp_size=lay.moe_tp, moe_ep_size=ep)
     else:
         par = dict(tp_size=lay.tp)
     r = cli_estimate(
-        PEER_MODELS[case.model],
+        {**PEER_MODELS, **HELD_OUT_MODELS}[case.model],
         PEER_SYSTEMS[case.gpu],
         mode=mode,
         backend_name="vllm",
@@ -169,16 +208,16 @@ def agg_rows() -> list[dict]:
     return rows
 
 
-def summary(model: str, rows: list[dict], db: str) -> dict:
-    """Median and worst ``|ratio - 1|`` of one model's rows."""
+def family(model: str) -> str:
+    return "moe" if model_spec(model).expert_params else "dense"
+
+
+def errors(rows: list[dict]) -> dict:
+    """Median and worst ``|ratio - 1|`` of ``rows``' TTFT and TPOT."""
     ttft = [abs(r["ttft_ratio"] - 1) for r in rows]
     tpot = [abs(r["tpot_ratio"] - 1) for r in rows]
     return {
-        "name": "vs_aic_summary",
-        "model": model,
-        "family": "moe" if cm.get_model(model).expert_params else "dense",
         "cases": len(rows),
-        "aic_vllm_db": db,
         "ttft_median_abs_err": round(statistics.median(ttft), 3),
         "ttft_worst_abs_err": round(max(ttft), 3),
         "tpot_median_abs_err": round(statistics.median(tpot), 3),
@@ -186,29 +225,21 @@ def summary(model: str, rows: list[dict], db: str) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--json", action="store_true", help="print JSON lines (the default output)")
-    p.add_argument("--models", nargs="+", default=list(PEER_MODELS), choices=list(PEER_MODELS))
-    p.add_argument("--gpus", nargs="+", default=list(PEER_SYSTEMS), choices=list(PEER_SYSTEMS))
-    p.add_argument("--store", type=Path, help="also write the lines to this file")
-    p.add_argument("--no-agg", action="store_true", help="skip the aggregated-mode cases")
-    a = p.parse_args(argv)
-    try:
-        from importlib.metadata import version
+def summary(model: str, rows: list[dict], db: str, name: str = "vs_aic_summary") -> dict:
+    """Median and worst ``|ratio - 1|`` of one model's rows."""
+    head = {"name": name, "model": model, "family": family(model)}
+    return {**head, "cases": len(rows), "aic_vllm_db": db, **errors(rows)}
 
-        peer_version = version("aiconfigurator")
-    except Exception as e:  # the peer is optional: say how to get it
-        raise SystemExit(f"vs_aiconfigurator: {e}; install it as the docstring says") from e
-    logging.disable(logging.WARNING)  # the peer logs its database loads at INFO/WARNING
-    lines = [{"name": "vs_aic_peer", "aiconfigurator": peer_version, "backend": "vllm"}]
-    print(json.dumps(lines[0]), flush=True)
+
+def compare(todo: list[Case], name: str) -> tuple[dict[str, list[dict]], str]:
+    """One row per case, printed as it comes, grouped by model; and the peer's vLLM version."""
     by_model: dict[str, list[dict]] = {}
-    for case in cases(a.models, a.gpus):
+    db = ""
+    for case in todo:
         ttft, step = cpbook_ms(case)
         aic_ttft, aic_step, db = peer_ms(case)
         row = {
-            "name": "vs_aic",
+            "name": name,
             "model": case.model,
             "gpu": case.gpu,
             "layout": case.layout.label,
@@ -222,9 +253,47 @@ def main(argv: list[str] | None = None) -> None:
             "tpot_ratio": round(step / aic_step, 3),
         }
         by_model.setdefault(case.model, []).append(row)
-        lines.append(row)
         print(json.dumps(row), flush=True)
+    return by_model, db
+
+
+def family_summaries(sets: dict[str, dict[str, list[dict]]]) -> list[dict]:
+    """Per set (``fit``, ``held_out``) and model family (dense, MoE): the errors of its rows."""
+    out = []
+    for name, by_model in sets.items():
+        for fam in ("dense", "moe"):
+            rows = [r for m, rs in by_model.items() if family(m) == fam for r in rs]
+            if rows:
+                out.append({"name": "vs_aic_family", "set": name, "family": fam, **errors(rows)})
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json", action="store_true", help="print JSON lines (the default output)")
+    p.add_argument("--models", nargs="+", default=list(PEER_MODELS), choices=list(PEER_MODELS))
+    p.add_argument("--gpus", nargs="+", default=list(PEER_SYSTEMS), choices=list(PEER_SYSTEMS))
+    p.add_argument("--store", type=Path, help="also write the lines to this file")
+    p.add_argument("--no-agg", action="store_true", help="skip the aggregated-mode cases")
+    p.add_argument("--no-held-out", action="store_true", help="skip the held-out cases")
+    a = p.parse_args(argv)
+    try:
+        from importlib.metadata import version
+
+        peer_version = version("aiconfigurator")
+    except Exception as e:  # the peer is optional: say how to get it
+        raise SystemExit(f"vs_aiconfigurator: {e}; install it as the docstring says") from e
+    logging.disable(logging.WARNING)  # the peer logs its database loads at INFO/WARNING
+    lines = [{"name": "vs_aic_peer", "aiconfigurator": peer_version, "backend": "vllm"}]
+    print(json.dumps(lines[0]), flush=True)
+    by_model, db = compare(cases(a.models, a.gpus), "vs_aic")
+    held: dict[str, list[dict]] = {}
+    if not a.no_held_out:
+        held, _ = compare(cases(list(HELD_OUT_MODELS), a.gpus, True), "vs_aic_held_out")
+    lines += [r for rows in (*by_model.values(), *held.values()) for r in rows]
     summaries = [summary(m, rows, db) for m, rows in by_model.items()]
+    summaries += [summary(m, rows, db, "vs_aic_held_out_summary") for m, rows in held.items()]
+    summaries += family_summaries({"fit": by_model, "held_out": held})
     if not a.no_agg:
         agg = agg_rows()
         err = [abs(r["tpot_ratio"] - 1) for r in agg]

@@ -424,12 +424,15 @@ def test_1m_512_users_is_not_keep_the_layout():
 
 
 def test_4k_512_users_says_what_it_shows():
-    """Old answer: "pure DP" beside a TP8 deployment.  Right: pure DP (TP1, no EP) cannot hold
-    DeepSeek-V3's weights; the winner holds the 512 requests and its reasons and flags name the
-    same deployment."""
+    """Old answer: "pure DP" beside a TP8 deployment.  Right: DP 8 without EP is not eight
+    whole copies: vLLM splits each expert by TP over the 8 GPUs, so it holds DeepSeek-V3's
+    weights in the bytes per GPU EP would; the winner holds the 512 requests and its reasons
+    and flags name the same deployment."""
     p = explorer(4 * K, 512)
-    pure = next(e for e in p.dropped if e.deployment == Deployment(dp=8))
-    assert pure.drop == "model-fits"
+    rows = p.ranked + p.dropped
+    pure = next(e for e in rows if e.deployment == Deployment(dp=8))
+    ep = next(e for e in rows if e.deployment == Deployment(dp=8, ep=True))
+    assert pure.drop != "model-fits" and pure.weight_bytes == ep.weight_bytes
     assert p.winner.capacity >= 512
     assert pl.parse_serve_command(p.command()) == (p.winner.deployment, p.winner.kv_dtype)
     assert p.reasons[0].startswith(p.winner.label + " ")

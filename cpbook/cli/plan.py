@@ -154,6 +154,11 @@ LEGEND = (
     "other requests each step carries (continuous batching); * on the Pareto set of TTFT, "
     "TPOT+pf and tok/s/GPU"
 )
+#: the legend's line for a MoE model's ``experts`` column
+MOE_LEGEND = (
+    "experts: a MoE layer runs on all the deployment's GPUs, each expert split by TP over them "
+    "(vLLM's -dp without --enable-expert-parallel) or whole experts spread by EP"
+)
 
 
 def _plan_table(p: Plan, top: int) -> list[str]:
@@ -168,18 +173,21 @@ def _plan_table(p: Plan, top: int) -> list[str]:
     ]
     if p.cp_note:
         lines.append(p.cp_note)
+    moe = bool(p.model.expert_params)
     lines += [
-        f"{'#':>3}  {'deployment':24s} {'GPUs':>4} {'weights':>8} {'KV room':>8} {'holds':>6} "
-        f"{'TTFT':>9} {'step':>9} {'TPOT+pf':>9} {'tok/s/GPU':>10}",
+        f"{'#':>3}  {'deployment':24s} {'GPUs':>4} {'experts ' if moe else ''}{'weights':>8} "
+        f"{'KV room':>8} {'holds':>6} {'TTFT':>9} {'step':>9} {'TPOT+pf':>9} {'tok/s/GPU':>10}",
     ]
     for i, e in enumerate(p.ranked[:top], 1):
         mark = "*" if id(e) in front else " "
+        experts = f"{e.deployment.moe_label.removeprefix('experts '):>7} " if moe else ""
         lines.append(
-            f"{i:>3}{mark} {e.label:24s} {e.num_gpus:>4} {e.weight_bytes / GB:>5.1f} GB "
+            f"{i:>3}{mark} {e.label:24s} {e.num_gpus:>4} {experts}{e.weight_bytes / GB:>5.1f} GB "
             f"{e.kv_budget_bytes / GB:>5.1f} GB {e.capacity:>6,} {fmt_s(e.ttft_s):>9} "
             f"{fmt_s(e.step_s):>9} {fmt_s(e.tpot_s):>9} {fmt_rate(e.tokens_per_s_per_gpu, 4):>10}"
         )
-    return lines + [LEGEND, "", "Why:"] + [f"  - {r}" for r in p.reasons]
+    legend = [LEGEND] + ([MOE_LEGEND] if moe else [])
+    return lines + legend + ["", "Why:"] + [f"  - {r}" for r in p.reasons]
 
 
 def _plan_summary(p: Plan) -> dict:

@@ -4,7 +4,9 @@ Modules: :mod:`.specs` (GPUs, links, models, every number sourced in ``book/refe
 :mod:`.knobs` (:class:`~cpbook.costmodel.knobs.CostKnobs`, the assumptions every time
 function takes), :mod:`.memory` (weights and KV per GPU, longest request, concurrency, of one
 :class:`~cpbook.costmodel.memory.Deployment`), :mod:`.decode` (α–β collectives and one decode
-step's attention per layer, chapter 6), :mod:`.gpu_terms` (the GPU side's efficiencies and fixed
+step's attention per layer, chapter 6), :mod:`.moe_gather` (a MoE layer's token exchange over
+the DP x PCP x TP pool its experts span), :mod:`.nodes` (which groups cross nodes),
+:mod:`.gpu_terms` (the GPU side's efficiencies and fixed
 costs, read off AIConfigurator's kernel tables), :mod:`.decode_step` (one decode step of a
 deployment), :mod:`.latency` (TTFT, TPOT and throughput of whole deployments),
 :mod:`.speculative` (what speculative decoding does to DCP's break-even), :mod:`.break_even`

@@ -17,6 +17,7 @@ from cpbook.costmodel.memory import (
     deployment_kv_bytes_per_token,
     deployment_weight_bytes,
 )
+from cpbook.costmodel.moe_gather import ep_dispatch_rows, moe_gather_s
 from cpbook.costmodel.nodes import group_link, spans_nodes
 from cpbook.costmodel.specs import GPUSpec, ModelSpec, check_moe_shape, check_tokens
 
@@ -50,19 +51,18 @@ class DecodeTime:
         return self.step_s + self.prefill_s
 
 
-def _expert_bytes(model: ModelSpec, deployment: Deployment, tp: int, b: int) -> tuple[float, float]:
+def _expert_bytes(model: ModelSpec, deployment: Deployment, tokens: int) -> tuple[float, float]:
     """``(resident, read)``: routed-expert bytes one GPU holds, and those one MoE layer of the
-    step reads on the busiest GPU (TP: the touched experts' shards; EP: the touched experts on
-    the busiest rank, :func:`~cpbook.costmodel.gpu_terms.busiest_rank_experts`)."""
+    step reads on the busiest GPU when the pool's ``tokens`` tokens route (TP over the pool:
+    the touched experts' shards; EP: the touched experts on the busiest rank,
+    :func:`~cpbook.costmodel.gpu_terms.busiest_rank_experts`)."""
     size = model.expert_size_params * model.weight_bytes_per_param
+    gpus, k = deployment.num_gpus, model.num_experts_per_tok
+    resident = model.expert_params * model.weight_bytes_per_param / gpus
     if deployment.ep:
-        ep = deployment.num_gpus
-        busiest = gt.busiest_rank_experts(
-            model.num_experts, ep, model.num_experts_per_tok, b * deployment.dp
-        )
-        return model.expert_params * model.weight_bytes_per_param / ep, busiest * size
-    touched = gt.touched_experts(model.num_experts, model.num_experts_per_tok, b)
-    return model.expert_params * model.weight_bytes_per_param / tp, touched * size / tp
+        return resident, gt.busiest_rank_experts(model.num_experts, gpus, k, tokens) * size
+    touched = gt.touched_experts(model.num_experts, k, tokens)
+    return resident, touched * size / deployment.moe_tp
 
 
 def _kernel_counts(model: ModelSpec) -> tuple[int, int]:
@@ -103,7 +103,10 @@ def decode_step(
     :func:`cpbook.dcp.tpa.tpa_comm_bytes`'s (DCP's query all-gather unless TPA, the combine,
     the ``o_proj`` all-reduce) plus the MLP's all-reduce, all-reduces at the CUDA-graph
     latency :data:`~cpbook.costmodel.gpu_terms.DECODE_ALLREDUCE_ALPHA_S`, the others at the
-    link's α; EP adds a dispatch and a combine all-to-all per MoE layer.  With ``knobs.nodes``
+    link's α; EP adds a dispatch and a combine all-to-all per MoE layer
+    (:func:`~cpbook.costmodel.moe_gather.ep_dispatch_rows`), experts split by TP over DP or PCP
+    replicas their token all-gathers and reduce-scatters
+    (:func:`~cpbook.costmodel.moe_gather.moe_gather_s`).  With ``knobs.nodes``
     a TP, DCP or EP group that spans nodes runs on the inter-node link (its own α, no CUDA-graph
     latency) instead (:func:`~cpbook.costmodel.nodes.group_link`).
     """
@@ -114,7 +117,7 @@ def decode_step(
     hbm_efficiency, mfu, act_bytes = knobs.hbm_efficiency, knobs.mfu, knobs.act_bytes
     link = group_link(gpu, deployment, "dcp", knobs.nodes, knobs.link)
     tp_link = group_link(gpu, deployment, "tp", knobs.nodes, knobs.link)
-    ep_link = group_link(gpu, deployment, "ep", knobs.nodes, knobs.link)
+    ep_link_bw = group_link(gpu, deployment, "ep", knobs.nodes, knobs.link).bw_bytes_per_s
     # CUDA-graph all-reduces inside a node; a TP group across nodes keeps the RDMA link's alpha
     nodes = knobs.nodes
     tp_across = nodes is not None and spans_nodes(deployment, "tp", nodes.gpus_per_node)
@@ -129,7 +132,7 @@ def decode_step(
     fixed = 0.0
     expert_read = 0.0
     if model.expert_params:
-        resident, per_layer = _expert_bytes(model, deployment, cfg.tp, b)
+        resident, per_layer = _expert_bytes(model, deployment, b * shards)
         weights -= resident
         _, extra = gt.moe_decode_s(per_layer, wbytes, bw)
         expert_read = per_layer * model.moe_layers
@@ -163,8 +166,10 @@ def decode_step(
         for op, n, nb in calls
     ) + collective_time("all_reduce", mlp, cfg.tp, graph_link)
     comm = per_layer * model.num_layers
-    if deployment.ep and model.expert_params:
-        ep = deployment.num_gpus
-        sent = b * model.num_experts_per_tok * model.hidden_size * act_bytes * (ep - 1) / ep
-        comm += 2 * model.moe_layers * gt.all_to_all_s(sent, ep, ep_link.bw_bytes_per_s)
+    if model.expert_params:
+        ep, row_bytes = deployment.num_gpus, model.hidden_size * act_bytes
+        sent = ep_dispatch_rows(deployment, b) * model.num_experts_per_tok * row_bytes
+        comm += 2 * model.moe_layers * gt.all_to_all_s(sent * (ep - 1) / ep, ep, ep_link_bw)
+        gather_link = {k: group_link(gpu, deployment, k, nodes, knobs.link) for k in ("dp", "pcp")}
+        comm += model.moe_layers * moe_gather_s(deployment, b, row_bytes, gather_link.get)
     return DecodeTime(memory, compute, comm, b, fixed)

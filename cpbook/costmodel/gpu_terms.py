@@ -146,7 +146,7 @@ def moe_decode_s(expert_bytes: float, weight_bytes: float, bw: float) -> tuple[f
 
 def all_to_all_s(bytes_per_rank: float, ep: int, link_bw: float) -> float:
     """One EP all-to-all: :data:`ALL_TO_ALL_ALPHA_S` plus the bytes sent at
-    :data:`ALL_TO_ALL_BW_EFFICIENCY` of the link; 0 without EP."""
-    if ep <= 1:
+    :data:`ALL_TO_ALL_BW_EFFICIENCY` of the link; 0 without EP or with nothing to send."""
+    if ep <= 1 or bytes_per_rank <= 0:
         return 0.0
     return ALL_TO_ALL_ALPHA_S + bytes_per_rank / (link_bw * ALL_TO_ALL_BW_EFFICIENCY)

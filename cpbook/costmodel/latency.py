@@ -10,6 +10,7 @@ from cpbook.costmodel.decode import collective_time
 from cpbook.costmodel.decode_step import DecodeTime, decode_step
 from cpbook.costmodel.knobs import CostKnobs
 from cpbook.costmodel.memory import Deployment, kv_bytes_per_token_per_gpu, weight_bytes_per_gpu
+from cpbook.costmodel.moe_gather import ep_dispatch_rows, moe_gather_s
 from cpbook.costmodel.nodes import group_link
 from cpbook.costmodel.specs import (
     GPUSpec,
@@ -81,7 +82,8 @@ class PrefillTime:
     ``tp_comm_s``: two all-reduces per layer; ``cp_comm_s``: the context-parallel K/V exchange
     per layer (all-gathers, or ring steps not hidden behind attention) and the restore;
     ``elementwise_s``: norms and activations (HBM-bound); ``ep_comm_s``: EP's dispatch and
-    combine all-to-alls.
+    combine all-to-alls; ``moe_comm_s``: without EP, the MoE layers' token all-gathers and
+    reduce-scatters over DP and PCP (:mod:`cpbook.costmodel.moe_gather`).
     """
 
     compute_s: float
@@ -89,10 +91,11 @@ class PrefillTime:
     cp_comm_s: float
     elementwise_s: float = 0.0
     ep_comm_s: float = 0.0
+    moe_comm_s: float = 0.0
 
     @property
     def total_s(self) -> float:
-        comm = self.tp_comm_s + self.cp_comm_s + self.ep_comm_s
+        comm = self.tp_comm_s + self.cp_comm_s + self.ep_comm_s + self.moe_comm_s
         return self.compute_s + comm + self.elementwise_s
 
 
@@ -140,15 +143,20 @@ def ttft(
     at :func:`~cpbook.costmodel.gpu_terms.attention_mfu` of the BF16 peak.  ``knobs.mfu`` instead
     gives the former model: :func:`prefill_flops`' count (MoE: active share), every FLOP at
     ``mfu`` of the BF16 peak, no elementwise or EP terms.  Norms and activations stream their
-    bytes; TP all-reduces and EP all-to-alls use the link's α–β.  DCP adds nothing to a fresh
+    bytes; TP all-reduces and EP all-to-alls use the link's α–β (EP's dispatch carries each GPU's
+    :func:`~cpbook.costmodel.moe_gather.ep_dispatch_rows`).  DCP adds nothing to a fresh
     prefill (every rank computes its heads over the whole prompt and keeps its share of the
-    cache), DP none either.
+    cache), DP nothing to a dense model's; a MoE model's experts span every GPU of the pool, so
+    without EP each MoE layer gathers the tokens over DP and PCP and scatters them back
+    (:func:`~cpbook.costmodel.moe_gather.moe_gather_s`, ``moe_comm_s``: every replica prefilling
+    a prompt of the same length, the loaded case).
     PCP splits the tokens zigzag over ``pcp`` ranks: ``cp_comm="allgather"`` is vLLM's K/V
     all-gather before attention (:func:`cpbook.pcp.prefill.pcp_comm_bytes`, not overlapped),
     ``"ring"`` Meta's pass-KV ring (:func:`cpbook.pcp.ring_plan.ring_comm_bytes`), each step
     hidden behind that step's attention.  ``knobs.link`` is TP's, ``cp_link`` the CP group's
     (defaults: the GPU's scale-up link); with ``knobs.nodes``, a TP, PCP or EP group that spans
-    nodes runs on the inter-node link instead (:func:`~cpbook.costmodel.nodes.group_link`);
+    nodes (a DP group too) runs on the inter-node link instead
+    (:func:`~cpbook.costmodel.nodes.group_link`);
     activations are ``knobs.act_bytes`` wide, the gathered
     K/V ``kv_bytes`` (the other knobs are decode's).
     """
@@ -162,7 +170,8 @@ def ttft(
     cfg = deployment.config(model)
     link = group_link(gpu, deployment, "tp", knobs.nodes, knobs.link)
     cp_link = group_link(gpu, deployment, "pcp", knobs.nodes, cp_link or knobs.link)
-    ep_link = group_link(gpu, deployment, "ep", knobs.nodes, knobs.link)
+    nodes = knobs.nodes
+    ep_link_bw = group_link(gpu, deployment, "ep", nodes, knobs.link).bw_bytes_per_s
     n, layers = cfg.pcp, model.num_layers
     compute, attn_s = _prefill_compute_s(model, gpu, deployment, prompt_tokens, mfu)
     rows = padded_len(prompt_tokens, n) // n
@@ -196,12 +205,16 @@ def ttft(
     if model.intermediate_size:
         width = rows * model.intermediate_size / cfg.tp
         elem += dense_layers * gt.elementwise_s(width, gt.ACT_BYTES_PER_ELEMENT, bw)
-    ep_s = 0.0
-    if deployment.ep and model.expert_params:
+    ep_s = moe_s = 0.0
+    if model.expert_params:
         ep = deployment.num_gpus
-        sent = rows * model.num_experts_per_tok * model.hidden_size * act_bytes * (ep - 1) / ep
-        ep_s = 2 * model.moe_layers * gt.all_to_all_s(sent, ep, ep_link.bw_bytes_per_s)
-    return PrefillTime(compute, tp_s, cp_s, elem, ep_s)
+        row_bytes = model.hidden_size * act_bytes
+        sent = ep_dispatch_rows(deployment, rows) * model.num_experts_per_tok * row_bytes
+        ep_s = 2 * model.moe_layers * gt.all_to_all_s(sent * (ep - 1) / ep, ep, ep_link_bw)
+        dp_link = group_link(gpu, deployment, "dp", nodes, knobs.link)
+        gather_link = {"dp": dp_link, "pcp": cp_link}
+        moe_s = model.moe_layers * moe_gather_s(deployment, rows, row_bytes, gather_link.get)
+    return PrefillTime(compute, tp_s, cp_s, elem, ep_s, moe_s)
 
 
 # -------------------------------------------------------------------- decode (TPOT) of deployments

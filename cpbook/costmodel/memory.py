@@ -96,9 +96,10 @@ def kv_bytes_per_token_per_gpu(
 def weight_bytes_per_gpu(model: ModelSpec, tp: int, ep_size: int | None = None) -> float:
     """Weight bytes per GPU: ``num_params * weight_bytes_per_param / tp``.
 
-    With ``ep_size`` (expert parallelism), a MoE model's routed experts are spread over
-    ``ep_size`` GPUs instead of ``tp``.  Ignores tensors replicated across TP ranks (norms, and
-    embeddings in some setups): a lower bound good to a few percent.
+    With ``ep_size``, a MoE model's routed experts are spread over ``ep_size`` GPUs instead of
+    ``tp`` (expert parallelism, or vLLM's experts split by TP over a DP x PCP x TP pool).
+    Ignores tensors replicated across TP ranks (norms, and embeddings in some setups): a lower
+    bound good to a few percent.
     """
     ParallelConfig.for_model(model, tensor_parallel_size=tp)
     experts = model.expert_params if ep_size else 0.0
@@ -193,8 +194,10 @@ class Deployment:
 
     ``tp``, ``dcp``, ``pcp``: ``tensor_parallel_size``, ``decode_context_parallel_size`` and
     ``prefill_context_parallel_size`` of one replica; ``dp`` replicas serve whole requests;
-    ``ep``: a MoE model's routed experts are spread over all GPUs (vLLM's expert parallelism
-    with DP attention) instead of over TP; ``tpa``: TPA for GQA, ``dcp_q_replicate`` for MLA.
+    ``tpa``: TPA for GQA, ``dcp_q_replicate`` for MLA.  A MoE model's routed experts span all
+    ``dp * pcp * tp`` GPUs either way (vLLM v0.34.0's ``FusedMoEParallelConfig.make``,
+    ``vllm/model_executor/layers/fused_moe/config.py``): split by TP over them
+    (:attr:`moe_tp`), or with ``ep`` (``--enable-expert-parallel``) spread whole over them.
     """
 
     tp: int = 1
@@ -207,6 +210,17 @@ class Deployment:
     @property
     def num_gpus(self) -> int:
         return self.dp * self.tp * self.pcp
+
+    @property
+    def moe_tp(self) -> int:
+        """The TP degree of a MoE model's expert weights: the whole pool, ``dp * pcp * tp``,
+        without EP (vLLM's ``flatten_tp_across_dp_and_pcp``); 1 with EP."""
+        return 1 if self.ep else self.num_gpus
+
+    @property
+    def moe_label(self) -> str:
+        """How a MoE model's experts are laid out: ``"experts TP8"`` or ``"experts EP8"``."""
+        return f"experts {'EP' if self.ep else 'TP'}{self.num_gpus}"
 
     @property
     def label(self) -> str:
@@ -236,12 +250,11 @@ class Deployment:
 
 
 def deployment_weight_bytes(model: ModelSpec, deployment: Deployment) -> float:
-    """Weight bytes on one GPU of ``deployment``: TP shards, PCP and DP replicate, EP spreads the
-    routed experts over every GPU."""
+    """Weight bytes on one GPU of ``deployment``: TP shards the attention and dense layers, PCP
+    and DP replicate them; the routed experts are split over every GPU of the pool (by TP over
+    ``dp * pcp * tp`` without EP, whole experts with EP: the same bytes)."""
     deployment.config(model)
-    return weight_bytes_per_gpu(
-        model, deployment.tp, deployment.num_gpus if deployment.ep else None
-    )
+    return weight_bytes_per_gpu(model, deployment.tp, deployment.num_gpus)
 
 
 def deployment_kv_bytes_per_token(

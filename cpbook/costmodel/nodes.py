@@ -14,6 +14,8 @@ here):
   ``tp``);
 * DCP: with PCP 1, ``dcp`` consecutive ranks of a TP group; with PCP, the PCP group
   (``dcp == pcp``) or the whole replica (``dcp == tp * pcp``), v0.34's transpose-then-reshape;
+* DP: one (PCP, TP) position across the replicas (stride ``pcp x tp``): the group a MoE layer
+  gathers its tokens over without EP (:mod:`cpbook.costmodel.moe_gather`);
 * EP: every rank (``dp x pcp x tp``).
 
 A group *spans nodes* when its ranks sit on more than one node; the cost model then prices
@@ -32,7 +34,7 @@ from cpbook.costmodel.specs import LINKS, GPUSpec, LinkSpec, link_of
 
 __all__ = ["GROUP_KINDS", "Nodes", "group_link", "group_ranks", "node_count", "spans_nodes"]
 
-GROUP_KINDS = ("tp", "pcp", "dcp", "ep")
+GROUP_KINDS = ("tp", "pcp", "dcp", "dp", "ep")
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,8 @@ def group_ranks(deployment: Deployment, kind: str) -> list[list[int]]:
         if dcp == 1:
             return [[x] for x in range(d.num_gpus)]
         return [sorted(rank(r, p, t) for p in range(pcp) for t in range(tp)) for r in range(dp)]
+    if kind == "dp":
+        return [[rank(r, p, t) for r in range(dp)] for p in range(pcp) for t in range(tp)]
     if kind == "ep":
         return [list(range(d.num_gpus))]
     raise RuleError("group-kind", f"kind in {GROUP_KINDS}", kind=kind)

@@ -43,7 +43,7 @@ from cpbook.planner.plan_space import (
 )
 from cpbook.planner.search_space import ServingWorkload
 from cpbook.planner.serve_flags import Launch, node_commands
-from cpbook.planner.vllm_rules import check_deployment
+from cpbook.planner.vllm_rules import check_deployment, pool_gpus
 
 RUNNERS_UP = 4
 
@@ -201,6 +201,13 @@ def _winner_reasons(p: Plan) -> list[str]:
                 f"takes a decode step of {fmt_s(plain.step_s)} (vs {fmt_s(best.step_s)}) and "
                 f"reaches {fmt_rate(plain.tokens_per_s_per_gpu)} tok/s per GPU."
             )
+    pool = pool_gpus(model, lay)
+    if model.expert_params and pool > lay.tp:
+        how = "each split by TP" if lay.moe_tp > 1 else "whole experts spread by EP"
+        lines.append(
+            f"Experts: every MoE layer runs on all {pool} GPUs of the pool, {how} over them "
+            f"({lay.moe_label})."
+        )
     if lay.pcp > 1:
         alone = _variant(model, gpu, best, w, pcp=1, dcp=1 if lay.dcp == lay.pcp else lay.dcp)
         if alone is not None and alone.prefill is None:

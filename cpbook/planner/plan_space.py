@@ -231,7 +231,7 @@ def estimate(
     already dropped (for the planner's speed); ``cache`` (one per model and GPU) keeps what
     depends only on the arguments of the call it caches: the deployment's weights, its KV budget
     (and ``gpu_memory_utilization``), and ``ttft`` per prompt and replica (a replica's prefill
-    does not depend on the KV dtype, nor on DP without EP)."""
+    does not depend on the KV dtype, nor on DP for a dense model within one node)."""
     weights = _cached(
         cache, ("weights", deployment), lambda: deployment_weight_bytes(model, deployment)
     )
@@ -254,11 +254,11 @@ def estimate(
     batch = min(w.concurrency, capacity)
     if batch == 0 or (capacity < w.concurrency and not time_dropped):
         return dropped("holds-concurrency", capacity, budget)
-    # EP spreads the experts over every GPU, and the nodes a replica's groups span depend on
-    # the world size, so prefill depends on DP then
+    # a MoE model's experts span every GPU of the pool (EP or TP over DP x PCP x TP), and the
+    # nodes a replica's groups span depend on the world size, so prefill depends on DP then
     nodes = w.nodes(gpu)
     knobs = CostKnobs(kv_dtype=kv_dtype, nodes=nodes)
-    wide = deployment.ep or deployment.num_gpus > nodes.gpus_per_node
+    wide = model.expert_params or deployment.num_gpus > nodes.gpus_per_node
     dp = deployment.dp if wide else 1
     shape = ("ttft", w.prompt_tokens, deployment.tp, deployment.pcp, deployment.dcp, dp)
     shape += (deployment.ep, deployment.tpa, nodes)

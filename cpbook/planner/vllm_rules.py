@@ -52,6 +52,13 @@ applies the rules vLLM v0.34.0 adds at run time for a *model*, each a
     EP spans ``dp x tp x pcp`` GPUs (``ParallelConfig.data_parallel_size``'s docstring); on one
     GPU vLLM accepts the flag and changes nothing, so the planner keeps the deployment without it.
 
+A MoE model's DP replicas are one pool (:func:`pool_gpus`): vLLM runs them in lockstep
+(``DPEngineCoreProc`` only ``if data_parallel and vllm_config.model_config.is_moe``, else
+"Non-MoE DP ranks are completely independent", ``vllm/v1/engine/core.py``), and every MoE
+layer runs over all ``dp x pcp x tp`` GPUs, its experts split by TP over them unless
+``--enable-expert-parallel`` (``FusedMoEParallelConfig.make``,
+``vllm/model_executor/layers/fused_moe/config.py``).
+
 PCP x DCP also requires ``--dcp-comm-backend ag_rs``, rule ``pcp-dcp-needs-ag-rs``
 (:func:`check_pcp_dcp_comm_backend`; ``PCPManager.validate_config``): the cost model prices
 ``ag_rs`` and :mod:`cpbook.planner.serve_flags` prints it, so only a hand-written line breaks it
@@ -72,6 +79,15 @@ SPARSE_MLA_MIN_HEADS_FOR_BF16_PREFILL = 32
 
 #: the KV cache dtypes the planner weighs (cpbook's names; serve_flags maps them to vLLM's)
 PLAN_KV_DTYPES = ("bf16", "fp8")
+
+
+def pool_gpus(model: ModelSpec, deployment: Deployment) -> int:
+    """The GPUs that step together as one vLLM engine pool: a MoE model's whole ``dp x pcp x tp``
+    (its MoE layers span them, with or without EP), a dense model's one replica (``pcp x tp``;
+    its DP replicas are independent engines)."""
+    if model.expert_params:
+        return deployment.num_gpus
+    return deployment.tp * deployment.pcp
 
 
 def check_kv_dtype(kv_dtype: str) -> None:
