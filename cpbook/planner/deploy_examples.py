@@ -11,14 +11,15 @@ is the planner's :class:`~cpbook.planner.plan.Plan` for one and :func:`serve_lin
     cached latents each decode step).
 ``gqa-node``
     Qwen3-235B-A22B (GQA, 4 KV heads) on one node of 8 H200s, 64 requests of 32K + 1K tokens
-    (its native window, 40,960 positions).  TP 8 replicates each KV head on 8 / 4 = 2 GPUs,
-    so DCP 2 is the largest DCP vLLM admits; without it TP 8 holds fewer than 64 such
-    requests, with it every request fits.  (Llama-3.1-70B's 8 KV heads leave nothing to
-    replicate at TP 8: no DCP on one node.)
+    (its native window, 40,960 positions), ranked by TTFT.  TP 8 has the shortest prefill but
+    replicates each KV head on 8 / 4 = 2 GPUs and holds fewer than 64 such requests; DCP 2,
+    the largest DCP vLLM admits there, undoes the replication and every request fits.  Ranked
+    by throughput the planner would run attention in data-parallel replicas instead, with no
+    CP.  (Llama-3.1-70B's 8 KV heads leave nothing to replicate at TP 8: no DCP on one node.)
 ``mla-two-nodes``
-    DeepSeek-V3 on 16 H200s in two nodes of 8, 32 requests of 128K + 1K tokens: two TP 8
-    replicas of 8 GPUs (DP 2) with DCP 8 and query replication, where without DCP each
-    replica holds only a few such requests; the line carries
+    DeepSeek-V3 on 16 H200s in two nodes of 8, 96 requests of 128K + 1K tokens: two TP 8
+    replicas of 8 GPUs (DP 2) with DCP 8 and query replication, where without DCP the two
+    replicas hold well under half the requests; the line carries
     ``--nnodes 2 --node-rank R --master-addr`` and node 1's ``--headless``.
 
 :data:`VIOLATIONS` holds one broken line per rule, with the model's ``config.json`` (package
@@ -125,13 +126,16 @@ class DeployQuestion:
             f"cpbook plan {which} --gpu {self.gpu} --gpus {self.num_gpus} "
             f"--gpus-per-node {self.gpus_per_node} --context {self.prompt_tokens // K}K "
             f"--output {self.output_tokens // K}K --concurrency {self.concurrency}"
+            + ("" if self.objective == AUTO else f" --objective {self.objective}")
         )
 
 
 QUESTIONS: dict[str, DeployQuestion] = {
     "small-mla": DeployQuestion("DeepSeek-V2-Lite", "hf_config", "H100", 4, 8, 128 * K, K, 1),
-    "gqa-node": DeployQuestion("Qwen3-235B-A22B", "builtin", "H200", 8, 8, 32 * K, K, 64),
-    "mla-two-nodes": DeployQuestion("DeepSeek-V3", "builtin", "H200", 16, 8, 128 * K, K, 32),
+    "gqa-node": DeployQuestion(
+        "Qwen3-235B-A22B", "builtin", "H200", 8, 8, 32 * K, K, 64, objective="ttft"
+    ),
+    "mla-two-nodes": DeployQuestion("DeepSeek-V3", "builtin", "H200", 16, 8, 128 * K, K, 96),
 }
 
 
