@@ -28,9 +28,10 @@ Two sets: the *fitting set* (:data:`PEER_MODELS` at :data:`ISLS` x :data:`BATCHE
 ``cpbook/costmodel/gpu_terms.py``'s terms were read off, and the *held-out set*
 (:data:`HELD_OUT_MODELS` at :data:`HELD_OUT_ISLS` x :data:`HELD_OUT_BATCHES`, with one more MoE
 layout: DP 8 attention with each expert split by TP over the 8 GPUs, the peer's
-``attention_dp_size=8, moe_tp_size=8``), which no term was read off.  Kimi-K2 is not among
-them: its FP8 weights do not fit 8 H200s in cpbook's memory model, and the peer has no
-cross-node EP data for the vLLM backend.
+``attention_dp_size=8, moe_tp_size=8``), which no term was read off.  Kimi-K2 and Mixtral are
+not among them: Kimi-K2's FP8 weights do not fit 8 H200s in cpbook's memory model and the peer
+has no cross-node EP data for the vLLM backend; the peer fetches Mixtral's config from the
+network.
 Held-out rows are named ``vs_aic_held_out`` and summarised per model
 (``vs_aic_held_out_summary``); ``vs_aic_family`` lines give both sets' errors per model family
 (dense, MoE).
@@ -79,7 +80,6 @@ HELD_OUT_MODELS = {
     "Qwen3-32B": "Qwen/Qwen3-32B",
     "Llama-3.1-405B": "meta-llama/Meta-Llama-3.1-405B",
     "Qwen3-30B-A3B": "Qwen/Qwen3-30B-A3B",
-    "Mixtral-8x7B": "mistralai/Mixtral-8x7B-v0.1",
 }
 PEER_SYSTEMS = {"H200": "h200_sxm", "H100": "h100_sxm"}
 ISLS = (4096, 32768, 131072)
