@@ -48,6 +48,7 @@ from cpbook.core.groups import ParallelGroups
 from cpbook.core.heads import kv_heads_of, q_heads_of
 from cpbook.engine.attention import (
     AttentionMetadata,
+    BatchKV,
     batch_slot_mapping,
     batched_attention,
     build_attention_metadata,
@@ -115,7 +116,7 @@ class StepMetadata:
                 "query_start_loc": d.query_start_loc.tolist(),
                 "seq_lens": d.seq_lens.tolist(),
                 "slot_mapping": d.slot_mapping.tolist(),
-                "key_slots": d.key_slots.shape[1],
+                "max_keys": d.max_keys,
             }
         if p is not None:
             out["prefill"] = {
@@ -167,6 +168,7 @@ class ModelRunner:
         ]
         for c in self.caches[1:]:  # every layer stores the same slots: one bookkeeping
             c.written = self.caches[0].written
+        self.kv = BatchKV(mc.num_hidden_layers)  # the batch's keys, kept across steps
         self.strategies: Counter[str] = Counter()
         self.last_metadata: StepMetadata | None = None
 
@@ -223,6 +225,8 @@ class ModelRunner:
         pre = [c for c in out.chunks if c.kind is not ChunkKind.DECODE]
         batch, pre = (dec + pre, []) if self.batched_prefill else (dec, pre)
         ids = [t for c in batch for t in c.token_ids]
+        if out.preempted:  # a preempted request's keys are recomputed: copy afresh
+            self.kv.forget()
         attn = prefill = None
         pos, names, counts, rows = [], [], [], []
         if batch:
@@ -234,6 +238,8 @@ class ModelRunner:
                 self.shard,
                 model.embed.dtype,
                 dev,
+                [c.request_id for c in batch],
+                self.kv,
             )
             pos.append(attn.positions)
             qsl = attn.query_start_loc.tolist()
@@ -243,6 +249,8 @@ class ModelRunner:
                     names.append(c.request_id)
                     counts.append(n)
                     rows.extend(range(qsl[j + 1] - n, qsl[j + 1]))
+        else:  # keys written outside the batched call: copy afresh
+            self.kv.forget()
         sample_rows = None
         keep = [j for j, c in enumerate(pre) if c.sample]
         if pre:
@@ -355,6 +363,8 @@ class ModelRunner:
                         groups.dcp,
                         cfg.dcp_comm_backend,
                         mla_dim,
+                        self.kv,
+                        layer,
                     )
                 )
             if pre is not None:
