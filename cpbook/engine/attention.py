@@ -137,7 +137,9 @@ class AttentionMetadata:
     into the :class:`BatchKV`: the new rows', and every key of a request its rows did not
     hold).  Device: ``fill_src`` (those slots) and ``fill_req``/``fill_key`` (their places in
     the :class:`BatchKV`: request row and local key; ``kv_reset``: fresh rows), the
-    additive ``mask`` ``[num_reqs, 1, max_query_len, max_keys]`` (broadcast over heads).
+    additive ``mask`` ``[num_reqs, 1, max_query_len, max_keys]`` (broadcast over heads;
+    ``None`` when every request's rows are its first tokens and no DCP: row ``j`` sees keys
+    ``0..j``, the kernel's own causal mask).
     """
 
     num_reqs: int
@@ -157,7 +159,7 @@ class AttentionMetadata:
     fill_req: torch.Tensor  # device
     fill_key: torch.Tensor  # device
     query_index: torch.Tensor | None  # device: row -> padded (request, row) slot; None: 1 row each
-    mask: torch.Tensor  # device, additive
+    mask: torch.Tensor | None  # device, additive; None: causal, every request from position 0
 
     @property
     def num_rows(self) -> int:
@@ -248,8 +250,10 @@ def build_attention_metadata(
     mine = slots != PAD_SLOT_ID
     dev = torch.device(device)
     t = torch.from_numpy
-    mask = torch.zeros(b, 1, q, width, dtype=dtype)
-    mask.masked_fill_(torch.arange(width) >= t(sees)[:, None, :, None], -math.inf)
+    mask = None
+    if n > 1 or start.any():  # else every request's rows are its first keys: plain causal
+        mask = torch.zeros(b, 1, q, width, dtype=dtype)
+        mask.masked_fill_(torch.arange(width) >= t(sees)[:, None, :, None], -math.inf)
     return AttentionMetadata(
         b,
         q,
@@ -268,7 +272,7 @@ def build_attention_metadata(
         t(fr).to(dev),
         t(fj).to(dev),
         None if q == 1 else t(req * q + qi).to(dev),
-        mask.to(dev),
+        None if mask is None else mask.to(dev),
     )
 
 
@@ -281,16 +285,17 @@ def _attend(
     q4: torch.Tensor,
     kt: torch.Tensor,
     v4: torch.Tensor,
-    mask: torch.Tensor,
+    mask: torch.Tensor | None,
     scale: float,
     with_lse: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``[B, H, Tq, D]`` queries against keys ``kt [B, Hkv, D, L]`` (transposed) and values
-    ``[B, Hkv, L, Dv]`` with an additive ``mask [B, 1, Tq, L]`` (query head ``h`` reads KV
-    head ``h // (H / Hkv)``); ``(out [B, H, Tq, Dv], lse [B, H, Tq])`` (``lse`` ``None``
-    unless ``with_lse``; a row with no key: output 0, LSE ``-inf``).  Few query rows: the
-    query heads of a KV head as the rows of one matrix product with its keys; many, on the
-    CPU: the fused flash kernel (its LSE of no key is 0, its keys need unit stride)."""
+    ``[B, Hkv, L, Dv]`` with an additive ``mask [B, 1, Tq, L]`` (``None``: causal, ``Tq ==
+    L``; query head ``h`` reads KV head ``h // (H / Hkv)``); ``(out [B, H, Tq, Dv], lse [B,
+    H, Tq])`` (``lse`` ``None`` unless ``with_lse``; a row with no key: output 0, LSE
+    ``-inf``).  Few query rows: the query heads of a KV head as the rows of one matrix product
+    with its keys; many, on the CPU: the fused flash kernel (its LSE of no key is 0, its keys
+    need unit stride; causal, it skips the blocks above the diagonal)."""
     b, h, tq, d = q4.shape
     hkv, length = kt.shape[1], kt.shape[3]
     g = h // hkv
@@ -298,11 +303,21 @@ def _attend(
         k4 = kt.transpose(-1, -2).contiguous()
         dv = v4.shape[-1]  # narrower than the keys: MLA's latent, whose first Dv are values
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q4, k4, k4 if dv != d else v4.contiguous(), 0.0, False, attn_mask=mask, scale=scale
+            q4,
+            k4,
+            k4 if dv != d else v4.contiguous(),
+            0.0,
+            mask is None,
+            attn_mask=mask,
+            scale=scale,
         )[:2]
-        return out[..., :dv], lse.masked_fill(mask.amax(-1) == -math.inf, -math.inf)
+        if mask is not None:
+            lse = lse.masked_fill(mask.amax(-1) == -math.inf, -math.inf)
+        return out[..., :dv], lse
+    if mask is None:
+        mask = torch.full((tq, length), -math.inf, dtype=q4.dtype, device=q4.device).triu(1)
     s = torch.matmul(q4.reshape(b, hkv, g * tq, d), kt).mul_(scale)
-    s = s.view(b, hkv, g, tq, length).add_(mask[:, :, None])
+    s = s.view(b, hkv, g, tq, length).add_(mask if mask.dim() == 2 else mask[:, :, None])
     if not with_lse:
         out = torch.matmul(s.softmax(-1).view(b, hkv, g * tq, length), v4)
         return out.view(b, h, tq, -1), None
