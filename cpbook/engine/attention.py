@@ -229,8 +229,10 @@ def build_attention_metadata(
     seq = start + rows
 
     def local_len(s: np.ndarray) -> np.ndarray:  # local_seq_len, vectorised
+        if n == 1:
+            return s
         base = s // (i * n) * i
-        return base + np.clip(s - base * n - rank * i, 0, i)
+        return base + np.minimum(np.maximum(s - base * n - rank * i, 0), i)
 
     local = local_len(seq)
     width = max(1, int(local.max()))
