@@ -15,9 +15,10 @@ code inline and under torchrun (vLLM's ``GPUModelRunner.execute_model``):
 * **Decode rows** (``1 + k`` per request: the last sampled token and ``k`` speculative drafts,
   ``k = 0`` without speculation; every PCP rank holds all of them): one
   :func:`cpbook.engine.attention.batched_attention` call per layer for the whole batch — the
-  new K/V written through the DCP slot mapping, each row attending the local keys at positions
-  up to its own (causal by global position), AllGather Q and the ``ag_rs`` or ``a2a`` LSE
-  combine under DCP.  MLA runs the same call on its absorbed latent queries against the cached
+  new K/V written through the DCP slot mapping and appended to the batch's kept keys
+  (:class:`~cpbook.engine.attention.BatchKV`, copied afresh when the batch's requests change),
+  each row attending the local keys at positions up to its own (causal by global position),
+  AllGather Q and the ``ag_rs`` or ``a2a`` LSE combine under DCP.  MLA runs the same call on its absorbed latent queries against the cached
   latents.  :meth:`ModelRunner.rollback` invalidates the slots of rejected draft rows.
   Without PCP (and with the ``"auto"`` strategy) the prefill chunks join the same call: a
   chunk's rows are rows after a cached context, causal by global position like drafts.
