@@ -9,7 +9,6 @@ from hypothesis import strategies as st
 
 from cpbook.core.attention import dense_attention
 from cpbook.core.launch import run
-from cpbook.engine import attention
 from cpbook.engine.attention import (
     batch_slot_mapping,
     batched_attention,
@@ -107,21 +106,12 @@ def batched_rank(ctx, *, reqs, num_q_heads, num_kv_heads, mla, interleave, seed)
     interleave=st.sampled_from([1, 2]),
     mla=st.booleans(),
     reqs=st.lists(st.tuples(st.integers(0, 20), st.integers(1, 6)), min_size=1, max_size=4),
-    fused=st.booleans(),
 )
-def test_one_batched_call_equals_dense_causal_attention(dcp, interleave, mla, reqs, fused):
+def test_one_batched_call_equals_dense_causal_attention(dcp, interleave, mla, reqs):
     """Decode (one row), verification (k + 1 rows) and prompt chunks after a cached context, in
     one call per rank; uneven and empty shards; GQA heads or an MLA-like latent (values = the
-    keys' first half); the DCP combine merges the ranks exactly; the scores as matrix products
-    or (``fused``) the CPU's fused kernel."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(attention, "FUSED_ROWS", 0 if fused else attention.FUSED_ROWS)
-        res = _batched(dcp, interleave, mla, reqs)
-    assert max(res) <= 1e-10
-
-
-def _batched(dcp, interleave, mla, reqs):
-    return run(
+    keys' first half); the DCP combine merges the ranks exactly."""
+    res = run(
         batched_rank,
         dcp,
         fn_kwargs=dict(
@@ -134,3 +124,4 @@ def _batched(dcp, interleave, mla, reqs):
         ),
         report=False,
     )
+    assert max(res) <= 1e-10

@@ -86,9 +86,9 @@ def batch_slot_mapping(
 
 class BatchKV:
     """The batch's keys (and values), one contiguous row per request, kept from step to step:
-    per layer ``keys[layer]`` ``[num_reqs, num_kv_heads, D, capacity]`` (transposed, so a KV
-    head's scores are one matrix product) and ``values[layer]`` ``[num_reqs, num_kv_heads,
-    capacity, Dv]`` on the device (``None`` without a V cache), row ``r`` holding request
+    per layer ``keys[layer]``/``values[layer]`` ``[num_reqs, num_kv_heads, capacity, ·]`` on
+    the device (``values[layer]`` ``None`` without a V cache; a KV head's keys of a request
+    side by side, as the attention kernel reads them), row ``r`` holding request
     ``r``'s local keys in position order; on the host, which requests the rows hold
     (``request_ids``, ``block_tables``) and how many local keys of each are copied
     (``filled``)."""
@@ -109,20 +109,18 @@ class BatchKV:
         self, layer: int, cache: PagedKVCache, meta: "AttentionMetadata"
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Copy ``meta``'s fill slots from ``layer``'s ``cache`` (into fresh zeroed rows first
-        if ``meta.kv_reset``); returns the keys ``[num_reqs, Hkv, D, width]`` and values
-        ``[num_reqs, Hkv, width, Dv]`` (``None`` without a V cache)."""
-        k, v = cache.key_cache, cache.value_cache
+        if ``meta.kv_reset``); returns the keys and values ``[num_reqs, Hkv, width, ·]``."""
         if meta.kv_reset:
-            b, cap, hkv = meta.num_reqs, meta.kv_capacity, k.shape[2]
-            self.keys[layer] = k.new_zeros(b, hkv, k.shape[3], cap)
-            self.values[layer] = None if v is None else v.new_zeros(b, hkv, cap, v.shape[3])
-        keys, values = self.keys[layer], self.values[layer]
-        new_k, new_v = cache.gather(meta.fill_src)
-        keys[meta.fill_req, :, :, meta.fill_key] = new_k
-        if values is not None:
-            values[meta.fill_req, :, meta.fill_key] = new_v
+            k, v = cache.key_cache, cache.value_cache
+            shape = (meta.num_reqs, k.shape[2], meta.kv_capacity)
+            self.keys[layer] = k.new_zeros(*shape, k.shape[3])
+            self.values[layer] = None if v is None else v.new_zeros(*shape, v.shape[3])
+        bufs = (self.keys[layer], self.values[layer])
+        for buf, new in zip(bufs, cache.gather(meta.fill_src)):
+            if buf is not None:
+                buf[meta.fill_req, :, meta.fill_key] = new
         width = meta.max_keys
-        return keys[..., :width], None if values is None else values[:, :, :width]
+        return tuple(None if x is None else x[:, :, :width] for x in bufs)
 
 
 @dataclass(frozen=True)
@@ -160,6 +158,7 @@ class AttentionMetadata:
     fill_key: torch.Tensor  # device
     query_index: torch.Tensor | None  # device: row -> padded (request, row) slot; None: 1 row each
     mask: torch.Tensor | None  # device, additive; None: causal, every request from position 0
+    has_key: torch.Tensor  # device [num_rows, 1]: the row sees at least one local key
 
     @property
     def num_rows(self) -> int:
@@ -275,57 +274,31 @@ def build_attention_metadata(
         t(fj).to(dev),
         None if q == 1 else t(req * q + qi).to(dev),
         None if mask is None else mask.to(dev),
+        t(sees[req, qi][:, None] > 0).to(dev),
     )
 
 
-#: query rows per KV head above which the CPU uses its fused kernel (prompt chunks) rather
-#: than materialising the scores
-FUSED_ROWS = 64
-
-
 def _attend(
-    q4: torch.Tensor,
-    kt: torch.Tensor,
-    v4: torch.Tensor,
-    mask: torch.Tensor | None,
-    scale: float,
-    with_lse: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``[B, H, Tq, D]`` queries against keys ``kt [B, Hkv, D, L]`` (transposed) and values
-    ``[B, Hkv, L, Dv]`` with an additive ``mask [B, 1, Tq, L]`` (``None``: causal, ``Tq ==
-    L``; query head ``h`` reads KV head ``h // (H / Hkv)``); ``(out [B, H, Tq, Dv], lse [B,
-    H, Tq])`` (``lse`` ``None`` unless ``with_lse``; a row with no key: output 0, LSE
-    ``-inf``).  Few query rows: the query heads of a KV head as the rows of one matrix product
-    with its keys; many, on the CPU: the fused flash kernel (its LSE of no key is 0, its keys
-    need unit stride; causal, it skips the blocks above the diagonal)."""
-    b, h, tq, d = q4.shape
-    hkv, length = kt.shape[1], kt.shape[3]
-    g = h // hkv
-    if g * tq > FUSED_ROWS and q4.device.type == "cpu":
-        k4 = kt.transpose(-1, -2).contiguous()
-        dv = v4.shape[-1]  # narrower than the keys: MLA's latent, whose first Dv are values
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q4,
-            k4,
-            k4 if dv != d else v4.contiguous(),
-            0.0,
-            mask is None,
-            attn_mask=mask,
-            scale=scale,
-        )[:2]
-        if mask is not None:
-            lse = lse.masked_fill(mask.amax(-1) == -math.inf, -math.inf)
-        return out[..., :dv], lse
+    q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B, H, Tq, D]`` queries against ``[B, Hkv, L, D]`` keys with an additive mask (``None``:
+    causal, ``Tq == L``; query head ``h`` reads KV head ``h // (H / Hkv)``); ``(out, lse [B,
+    H, Tq])``.  CPU: the fused flash kernel (it broadcasts the KV heads itself; causal, it
+    skips the blocks above the diagonal); elsewhere the same maths."""
+    if q4.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q4, k4, v4, 0.0, mask is None, attn_mask=mask, scale=scale
+        )
     if mask is None:
+        tq, length = q4.shape[2], k4.shape[2]
         mask = torch.full((tq, length), -math.inf, dtype=q4.dtype, device=q4.device).triu(1)
-    s = torch.matmul(q4.reshape(b, hkv, g * tq, d), kt).mul_(scale)
-    s = s.view(b, hkv, g, tq, length).add_(mask if mask.dim() == 2 else mask[:, :, None])
-    if not with_lse:
-        out = torch.matmul(s.softmax(-1).view(b, hkv, g * tq, length), v4)
-        return out.view(b, h, tq, -1), None
+    if k4.shape[1] != q4.shape[1]:
+        group = q4.shape[1] // k4.shape[1]
+        k4, v4 = k4.repeat_interleave(group, dim=1), v4.repeat_interleave(group, dim=1)
+    s = torch.matmul(q4, k4.transpose(-1, -2)) * scale + mask
     lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - lse.nan_to_num(neginf=0.0)[..., None]).view(b, hkv, g * tq, length)
-    return torch.matmul(p, v4).view(b, h, tq, -1), lse.view(b, h, tq)
+    p = torch.exp(s - lse.nan_to_num(neginf=0.0)[..., None])
+    return torch.matmul(p, v4), lse
 
 
 def batched_attention(
@@ -354,15 +327,15 @@ def batched_attention(
     More than eight parameters: the attention inputs, the cache and the step's metadata, the
     DCP group and its combine, MLA's value width, and the batch's kept keys."""
     cache.store(k, v, meta.write_slots, meta.write_rows)
-    kt, values = (BatchKV(1) if kv is None else kv).refresh(layer, cache, meta)
-    b, hkv, d = meta.num_reqs, kt.shape[1], kt.shape[2]
-    dv = v_head_dim if values is None and v_head_dim is not None else values.shape[-1]
-    v4 = kt[:, :, :dv].transpose(-1, -2) if values is None else values  # MLA: the latent
+    k4, values = (BatchKV(1) if kv is None else kv).refresh(layer, cache, meta)
+    b, hkv, d = meta.num_reqs, k4.shape[1], k4.shape[3]
+    v4 = k4 if values is None else values
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     dcp, qlen = group.size, meta.max_query_len
+    dv = v_head_dim if values is None and v_head_dim is not None else v4.shape[-1]
     if dcp == 1 and qlen == 1:  # plain decode: the heads of a KV head as one KV head's rows
-        out, _ = _attend(q.view(b, q.shape[1], 1, d), kt, v4, meta.mask, scale, False)
-        return out.view(b, q.shape[1], dv)
+        out, _ = _attend(q.view(b, hkv, -1, d), k4, v4, meta.mask, scale)
+        return out[..., :dv].reshape(b, q.shape[1], dv)
     if dcp > 1:
         q = group.all_gather(q, dim=1)  # [R, dcp*h, D]: rank r's heads are block r
     rows, heads = q.shape[0], q.shape[1]
@@ -371,8 +344,8 @@ def batched_attention(
         q = q.view(rows, dcp, hkv, g, d).transpose(1, 2).reshape(rows, heads, d)
     if meta.query_index is not None:  # rows of a request side by side, padded to max_query_len
         q = q.new_zeros(b * qlen, heads, d).index_copy_(0, meta.query_index, q)
-    out, lse = _attend(q.view(b, qlen, heads, d).transpose(1, 2), kt, v4, meta.mask, scale)
-    out = out.transpose(1, 2).reshape(b * qlen, heads, dv)
+    out, lse = _attend(q.view(b, qlen, heads, d).transpose(1, 2), k4, v4, meta.mask, scale)
+    out = out[..., :dv].transpose(1, 2).reshape(b * qlen, heads, dv)
     lse = lse.transpose(1, 2).reshape(b * qlen, heads)
     if meta.query_index is not None:
         out, lse = out.index_select(0, meta.query_index), lse.index_select(0, meta.query_index)
@@ -381,4 +354,5 @@ def batched_attention(
         lse = lse.view(rows, hkv, dcp, g).transpose(1, 2).reshape(rows, heads)
     if dcp == 1:
         return out
+    lse = lse.masked_fill(~meta.has_key, -math.inf)  # the kernel's LSE of no key is 0
     return dcp_combine(out.contiguous(), lse.to(out.dtype), group, dcp_comm_backend)

@@ -18,8 +18,9 @@ code inline and under torchrun (vLLM's ``GPUModelRunner.execute_model``):
   new K/V written through the DCP slot mapping and appended to the batch's kept keys
   (:class:`~cpbook.engine.attention.BatchKV`, copied afresh when the batch's requests change),
   each row attending the local keys at positions up to its own (causal by global position),
-  AllGather Q and the ``ag_rs`` or ``a2a`` LSE combine under DCP.  MLA runs the same call on its absorbed latent queries against the cached
-  latents.  :meth:`ModelRunner.rollback` invalidates the slots of rejected draft rows.
+  AllGather Q and the ``ag_rs`` or ``a2a`` LSE combine under DCP.  MLA runs the same call on
+  its absorbed latent queries against the cached latents.  :meth:`ModelRunner.rollback`
+  invalidates the slots of rejected draft rows.
   Without PCP (and with the ``"auto"`` strategy) the prefill chunks join the same call: a
   chunk's rows are rows after a cached context, causal by global position like drafts.
 * **Prefill rows under PCP** (or a forced strategy): split zigzag over the PCP group
