@@ -13,17 +13,22 @@ Here:
   that makes row ``j`` of a request see exactly the local keys at global positions
   ``<= start + j`` (causal by global position: one decode row, a speculative step's ``k + 1``
   rows, or a prefill chunk's rows after its cached context).  Then one copy to the device.
-* :func:`batched_attention` — per layer: write the new K/V through the slots, gather the keys
-  of the whole batch, one attention call (plain decode folds the query heads of a KV head into
-  its query rows; otherwise the rows of a request are padded to the longest, the query heads
-  of a KV head side by side), output and LSE; under DCP the query heads are all-gathered
-  and the LSE combine of chapter 3 (:func:`cpbook.dcp.decode.dcp_combine`) merges the shards.
-  No host read and no per-request Python.
+* :func:`batched_attention` — per layer: write the new K/V through the slots, bring the
+  batch's :class:`BatchKV` up to date (the keys of each request side by side, kept from step to
+  step), one attention call (plain decode folds the query heads of a KV head into its query
+  rows; otherwise the rows of a request are padded to the longest, the query heads of a KV
+  head side by side), output and LSE; under DCP the query heads are all-gathered and the LSE
+  combine of chapter 3 (:func:`cpbook.dcp.decode.dcp_combine`) merges the shards.  No host
+  read and no per-request Python.
 
-The key read is one ``index_select`` of the batch's local slots (the cache stays
-``[num_blocks, block_size, num_kv_heads, head_dim]``, the layout every chapter's
-:class:`~cpbook.kv.paged.PagedKVCache` uses); vLLM v0.34.0's CPU backend reads its
-``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` cache in place instead.
+The paged cache stays ``[num_blocks, block_size, num_kv_heads, head_dim]``, the layout every
+chapter's :class:`~cpbook.kv.paged.PagedKVCache` uses, and it is what the step writes and the
+rule checks read.  vLLM v0.34.0's CPU backend reads its ``[num_blocks, num_kv_heads, block_size,
+2 * head_size]`` cache in place, in its own kernel; a stock attention call needs each request's
+keys contiguous, so gathering them would copy the whole context in every layer of every step.
+:class:`BatchKV` is that gather kept: a copy of the batch's keys, one row per request, to
+which a step appends only the slots it wrote (the whole context again only when the batch's
+requests change).
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from cpbook.kv.paged import PagedKVCache
 
 __all__ = [
     "AttentionMetadata",
+    "BatchKV",
     "padded_block_tables",
     "batch_slot_mapping",
     "build_attention_metadata",
@@ -78,43 +84,108 @@ def batch_slot_mapping(
     return torch.where(stripe % n == shard.dcp_rank, slot, PAD_SLOT_ID)
 
 
+class BatchKV:
+    """The batch's keys (and values), one contiguous row per request, kept from step to step:
+    per layer ``keys[layer]``/``values[layer]`` ``[num_reqs, num_kv_heads, capacity, ·]`` on
+    the device (``values[layer]`` ``None`` without a V cache; a KV head's keys of a request
+    side by side, as the attention kernel reads them), row ``r`` holding request
+    ``r``'s local keys in position order; on the host, which requests the rows hold
+    (``request_ids``, ``block_tables``) and how many local keys of each are copied
+    (``filled``)."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.capacity = 0
+        self.request_ids: tuple[str, ...] = ()
+        self.block_tables: tuple[tuple[int, ...], ...] = ()
+        self.filled = np.zeros(0, dtype=np.int64)
+
+    def forget(self) -> None:
+        """Hold no request: the next step copies every key it reads."""
+        self.request_ids, self.block_tables = (), ()
+
+    def refresh(
+        self, layer: int, cache: PagedKVCache, meta: "AttentionMetadata"
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Copy ``meta``'s fill slots from ``layer``'s ``cache`` (into fresh zeroed rows first
+        if ``meta.kv_reset``); returns the keys and values ``[num_reqs, Hkv, width, ·]``."""
+        if meta.kv_reset:
+            k, v = cache.key_cache, cache.value_cache
+            shape = (meta.num_reqs, k.shape[2], meta.kv_capacity)
+            self.keys[layer] = k.new_zeros(*shape, k.shape[3])
+            self.values[layer] = None if v is None else v.new_zeros(*shape, v.shape[3])
+        bufs = (self.keys[layer], self.values[layer])
+        for buf, new in zip(bufs, cache.gather(meta.fill_src)):
+            if buf is not None:
+                buf[meta.fill_req, :, meta.fill_key] = new
+        width = meta.max_keys
+        return tuple(None if x is None else x[:, :, :width] for x in bufs)
+
+
 @dataclass(frozen=True)
 class AttentionMetadata:
-    """One step's decode rows on one rank, built once and read by every layer.
+    """One step's batched rows on one rank, built once and read by every layer.
 
     Host (``int``/host tensors, for checks and display): ``query_start_loc``
     ``[num_reqs + 1]``, ``positions`` (global position of each row), ``seq_lens`` (tokens a
     request holds after the step), ``local_seq_lens`` (this rank's keys of each),
     ``slot_mapping`` ``[num_rows]`` (this rank's slot of each new row, ``-1`` if foreign),
-    ``key_slots`` ``[num_reqs, max_keys]`` (slots of each request's local keys, in position
-    order; padding repeats a valid slot and is masked).  Device: the same index tensors and
-    the additive ``mask`` ``[num_reqs, 1, max_query_len, max_keys]`` (broadcast over heads).
+    ``max_keys`` (the most local keys of a request), ``read_slots`` (the slots the step copies
+    into the :class:`BatchKV`: the new rows', and every key of a request its rows did not
+    hold).  Device: ``fill_src`` (those slots) and ``fill_req``/``fill_key`` (their places in
+    the :class:`BatchKV`: request row and local key; ``kv_reset``: fresh rows), the
+    additive ``mask`` ``[num_reqs, 1, max_query_len, max_keys]`` (broadcast over heads;
+    ``None`` when every request's rows are its first tokens and no DCP: row ``j`` sees keys
+    ``0..j``, the kernel's own causal mask).
     """
 
     num_reqs: int
     max_query_len: int
+    max_keys: int
     query_start_loc: torch.Tensor
     positions: torch.Tensor
     seq_lens: torch.Tensor
     local_seq_lens: torch.Tensor
     slot_mapping: torch.Tensor
-    key_slots: torch.Tensor
+    read_slots: torch.Tensor
     write_rows: torch.Tensor | None  # device: rows this rank stores (None: all of them)
     write_slots: torch.Tensor  # device
-    gather: torch.Tensor  # device, flat key_slots
+    kv_capacity: int
+    kv_reset: bool
+    fill_src: torch.Tensor  # device
+    fill_req: torch.Tensor  # device
+    fill_key: torch.Tensor  # device
     query_index: torch.Tensor | None  # device: row -> padded (request, row) slot; None: 1 row each
-    mask: torch.Tensor  # device, additive
+    mask: torch.Tensor | None  # device, additive; None: causal, every request from position 0
     has_key: torch.Tensor  # device [num_rows, 1]: the row sees at least one local key
 
     @property
     def num_rows(self) -> int:
         return int(self.query_start_loc[-1])
 
-    @property
-    def read_slots(self) -> torch.Tensor:
-        """Host: every slot the step reads (each request's local keys)."""
-        k, n = self.key_slots.numpy(), self.local_seq_lens.numpy()
-        return torch.from_numpy(k[np.arange(k.shape[1])[None] < n[:, None]])
+
+#: the :class:`BatchKV`'s rows grow in steps of this many keys (a new buffer each time)
+KV_CAPACITY_STEP = 256
+
+
+def _kept_keys(
+    kv: BatchKV | None,
+    request_ids: Sequence[str],
+    block_tables: Sequence[Sequence[int]],
+    before: np.ndarray,
+    width: int,
+) -> np.ndarray | None:
+    """Local keys of each request that ``kv``'s rows still hold (``None``: start afresh): the
+    same requests in the same order, block tables that agree, and room for ``width`` keys;
+    keys at or after a step's first new row (``before`` of them precede it) are copied again."""
+    if kv is None or tuple(request_ids) != kv.request_ids or width > kv.capacity:
+        return None
+    for new, old in zip(block_tables, kv.block_tables):
+        n = min(len(new), len(old))
+        if tuple(new[:n]) != old[:n]:
+            return None
+    return np.minimum(kv.filled, before)
 
 
 def build_attention_metadata(
@@ -125,11 +196,18 @@ def build_attention_metadata(
     shard: DCPShard,
     dtype: torch.dtype,
     device: torch.device | str,
+    request_ids: Sequence[str] = (),
+    kv: BatchKV | None = None,
 ) -> AttentionMetadata:
     """The :class:`AttentionMetadata` of requests whose rows ``[starts[i], starts[i] +
-    num_rows[i])`` decode (or verify drafts) this step, on rank ``shard`` of the DCP group.
-    Built with NumPy on the host (a few microseconds per array, as vLLM's input batch does),
-    then copied to ``device`` once."""
+    num_rows[i])`` decode (or verify drafts, or prefill) this step, on rank ``shard`` of the
+    DCP group, and the keys to copy into ``kv`` (the :class:`BatchKV` of the last step's
+    requests, or ``None``: copy every key).  Updates ``kv``'s host record.  Built with NumPy
+    on the host (a few microseconds per array, as vLLM's input batch does), then copied to
+    ``device`` once.
+
+    More than eight parameters: the requests' rows, tables and ids, the cache layout, the
+    tensors' dtype and device, and the copy kept from the last step."""
     n, i, rank = shard.dcp, shard.interleave, shard.dcp_rank
     start = np.asarray(starts, dtype=np.int64)
     rows = np.asarray(num_rows, dtype=np.int64)
@@ -138,7 +216,7 @@ def build_attention_metadata(
     for r, t in enumerate(block_tables):
         tables[r, : len(t)] = t
     qsl = np.zeros(b + 1, dtype=np.int64)
-    np.cumsum(rows, out=qsl[1:])
+    qsl[1:] = rows.cumsum()
     req = np.repeat(np.arange(b), rows)
     qi = np.arange(qsl[-1]) - qsl[req]
     positions = start[req] + qi
@@ -148,47 +226,72 @@ def build_attention_metadata(
     slots = tables[req, blk] * block_size + stripe // n * i + within
     slots = np.where(stripe % n == rank, slots, PAD_SLOT_ID)
     seq = start + rows
-    base = seq // (i * n) * i
-    local = base + np.clip(seq - base * n - rank * i, 0, i)  # local_seq_len, vectorised
+
+    def local_len(s: np.ndarray) -> np.ndarray:  # local_seq_len, vectorised
+        if n == 1:
+            return s
+        base = s // (i * n) * i
+        return base + np.minimum(np.maximum(s - base * n - rank * i, 0), i)
+
+    local = local_len(seq)
     width = max(1, int(local.max()))
-    j = np.arange(width)
-    key_slots = tables[:, np.minimum(j // block_size, tables.shape[1] - 1)] * block_size
-    key_slots += j % block_size
-    key_pos = j // i * (n * i) + rank * i + j % i
-    row_pos = start[:, None] + np.arange(q)[None]  # [b, q]
-    sees = key_pos[None, None] <= row_pos[..., None]  # [b, q, keys]: causal by global position
-    mask = torch.from_numpy(np.where(sees, 0.0, -np.inf)).to(dtype)
+    # local keys sit in position order: row at position p sees the first local_len(p + 1)
+    sees = local_len(start[:, None] + np.arange(q)[None] + 1)  # [b, q]
+    kept = _kept_keys(kv, request_ids, block_tables, local_len(start), width)
+    reset = kept is None
+    cap = -(-width // KV_CAPACITY_STEP) * KV_CAPACITY_STEP if reset else kv.capacity
+    first = np.zeros(b, dtype=np.int64) if reset else kept
+    count = local - first  # keys each request copies into the BatchKV
+    fr = np.repeat(np.arange(b), count)
+    fj = np.arange(int(count.sum())) - np.repeat(count.cumsum() - count, count) + first[fr]
+    fill_src = tables[fr, fj // block_size] * block_size + fj % block_size
+    if kv is not None:
+        kv.request_ids, kv.filled, kv.capacity = tuple(request_ids), local, cap
+        kv.block_tables = tuple(tuple(t) for t in block_tables)
     mine = slots != PAD_SLOT_ID
     dev = torch.device(device)
     t = torch.from_numpy
+    mask = None
+    if n > 1 or start.any():  # else every request's rows are its first keys: plain causal
+        mask = torch.zeros(b, 1, q, width, dtype=dtype)
+        mask.masked_fill_(torch.arange(width) >= t(sees)[:, None, :, None], -math.inf)
     return AttentionMetadata(
         b,
         q,
+        width,
         t(qsl),
         t(positions),
         t(seq),
         t(local),
         t(slots),
-        t(key_slots),
+        t(fill_src),
         None if mine.all() else t(np.flatnonzero(mine)).to(dev),
         t(slots[mine]).to(dev),
-        t(key_slots.reshape(-1)).to(dev),
+        cap,
+        reset,
+        t(fill_src).to(dev),
+        t(fr).to(dev),
+        t(fj).to(dev),
         None if q == 1 else t(req * q + qi).to(dev),
-        mask[:, None].to(dev),
-        t(sees.any(-1)[req, qi][:, None]).to(dev),
+        None if mask is None else mask.to(dev),
+        t(sees[req, qi][:, None] > 0).to(dev),
     )
 
 
 def _attend(
-    q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, mask: torch.Tensor, scale: float
+    q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, mask: torch.Tensor | None, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[B, H, Tq, D]`` queries against ``[B, Hkv, L, D]`` keys with an additive mask (query
-    head ``h`` reads KV head ``h // (H / Hkv)``); ``(out, lse [B, H, Tq])``.  CPU: the fused
-    flash kernel (it broadcasts the KV heads itself); elsewhere the same maths."""
+    """``[B, H, Tq, D]`` queries against ``[B, Hkv, L, D]`` keys with an additive mask (``None``:
+    causal, ``Tq == L``; query head ``h`` reads KV head ``h // (H / Hkv)``); ``(out, lse [B,
+    H, Tq])``.  CPU: the fused flash kernel (it broadcasts the KV heads itself; causal, it
+    skips the blocks above the diagonal); elsewhere the same maths."""
     if q4.device.type == "cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q4, k4, v4, 0.0, False, attn_mask=mask, scale=scale
+            q4, k4, v4, 0.0, mask is None, attn_mask=mask, scale=scale
         )
+    if mask is None:
+        tq, length = q4.shape[2], k4.shape[2]
+        mask = torch.full((tq, length), -math.inf, dtype=q4.dtype, device=q4.device).triu(1)
     if k4.shape[1] != q4.shape[1]:
         group = q4.shape[1] // k4.shape[1]
         k4, v4 = k4.repeat_interleave(group, dim=1), v4.repeat_interleave(group, dim=1)
@@ -208,23 +311,25 @@ def batched_attention(
     group: Group,
     dcp_comm_backend: str = "ag_rs",
     v_head_dim: int | None = None,
+    kv: BatchKV | None = None,
+    layer: int = 0,
 ) -> torch.Tensor:
-    """Every decode row of the step in one call: returns ``[num_rows, h, Dv]``, exact.
+    """Every batched row of the step in one call: returns ``[num_rows, h, Dv]``, exact.
 
     ``q [R, h, D]`` this rank's query heads of the ``R`` rows (request by request), ``k``/``v``
     ``[R, Hkv, ·]`` their new K/V (``v=None``: MLA's latent cache, values are the first
     ``v_head_dim`` columns of the keys).  The new K/V is stored through ``meta``'s slots
-    first; each row then attends this rank's keys it may see; under DCP (``group.size > 1``)
-    the query heads are all-gathered and the per-rank ``(out, lse)`` combined.
+    first and copied with the keys ``meta`` names into ``layer``'s rows of ``kv`` (``None``:
+    a copy for this call only); each row then attends this rank's keys it may see; under DCP
+    (``group.size > 1``) the query heads are all-gathered and the per-rank ``(out, lse)``
+    combined.
 
     More than eight parameters: the attention inputs, the cache and the step's metadata, the
-    DCP group and its combine, and MLA's value width."""
+    DCP group and its combine, MLA's value width, and the batch's kept keys."""
     cache.store(k, v, meta.write_slots, meta.write_rows)
-    keys, values = cache.gather(meta.gather)
-    b, width = meta.num_reqs, meta.gather.numel() // meta.num_reqs
-    hkv, d = keys.shape[1], keys.shape[2]
-    k4 = keys.view(b, width, hkv, d).transpose(1, 2)
-    v4 = k4 if values is None else values.view(b, width, hkv, -1).transpose(1, 2)
+    k4, values = (BatchKV(1) if kv is None else kv).refresh(layer, cache, meta)
+    b, hkv, d = meta.num_reqs, k4.shape[1], k4.shape[3]
+    v4 = k4 if values is None else values
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     dcp, qlen = group.size, meta.max_query_len
     dv = v_head_dim if values is None and v_head_dim is not None else v4.shape[-1]

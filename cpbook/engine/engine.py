@@ -202,7 +202,7 @@ class Engine:
         sampled, rows = ({}, {}) if not out.chunks else self.runner.execute(out)
         upd = self.scheduler.update(out, sampled)
         for rid, n in upd.emitted.items():
-            self.logits[rid].extend(rows[rid][:n])
+            self.logits[rid].append(rows[rid][:n])
         for rb in upd.rollbacks:
             self.runner.rollback(rb.block_table, rb.start, rb.end)
         for r in upd.finished:
@@ -364,8 +364,7 @@ def serve_rank(
         "tokens": [list(o.tokens) for o in outs],
         "errors": [o.error for o in outs],
         "logits": [
-            torch.stack(eng.logits[o.request_id]) if eng.logits[o.request_id] else None
-            for o in outs
+            torch.cat(eng.logits[o.request_id]) if eng.logits[o.request_id] else None for o in outs
         ],
         "dcp_comm_backend": cfg.dcp_comm_backend,
         "steps": len(eng.history),

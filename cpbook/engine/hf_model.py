@@ -56,10 +56,14 @@ class HFConfig(ModelConfig):
 def rope_tables(
     positions: torch.Tensor, inv_freq: torch.Tensor, factor: float, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``cos`` and ``sin`` ``[T, 1, R]`` of :func:`rope_rotate` (scaled by ``factor``)."""
+    """``cos`` and the signed ``sin`` (``[-sin, sin]`` over the two halves) ``[T, 1, R]`` of
+    :func:`rope_rotate` (scaled by ``factor``)."""
     ang = positions.to(inv_freq.dtype)[:, None] * inv_freq[None]
-    ang = torch.cat([ang, ang], dim=-1)[:, None]
-    return (ang.cos() * factor).to(dtype), (ang.sin() * factor).to(dtype)
+    sin = ang.sin()
+    return (
+        (torch.cat([ang, ang], dim=-1)[:, None].cos() * factor).to(dtype),
+        (torch.cat([-sin, sin], dim=-1)[:, None] * factor).to(dtype),
+    )
 
 
 def rope_rotate(
@@ -71,10 +75,10 @@ def rope_rotate(
 ) -> torch.Tensor:
     """Rotate-half RoPE of ``x [T, h, R]`` at ``positions [T]`` with ``inv_freq [R/2]``; cos and
     sin scaled by ``factor`` (HF's ``attention_scaling``); ``tables``: :func:`rope_tables` of
-    the same arguments, computed once for several calls."""
+    the same arguments, computed once for several calls.  ``rotate_half(x) * sin`` is the
+    halves swapped (one ``roll``) times the signed sin."""
     cos, sin = tables or rope_tables(positions, inv_freq, factor, x.dtype)
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
 @dataclass
@@ -109,7 +113,10 @@ class HFModel(TinyModel):
         if cfg.qk_norm:
             q = _rms(q, lw["q_norm"], cfg.rms_norm_eps)
             k = _rms(k, lw["k_norm"], cfg.rms_norm_eps)
-        return self._rope(q, positions), self._rope(k, positions), v
+        q, k = self._rope(torch.cat([q, k], dim=1), positions).split(
+            [q.shape[1], k.shape[1]], dim=1
+        )  # one RoPE for the query and key heads
+        return q, k, v
 
     def mla_q_and_latent(
         self, layer: int, h: torch.Tensor, positions: torch.Tensor, heads: slice = slice(None)
@@ -154,7 +161,8 @@ class HFModel(TinyModel):
             gate_up = self.packed(("gate_up", layer, rank, tp), lambda: _gate_up(lw, rank, tp))
             g, u = (h @ gate_up).chunk(2, dim=-1)
             n = lw["w_down"].shape[0] // tp
-            return (torch.nn.functional.silu(g) * u) @ lw["w_down"][rank * n : (rank + 1) * n]
+            g = torch.nn.functional.silu(g, inplace=True).mul_(u)  # in the matmul's output
+            return g @ lw["w_down"][rank * n : (rank + 1) * n]
         weights = self._route(layer, h)  # [T, E], zero off the top-k
         out = _swiglu(h, lw["s_gate"], lw["s_up"], lw["s_down"], rank, tp) if "s_gate" in lw else 0
         routed = torch.zeros_like(h)

@@ -15,10 +15,12 @@ code inline and under torchrun (vLLM's ``GPUModelRunner.execute_model``):
 * **Decode rows** (``1 + k`` per request: the last sampled token and ``k`` speculative drafts,
   ``k = 0`` without speculation; every PCP rank holds all of them): one
   :func:`cpbook.engine.attention.batched_attention` call per layer for the whole batch — the
-  new K/V written through the DCP slot mapping, each row attending the local keys at positions
-  up to its own (causal by global position), AllGather Q and the ``ag_rs`` or ``a2a`` LSE
-  combine under DCP.  MLA runs the same call on its absorbed latent queries against the cached
-  latents.  :meth:`ModelRunner.rollback` invalidates the slots of rejected draft rows.
+  new K/V written through the DCP slot mapping and appended to the batch's kept keys
+  (:class:`~cpbook.engine.attention.BatchKV`, copied afresh when the batch's requests change),
+  each row attending the local keys at positions up to its own (causal by global position),
+  AllGather Q and the ``ag_rs`` or ``a2a`` LSE combine under DCP.  MLA runs the same call on
+  its absorbed latent queries against the cached latents.  :meth:`ModelRunner.rollback`
+  invalidates the slots of rejected draft rows.
   Without PCP (and with the ``"auto"`` strategy) the prefill chunks join the same call: a
   chunk's rows are rows after a cached context, causal by global position like drafts.
 * **Prefill rows under PCP** (or a forced strategy): split zigzag over the PCP group
@@ -48,6 +50,7 @@ from cpbook.core.groups import ParallelGroups
 from cpbook.core.heads import kv_heads_of, q_heads_of
 from cpbook.engine.attention import (
     AttentionMetadata,
+    BatchKV,
     batch_slot_mapping,
     batched_attention,
     build_attention_metadata,
@@ -115,7 +118,7 @@ class StepMetadata:
                 "query_start_loc": d.query_start_loc.tolist(),
                 "seq_lens": d.seq_lens.tolist(),
                 "slot_mapping": d.slot_mapping.tolist(),
-                "key_slots": d.key_slots.shape[1],
+                "max_keys": d.max_keys,
             }
         if p is not None:
             out["prefill"] = {
@@ -167,6 +170,7 @@ class ModelRunner:
         ]
         for c in self.caches[1:]:  # every layer stores the same slots: one bookkeeping
             c.written = self.caches[0].written
+        self.kv = BatchKV(mc.num_hidden_layers)  # the batch's keys, kept across steps
         self.strategies: Counter[str] = Counter()
         self.last_metadata: StepMetadata | None = None
 
@@ -223,6 +227,8 @@ class ModelRunner:
         pre = [c for c in out.chunks if c.kind is not ChunkKind.DECODE]
         batch, pre = (dec + pre, []) if self.batched_prefill else (dec, pre)
         ids = [t for c in batch for t in c.token_ids]
+        if out.preempted:  # a preempted request's keys are recomputed: copy afresh
+            self.kv.forget()
         attn = prefill = None
         pos, names, counts, rows = [], [], [], []
         if batch:
@@ -234,6 +240,8 @@ class ModelRunner:
                 self.shard,
                 model.embed.dtype,
                 dev,
+                [c.request_id for c in batch],
+                self.kv,
             )
             pos.append(attn.positions)
             qsl = attn.query_start_loc.tolist()
@@ -243,6 +251,8 @@ class ModelRunner:
                     names.append(c.request_id)
                     counts.append(n)
                     rows.extend(range(qsl[j + 1] - n, qsl[j + 1]))
+        else:  # keys written outside the batched call: copy afresh
+            self.kv.forget()
         sample_rows = None
         keep = [j for j, c in enumerate(pre) if c.sample]
         if pre:
@@ -355,6 +365,8 @@ class ModelRunner:
                         groups.dcp,
                         cfg.dcp_comm_backend,
                         mla_dim,
+                        self.kv,
+                        layer,
                     )
                 )
             if pre is not None:

@@ -224,7 +224,7 @@ class Scheduler:
     # -- one step ---------------------------------------------------------------------------
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
-        blocks = self.kv.block_table(req.request_id).tolist()
+        blocks = self.kv.block_ids(req.request_id)
         self.kv.free(req.request_id)
         self.kv.uncache([b for b in blocks if b not in self.written and not self.kv.ref_cnt[b]])
         req.status, req.num_computed_tokens = RequestStatus.WAITING, 0
@@ -256,7 +256,7 @@ class Scheduler:
             kind,
             start,
             tuple(req.token_slice(start, end)),
-            tuple(self.kv.block_table(req.request_id).tolist()),
+            self.kv.block_ids(req.request_id),
             end >= req.num_tokens,
         )
 
@@ -294,9 +294,7 @@ class Scheduler:
                 hit = self.kv.allocate(req.request_id, len(tokens), tokens)
             except AllocationError:
                 break
-            self.written.difference_update(
-                self.kv.block_table(req.request_id).tolist()[hit.num_blocks :]
-            )
+            self.written.difference_update(self.kv.block_ids(req.request_id)[hit.num_blocks :])
             self.waiting.popleft()
             req.status, req.num_computed_tokens = RequestStatus.RUNNING, hit.num_tokens
             req.prefix_hit_tokens = hit.num_tokens

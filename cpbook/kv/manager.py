@@ -221,10 +221,8 @@ class KVCacheManager:
                 num_new_tokens=num_new_tokens,
                 len_token_ids=None if token_ids is None else len(token_ids),
             )
-        new = self._take(
-            num_virtual_blocks(req.num_tokens + num_new_tokens, self.block_size, self.dcp)
-            - len(req.blocks)
-        )
+        vb = self.virtual_block_size  # ceil((tokens + new) / vb) ids in all
+        new = self._take(-(-(req.num_tokens + num_new_tokens) // vb) - len(req.blocks))
         req.blocks += new
         req.num_tokens += num_new_tokens
         if token_ids is not None:
@@ -297,6 +295,10 @@ class KVCacheManager:
     def block_table(self, request_id: str) -> torch.Tensor:
         """The request's virtual block ids (int64), identical on every rank of the group."""
         return torch.tensor(self._get(request_id).blocks, dtype=torch.long)
+
+    def block_ids(self, request_id: str) -> tuple[int, ...]:
+        """:meth:`block_table` as a tuple (what a scheduler hands on every step, no tensor)."""
+        return tuple(self._get(request_id).blocks)
 
     def num_tokens(self, request_id: str) -> int:
         return self._get(request_id).num_tokens
