@@ -60,7 +60,7 @@ import functools
 import json
 import logging
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from cpbook import costmodel as cm
@@ -73,6 +73,7 @@ PEER_MODELS = {
     "Llama-3.1-70B": "meta-llama/Meta-Llama-3.1-70B",
     "Qwen3-235B-A22B": "Qwen/Qwen3-235B-A22B",
     "DeepSeek-V3": "deepseek-ai/DeepSeek-V3",
+    "Llama-3.1-70B-FP8": "meta-llama/Meta-Llama-3.1-70B",
 }
 #: the held-out set: models no term was read off (cpbook's spec from its built-in table, else
 #: from the ``config.json`` the peer ships), at other prompt lengths and batch sizes
@@ -80,7 +81,12 @@ HELD_OUT_MODELS = {
     "Qwen3-32B": "Qwen/Qwen3-32B",
     "Llama-3.1-405B": "meta-llama/Meta-Llama-3.1-405B",
     "Qwen3-30B-A3B": "Qwen/Qwen3-30B-A3B",
+    "Llama-3.1-405B-FP8": "meta-llama/Meta-Llama-3.1-405B",
+    "Qwen3-32B-FP8": "Qwen/Qwen3-32B-FP8",
 }
+#: a ``-FP8`` name of a bf16 checkpoint: its weights FP8 block-scaled on both sides (the peer's
+#: ``gemm_quant_mode="fp8_block"``, cpbook's spec at one byte per weight)
+FP8 = "-FP8"
 PEER_SYSTEMS = {"H200": "h200_sxm", "H100": "h100_sxm"}
 ISLS = (4096, 32768, 131072)
 BATCHES = (1, 8, 32, 64)
@@ -108,12 +114,16 @@ class Case:
 
 @functools.cache
 def model_spec(name: str) -> cm.ModelSpec:
-    """cpbook's spec of ``name``: the built-in one, else read from the peer's ``config.json``."""
+    """cpbook's spec of ``name``: the built-in one, else read from the peer's ``config.json``;
+    a ``-FP8`` name of a bf16 model at one byte per weight."""
+    base = name.removesuffix(FP8)
+    if base != name and base in cm.MODELS:
+        return replace(cm.get_model(base), name=name, weight_bytes_per_param=1)
     if name in cm.MODELS:
         return cm.get_model(name)
     from aiconfigurator_core import __file__ as core
 
-    org, model = HELD_OUT_MODELS[name].split("/")
+    org, model = {**PEER_MODELS, **HELD_OUT_MODELS}[name].split("/")
     path = Path(core).parent / "model_configs" / f"{org}--{model}_config.json"
     return model_from_hf_config(json.loads(path.read_text()), name=name)
 
@@ -166,6 +176,8 @@ def peer_ms(case: Case, mode: str = "static", osl: int = OSL) -> tuple[float, fl
         par = dict(tp_size=lay.tp, attention_dp_size=lay.dp, moe_tp_size=lay.moe_tp, moe_ep_size=ep)
     else:
         par = dict(tp_size=lay.tp)
+        if case.model.endswith(FP8):
+            par["gemm_quant_mode"] = "fp8_block"
     r = cli_estimate(
         {**PEER_MODELS, **HELD_OUT_MODELS}[case.model],
         PEER_SYSTEMS[case.gpu],

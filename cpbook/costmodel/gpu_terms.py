@@ -20,15 +20,23 @@ SOURCE = "aiconfigurator"
 # ------------------------------------------------------------------------------------ prefill
 
 #: Fraction of the peak a dense prefill GEMM reaches, by weight bytes (2: BF16 at the BF16
-#: peak, 1: FP8 block-scaled at the FP8 peak), as ``((tokens, mfu), (tokens, mfu))`` points
-#: (see :func:`ramp`).  BF16: Llama-3.1-8B TP1 at 4K, the peer's qkv + o + gate/up + down GEMMs
-#: take 78 ms for 5.7e13 FLOPs (0.74 of 989 TFLOP/s); Llama-3.1-70B TP8 at 32K the same.  FP8:
-#: DeepSeek-V3 TP8's MLA projections and shared experts (its MLA block less attention at the
-#: attention MFU), 0.18 of the FP8 peak at 4K tokens and 0.45 at 32K: narrow per-GPU shards.
+#: peak, 1: FP8 block-scaled MLA models at the FP8 peak), as ``((tokens, mfu), (tokens, mfu))``
+#: points (see :func:`ramp`).  BF16: Llama-3.1-8B TP1 at 4K, the peer's qkv + o + gate/up +
+#: down GEMMs take 78 ms for 5.7e13 FLOPs (0.74 of 989 TFLOP/s); Llama-3.1-70B TP8 at 32K the
+#: same.  FP8 MLA: DeepSeek-V3 TP8's MLA projections and shared experts (its MLA block less
+#: attention at the attention MFU), 0.18 of the FP8 peak at 4K tokens and 0.45 at 32K: narrow
+#: per-GPU shards.  FP8 GQA models' GEMMs are priced by shape (:func:`fp8_gemm_mfu`).
 GEMM_MFU: dict[int, tuple[tuple[int, float], ...]] = {
     2: ((4096, 0.74), (32768, 0.74)),
     1: ((4096, 0.18), (32768, 0.45)),
 }
+#: FP8 block-scaled GEMM ``(M tokens) x (K in) -> (N out)`` at the FP8 peak:
+#: ``e / ((1 + n0/N) (1 + k0/K) (1 + w0/(M N K)))`` with ``(e, n0, k0, w0)`` below, fitted (log
+#: least squares) on the peer's qkv / o / gate-up / down GEMMs of Llama-3.1-8B and -70B with
+#: ``gemm_quant_mode="fp8_block"``, TP 1-8, 2K-64K tokens (192 GEMMs; each case's GEMM time
+#: within 2.6 % median, 13 % worst).  Wide shards near 0.66 (70B TP1 at 2K: 0.59-0.70), narrow
+#: ones far below (8B TP8's o_proj, K = 512, at 2K: 0.05).
+FP8_GEMM_SHAPE = (0.709, 1007.0, 189.0, 1.87e10)
 #: Fraction of the BF16 peak prefill attention (FlashAttention / FlashMLA prefill) reaches, by
 #: prompt length: 0.49 at 4K (Llama-3.1-8B TP1), 0.65 at 32K (Llama-3.1-70B TP8) and at 128K
 #: (Qwen3-235B TP8, DeepSeek-V3 TP8).
@@ -67,6 +75,11 @@ DECODE_ALLREDUCE_ALPHA_S = 5.2e-6
 #: GEMMs exceed their weight streaming at 0.8 of HBM by 2.5 µs each on average (Llama-3.1-70B
 #: TP8, Llama-3.1-8B TP1, batch 1).
 DECODE_GEMM_FIXED_S = 2.5e-6
+#: ... and of one FP8 block-scaled decode GEMM of a GQA model: the peer's vLLM tables put each
+#: qkv / o / gate-up / down call ~56 µs above its weight streaming at batch 1-16, whatever its
+#: shape (Llama-3.1-8B TP1 and Llama-3.1-70B TP8 with ``gemm_quant_mode="fp8_block"``; bf16
+#: the same GEMMs 2-6 µs).  MLA models' projections are in :data:`MLA_DECODE_FIXED_S`.
+DECODE_FP8_GEMM_FIXED_S = 56e-6
 #: Fixed cost of one GQA decode-attention call (FlashAttention split-KV): Llama-3.1-8B TP1 at 4K
 #: batch 1, 16.6 µs per layer for 3.6 µs of KV streaming.
 DECODE_ATTENTION_FIXED_S = 12e-6
@@ -103,6 +116,12 @@ def ramp(points: tuple[tuple[int, float], ...], tokens: int) -> float:
     x = math.log2(max(tokens, 1))
     f = min(1.0, max(0.0, (x - math.log2(t0)) / (math.log2(t1) - math.log2(t0))))
     return m0 + f * (m1 - m0)
+
+
+def fp8_gemm_mfu(m: float, n: float, k: float) -> float:
+    """:data:`FP8_GEMM_SHAPE`'s efficiency of an ``m x k`` by ``k x n`` FP8 GEMM."""
+    e, n0, k0, w0 = FP8_GEMM_SHAPE
+    return e / ((1 + n0 / n) * (1 + k0 / k) * (1 + w0 / (m * n * k)))
 
 
 def attention_mfu(tokens: int) -> float:
