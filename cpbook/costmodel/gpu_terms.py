@@ -41,15 +41,19 @@ FP8_GEMM_SHAPE = (0.709, 1007.0, 189.0, 1.87e10)
 #: prompt length: 0.49 at 4K (Llama-3.1-8B TP1), 0.65 at 32K (Llama-3.1-70B TP8) and at 128K
 #: (Qwen3-235B TP8, DeepSeek-V3 TP8).
 ATTENTION_MFU: tuple[tuple[int, float], ...] = ((4096, 0.49), (32768, 0.65))
-#: Fraction of the peak the routed-expert GEMMs (fused MoE) reach in prefill, by weight bytes:
-#: BF16 Qwen3-235B TP8, 0.28 of the BF16 peak from 32K tokens in the forward pass on (0.22 at
-#: 4K); FP8 block-scaled DeepSeek-V3 TP8, 0.145 of the FP8 peak (0.12 at 4K): both ~285
-#: TFLOP/s.  One value, not a ramp: a static batch of 8 x 4K prompts is one 32K-token pass.
-MOE_GEMM_MFU: dict[int, float] = {2: 0.28, 1: 0.145}
-#: EP prefill: the peer's expert time on DP8 x EP8 over its TP8 time at the same number of
-#: tokens per GPU (Qwen3-235B 1.76, DeepSeek-V3 1.47; mean 1.6): routed tokens do not spread
-#: evenly over the ranks, and the busiest rank sets the pace.
-EP_PREFILL_IMBALANCE = 1.6
+#: Routed-expert GEMMs (fused MoE) in prefill, by expert shape (:func:`moe_gemm_mfu`): ``m``
+#: tokens per expert, ``n`` the expert's intermediate width per GPU.  Read off the peer's
+#: ``context_moe`` on Qwen3-235B (BF16) and DeepSeek-V3 (FP8 block-scaled) at TP 4 and 8, DP 8
+#: with experts TP 8, and DP 8 x EP 8, 2K-64K tokens.  Width: TP 4 over TP 8 runs 1.46x
+#: (Qwen3-235B) and 1.39x (DeepSeek-V3) the fraction, both ``n / (n + 325)``.  Tokens: ~0.6 of
+#: the plateau at 128 (BF16) or 64 (FP8) tokens per expert, the plateau from ~1K.  By weight
+#: bytes, ``(plateau at infinite width, tokens per expert at half of it)``.
+MOE_GEMM_SHAPE: dict[int, tuple[float, float]] = {2: (0.764, 85.0), 1: (0.331, 33.0)}
+MOE_WIDTH_HALF = 325.0
+#: ... and with EP, per weight bytes at infinite width: the peer's DP 8 x EP 8 expert time is
+#: flat in the tokens (0.162 of the BF16 peak for Qwen3-235B's 1,536-wide experts, 0.099 of
+#: the FP8 peak for DeepSeek-V3's 2,048): the busiest rank's routed tokens set the pace.
+MOE_EP_GEMM_MFU: dict[int, float] = {2: 0.196, 1: 0.114}
 #: HBM bytes an add + RMSNorm kernel moves per hidden element (read residual and input, write
 #: both, at the datasheet bandwidth): Llama-3.1-8B TP1 4K 38 µs per norm for 16.8M elements,
 #: Llama-3.1-70B TP8 32K 10 B/element.  Not split by TP (vLLM keeps the residual whole).
@@ -122,6 +126,17 @@ def fp8_gemm_mfu(m: float, n: float, k: float) -> float:
     """:data:`FP8_GEMM_SHAPE`'s efficiency of an ``m x k`` by ``k x n`` FP8 GEMM."""
     e, n0, k0, w0 = FP8_GEMM_SHAPE
     return e / ((1 + n0 / n) * (1 + k0 / k) * (1 + w0 / (m * n * k)))
+
+
+def moe_gemm_mfu(weight_bytes: int, tokens_per_expert: float, width: float, ep: bool) -> float:
+    """Fraction of the peak the routed experts reach in prefill (:data:`MOE_GEMM_SHAPE`): a
+    ``width``-wide expert slice on ``tokens_per_expert`` tokens, or under EP
+    (:data:`MOE_EP_GEMM_MFU`) a whole expert whatever its tokens."""
+    wide = width / (width + MOE_WIDTH_HALF)
+    if ep:
+        return MOE_EP_GEMM_MFU[weight_bytes] * wide
+    top, half = MOE_GEMM_SHAPE[weight_bytes]
+    return top * wide * tokens_per_expert / (tokens_per_expert + half)
 
 
 def attention_mfu(tokens: int) -> float:

@@ -138,10 +138,15 @@ def _prefill_compute_s(
         mm *= model.params_per_token / model.num_params
         return (mm + attn) / gpus / (gpu.bf16_flops * mfu), attn / gpus / (gpu.bf16_flops * mfu)
     attn_s = attn / gpus / (gpu.bf16_flops * gt.attention_mfu(rows))
-    # EP: every DP rank prefills at once (the loaded case), so each GPU does one prompt's
-    # expert FLOPs, slowed by the busiest rank
-    ep = gt.EP_PREFILL_IMBALANCE if deployment.ep and deployment.num_gpus > 1 else 1.0
-    expert_s = experts * ep / gpus / (peak * gt.MOE_GEMM_MFU[wb])
+    # every replica prefills at once (the loaded case): the experts see the tokens of the
+    # dp x pcp ranks of the pool, each GPU one prompt's expert FLOPs
+    expert_s = 0.0
+    if experts:
+        ep = deployment.ep and deployment.num_gpus > 1
+        per_expert = rows * deployment.dp * deployment.pcp * model.num_experts_per_tok
+        width = model.expert_size_params / (3 * model.hidden_size) / deployment.moe_tp
+        eff = gt.moe_gemm_mfu(wb, per_expert / model.num_experts, width, ep)
+        expert_s = experts / gpus / (peak * eff)
     gemm_s = dense / gpus / (peak * dense_gemm_mfu(model, deployment.tp, rows))
     return gemm_s + expert_s + attn_s, attn_s
 
@@ -161,7 +166,7 @@ def ttft(
 
     GEMMs (:func:`prefill_gemm_flops`: no embedding FLOPs, the LM head for the last token) at
     :func:`dense_gemm_mfu` of the weights' peak (FP8 weights: the FP8 peak), routed experts
-    at ``MOE_GEMM_MFU`` (EP: times ``EP_PREFILL_IMBALANCE``), attention
+    at :func:`~cpbook.costmodel.gpu_terms.moe_gemm_mfu` of their shape, attention
     at :func:`~cpbook.costmodel.gpu_terms.attention_mfu` of the BF16 peak.  ``knobs.mfu`` instead
     gives the former model: :func:`prefill_flops`' count (MoE: active share), every FLOP at
     ``mfu`` of the BF16 peak, no elementwise or EP terms.  Norms and activations stream their
