@@ -47,8 +47,9 @@ ATTENTION_MFU: tuple[tuple[int, float], ...] = ((4096, 0.49), (32768, 0.65))
 #: with experts TP 8, and DP 8 x EP 8, 2K-64K tokens.  Width: TP 4 over TP 8 runs 1.46x
 #: (Qwen3-235B) and 1.39x (DeepSeek-V3) the fraction, both ``n / (n + 325)``.  Tokens: ~0.6 of
 #: the plateau at 128 (BF16) or 64 (FP8) tokens per expert, the plateau from ~1K.  By weight
-#: bytes, ``(plateau at infinite width, tokens per expert at half of it)``.
-MOE_GEMM_SHAPE: dict[int, tuple[float, float]] = {2: (0.764, 85.0), 1: (0.331, 33.0)}
+#: bytes: the plateau at infinite width, and the tokens per expert at half of it.
+MOE_GEMM_PLATEAU: dict[int, float] = {2: 0.764, 1: 0.331}
+MOE_TOKENS_HALF: dict[int, float] = {2: 85.0, 1: 33.0}
 MOE_WIDTH_HALF = 325.0
 #: ... and with EP, per weight bytes at infinite width: the peer's DP 8 x EP 8 expert time is
 #: flat in the tokens (0.162 of the BF16 peak for Qwen3-235B's 1,536-wide experts, 0.099 of
@@ -129,14 +130,14 @@ def fp8_gemm_mfu(m: float, n: float, k: float) -> float:
 
 
 def moe_gemm_mfu(weight_bytes: int, tokens_per_expert: float, width: float, ep: bool) -> float:
-    """Fraction of the peak the routed experts reach in prefill (:data:`MOE_GEMM_SHAPE`): a
+    """Fraction of the peak the routed experts reach in prefill (:data:`MOE_GEMM_PLATEAU`): a
     ``width``-wide expert slice on ``tokens_per_expert`` tokens, or under EP
     (:data:`MOE_EP_GEMM_MFU`) a whole expert whatever its tokens."""
     wide = width / (width + MOE_WIDTH_HALF)
     if ep:
         return MOE_EP_GEMM_MFU[weight_bytes] * wide
-    top, half = MOE_GEMM_SHAPE[weight_bytes]
-    return top * wide * tokens_per_expert / (tokens_per_expert + half)
+    half = MOE_TOKENS_HALF[weight_bytes]
+    return MOE_GEMM_PLATEAU[weight_bytes] * wide * tokens_per_expert / (tokens_per_expert + half)
 
 
 def attention_mfu(tokens: int) -> float:
