@@ -83,10 +83,13 @@ HELD_OUT_MODELS = {
     "Qwen3-30B-A3B": "Qwen/Qwen3-30B-A3B",
     "Llama-3.1-405B-FP8": "meta-llama/Meta-Llama-3.1-405B",
     "Qwen3-32B-FP8": "Qwen/Qwen3-32B-FP8",
+    "Qwen3-30B-A3B-FP8": "Qwen/Qwen3-30B-A3B-FP8",
 }
 #: a ``-FP8`` name of a bf16 checkpoint: its weights FP8 block-scaled on both sides (the peer's
 #: ``gemm_quant_mode="fp8_block"``, cpbook's spec at one byte per weight)
 FP8 = "-FP8"
+#: FP8 block-scaled weights are stored in blocks of this many rows and columns
+FP8_BLOCK = 128
 PEER_SYSTEMS = {"H200": "h200_sxm", "H100": "h100_sxm"}
 ISLS = (4096, 32768, 131072)
 BATCHES = (1, 8, 32, 64)
@@ -130,10 +133,17 @@ def model_spec(name: str) -> cm.ModelSpec:
 
 def layouts(model: str, held_out: bool = False) -> list[cm.Deployment]:
     """TP 1-8 for dense models (held out: TP 2-8); TP 4/8 and DP8 x EP8 for MoE models, and
-    held out also DP 8 attention with each expert split by TP over the 8 GPUs."""
-    if model_spec(model).expert_params:
+    held out also TP 2 and DP 8 attention with each expert split by TP over the 8 GPUs.  FP8
+    block-scaled experts split by TP must keep whole :data:`FP8_BLOCK` blocks (the peer refuses
+    other splits)."""
+    spec = model_spec(model)
+    if spec.expert_params:
         moe = [cm.Deployment(tp=4), cm.Deployment(tp=8), cm.Deployment(dp=8, ep=True)]
-        return moe + [cm.Deployment(dp=8)] if held_out else moe
+        if held_out:
+            moe = [cm.Deployment(tp=2), *moe, cm.Deployment(dp=8)]
+        width = spec.expert_size_params / (3 * spec.hidden_size)
+        fp8 = spec.weight_bytes_per_param <= 1
+        return [x for x in moe if not fp8 or width / x.moe_tp % FP8_BLOCK == 0]
     return [cm.Deployment(tp=t) for t in ((2, 4, 8) if held_out else (1, 2, 4, 8))]
 
 
