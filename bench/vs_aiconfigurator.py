@@ -12,7 +12,8 @@ decode steps.  The two sides are matched as follows:
 
 - weights and KV: bf16 KV on both sides (``kvcache_quant_mode="bfloat16"``); weights as
   cpbook's :data:`~cpbook.costmodel.specs.MODELS` store them (bf16 for Llama and Qwen3, FP8
-  for DeepSeek-V3), which is also the peer's default for those checkpoints;
+  for DeepSeek-V3), which is also the peer's default for those checkpoints; a ``-FP8`` name
+  (:data:`FP8`) has FP8 block-scaled weights on both sides;
 - layouts: TP ``t`` is the peer's ``tp_size=t`` (MoE: ``moe_tp_size=t``); DP × EP is its
   ``attention_dp_size=dp, moe_ep_size=dp`` with ``tp_size=1`` (cpbook's
   ``Deployment(dp=dp, ep=True)``); the peer's ``batch_size`` is per DP rank, cpbook's ``batch``
