@@ -12,7 +12,8 @@ decode steps.  The two sides are matched as follows:
 
 - weights and KV: bf16 KV on both sides (``kvcache_quant_mode="bfloat16"``); weights as
   cpbook's :data:`~cpbook.costmodel.specs.MODELS` store them (bf16 for Llama and Qwen3, FP8
-  for DeepSeek-V3), which is also the peer's default for those checkpoints;
+  for DeepSeek-V3), which is also the peer's default for those checkpoints; a ``-FP8`` name
+  (:data:`FP8`) has FP8 block-scaled weights on both sides;
 - layouts: TP ``t`` is the peer's ``tp_size=t`` (MoE: ``moe_tp_size=t``); DP × EP is its
   ``attention_dp_size=dp, moe_ep_size=dp`` with ``tp_size=1`` (cpbook's
   ``Deployment(dp=dp, ep=True)``); the peer's ``batch_size`` is per DP rank, cpbook's ``batch``
@@ -60,7 +61,7 @@ import functools
 import json
 import logging
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from cpbook import costmodel as cm
@@ -73,6 +74,7 @@ PEER_MODELS = {
     "Llama-3.1-70B": "meta-llama/Meta-Llama-3.1-70B",
     "Qwen3-235B-A22B": "Qwen/Qwen3-235B-A22B",
     "DeepSeek-V3": "deepseek-ai/DeepSeek-V3",
+    "Llama-3.1-70B-FP8": "meta-llama/Meta-Llama-3.1-70B",
 }
 #: the held-out set: models no term was read off (cpbook's spec from its built-in table, else
 #: from the ``config.json`` the peer ships), at other prompt lengths and batch sizes
@@ -80,7 +82,15 @@ HELD_OUT_MODELS = {
     "Qwen3-32B": "Qwen/Qwen3-32B",
     "Llama-3.1-405B": "meta-llama/Meta-Llama-3.1-405B",
     "Qwen3-30B-A3B": "Qwen/Qwen3-30B-A3B",
+    "Llama-3.1-405B-FP8": "meta-llama/Meta-Llama-3.1-405B",
+    "Qwen3-32B-FP8": "Qwen/Qwen3-32B-FP8",
+    "Qwen3-30B-A3B-FP8": "Qwen/Qwen3-30B-A3B-FP8",
 }
+#: a ``-FP8`` name of a bf16 checkpoint: its weights FP8 block-scaled on both sides (the peer's
+#: ``gemm_quant_mode="fp8_block"``, cpbook's spec at one byte per weight)
+FP8 = "-FP8"
+#: FP8 block-scaled weights are stored in blocks of this many rows and columns
+FP8_BLOCK = 128
 PEER_SYSTEMS = {"H200": "h200_sxm", "H100": "h100_sxm"}
 ISLS = (4096, 32768, 131072)
 BATCHES = (1, 8, 32, 64)
@@ -108,22 +118,33 @@ class Case:
 
 @functools.cache
 def model_spec(name: str) -> cm.ModelSpec:
-    """cpbook's spec of ``name``: the built-in one, else read from the peer's ``config.json``."""
+    """cpbook's spec of ``name``: the built-in one, else read from the peer's ``config.json``;
+    a ``-FP8`` name of a bf16 model at one byte per weight."""
+    base = name.removesuffix(FP8)
+    if base != name and base in cm.MODELS:
+        return replace(cm.get_model(base), name=name, weight_bytes_per_param=1)
     if name in cm.MODELS:
         return cm.get_model(name)
     from aiconfigurator_core import __file__ as core
 
-    org, model = HELD_OUT_MODELS[name].split("/")
+    org, model = {**PEER_MODELS, **HELD_OUT_MODELS}[name].split("/")
     path = Path(core).parent / "model_configs" / f"{org}--{model}_config.json"
     return model_from_hf_config(json.loads(path.read_text()), name=name)
 
 
 def layouts(model: str, held_out: bool = False) -> list[cm.Deployment]:
     """TP 1-8 for dense models (held out: TP 2-8); TP 4/8 and DP8 x EP8 for MoE models, and
-    held out also DP 8 attention with each expert split by TP over the 8 GPUs."""
-    if model_spec(model).expert_params:
+    held out also TP 2 and DP 8 attention with each expert split by TP over the 8 GPUs.  FP8
+    block-scaled experts split by TP must keep whole :data:`FP8_BLOCK` blocks (the peer refuses
+    other splits)."""
+    spec = model_spec(model)
+    if spec.expert_params:
         moe = [cm.Deployment(tp=4), cm.Deployment(tp=8), cm.Deployment(dp=8, ep=True)]
-        return moe + [cm.Deployment(dp=8)] if held_out else moe
+        if held_out:
+            moe = [cm.Deployment(tp=2), *moe, cm.Deployment(dp=8)]
+        width = spec.expert_size_params / (3 * spec.hidden_size)
+        fp8 = spec.weight_bytes_per_param <= 1
+        return [x for x in moe if not fp8 or width / x.moe_tp % FP8_BLOCK == 0]
     return [cm.Deployment(tp=t) for t in ((2, 4, 8) if held_out else (1, 2, 4, 8))]
 
 
@@ -166,6 +187,8 @@ def peer_ms(case: Case, mode: str = "static", osl: int = OSL) -> tuple[float, fl
         par = dict(tp_size=lay.tp, attention_dp_size=lay.dp, moe_tp_size=lay.moe_tp, moe_ep_size=ep)
     else:
         par = dict(tp_size=lay.tp)
+        if case.model.endswith(FP8):
+            par["gemm_quant_mode"] = "fp8_block"
     r = cli_estimate(
         {**PEER_MODELS, **HELD_OUT_MODELS}[case.model],
         PEER_SYSTEMS[case.gpu],

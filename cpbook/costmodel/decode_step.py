@@ -151,8 +151,15 @@ def decode_step(
     compute = 2 * model.params_per_token * b / cfg.tp / (gpu.peak_flops(wbytes) * gemm_mfu)
     compute += attn_flops * model.num_layers / (gpu.bf16_flops * gemm_mfu)
     gemms, elementwise = _kernel_counts(model)
-    fixed += gemms * gt.DECODE_GEMM_FIXED_S + elementwise * gt.elementwise_s(
-        b * model.hidden_size, gt.NORM_BYTES_PER_ELEMENT, gpu.hbm_bw_bytes_per_s
+    # FP8 block-scaled GQA projections and dense MLPs; a MoE router stays bf16
+    fp8 = wbytes <= 1 and not model.use_mla
+    routers = model.moe_layers if model.expert_params and not model.use_mla else 0
+    gemm_fixed = gt.DECODE_FP8_GEMM_FIXED_S if fp8 else gt.DECODE_GEMM_FIXED_S
+    fixed += (
+        (gemms - routers) * gemm_fixed
+        + routers * gt.DECODE_GEMM_FIXED_S
+        + elementwise
+        * gt.elementwise_s(b * model.hidden_size, gt.NORM_BYTES_PER_ELEMENT, gpu.hbm_bw_bytes_per_s)
     )
     if model.use_mla:
         per_layer_fixed = gt.MLA_DECODE_FIXED_S + gt.MLA_DECODE_PER_REQUEST_S * b

@@ -20,28 +20,41 @@ SOURCE = "aiconfigurator"
 # ------------------------------------------------------------------------------------ prefill
 
 #: Fraction of the peak a dense prefill GEMM reaches, by weight bytes (2: BF16 at the BF16
-#: peak, 1: FP8 block-scaled at the FP8 peak), as ``((tokens, mfu), (tokens, mfu))`` points
-#: (see :func:`ramp`).  BF16: Llama-3.1-8B TP1 at 4K, the peer's qkv + o + gate/up + down GEMMs
-#: take 78 ms for 5.7e13 FLOPs (0.74 of 989 TFLOP/s); Llama-3.1-70B TP8 at 32K the same.  FP8:
-#: DeepSeek-V3 TP8's MLA projections and shared experts (its MLA block less attention at the
-#: attention MFU), 0.18 of the FP8 peak at 4K tokens and 0.45 at 32K: narrow per-GPU shards.
+#: peak, 1: FP8 block-scaled MLA models at the FP8 peak), as ``((tokens, mfu), (tokens, mfu))``
+#: points (see :func:`ramp`).  BF16: Llama-3.1-8B TP1 at 4K, the peer's qkv + o + gate/up +
+#: down GEMMs take 78 ms for 5.7e13 FLOPs (0.74 of 989 TFLOP/s); Llama-3.1-70B TP8 at 32K the
+#: same.  FP8 MLA: DeepSeek-V3 TP8's MLA projections and shared experts (its MLA block less
+#: attention at the attention MFU), 0.18 of the FP8 peak at 4K tokens and 0.45 at 32K: narrow
+#: per-GPU shards.  FP8 GQA models' GEMMs are priced by shape (:func:`fp8_gemm_mfu`).
 GEMM_MFU: dict[int, tuple[tuple[int, float], ...]] = {
     2: ((4096, 0.74), (32768, 0.74)),
     1: ((4096, 0.18), (32768, 0.45)),
 }
+#: FP8 block-scaled GEMM ``(M tokens) x (K in) -> (N out)`` at the FP8 peak:
+#: ``e / ((1 + n0/N) (1 + k0/K) (1 + w0/(M N K)))`` with ``(e, n0, k0, w0)`` below, fitted (log
+#: least squares) on the peer's qkv / o / gate-up / down GEMMs of Llama-3.1-8B and -70B with
+#: ``gemm_quant_mode="fp8_block"``, TP 1-8, 2K-64K tokens (192 GEMMs; each case's GEMM time
+#: within 2.6 % median, 13 % worst).  Wide shards near 0.66 (70B TP1 at 2K: 0.59-0.70), narrow
+#: ones far below (8B TP8's o_proj, K = 512, at 2K: 0.05).
+FP8_GEMM_SHAPE = (0.709, 1007.0, 189.0, 1.87e10)
 #: Fraction of the BF16 peak prefill attention (FlashAttention / FlashMLA prefill) reaches, by
 #: prompt length: 0.49 at 4K (Llama-3.1-8B TP1), 0.65 at 32K (Llama-3.1-70B TP8) and at 128K
 #: (Qwen3-235B TP8, DeepSeek-V3 TP8).
 ATTENTION_MFU: tuple[tuple[int, float], ...] = ((4096, 0.49), (32768, 0.65))
-#: Fraction of the peak the routed-expert GEMMs (fused MoE) reach in prefill, by weight bytes:
-#: BF16 Qwen3-235B TP8, 0.28 of the BF16 peak from 32K tokens in the forward pass on (0.22 at
-#: 4K); FP8 block-scaled DeepSeek-V3 TP8, 0.145 of the FP8 peak (0.12 at 4K): both ~285
-#: TFLOP/s.  One value, not a ramp: a static batch of 8 x 4K prompts is one 32K-token pass.
-MOE_GEMM_MFU: dict[int, float] = {2: 0.28, 1: 0.145}
-#: EP prefill: the peer's expert time on DP8 x EP8 over its TP8 time at the same number of
-#: tokens per GPU (Qwen3-235B 1.76, DeepSeek-V3 1.47; mean 1.6): routed tokens do not spread
-#: evenly over the ranks, and the busiest rank sets the pace.
-EP_PREFILL_IMBALANCE = 1.6
+#: Routed-expert GEMMs (fused MoE) in prefill, by expert shape (:func:`moe_gemm_mfu`): ``m``
+#: tokens per expert, ``n`` the expert's intermediate width per GPU.  Read off the peer's
+#: ``context_moe`` on Qwen3-235B (BF16) and DeepSeek-V3 (FP8 block-scaled) at TP 4 and 8, DP 8
+#: with experts TP 8, and DP 8 x EP 8, 2K-64K tokens.  Width: TP 4 over TP 8 runs 1.46x
+#: (Qwen3-235B) and 1.39x (DeepSeek-V3) the fraction, both ``n / (n + 325)``.  Tokens: ~0.6 of
+#: the plateau at 128 (BF16) or 64 (FP8) tokens per expert, the plateau from ~1K.  By weight
+#: bytes: the plateau at infinite width, and the tokens per expert at half of it.
+MOE_GEMM_PLATEAU: dict[int, float] = {2: 0.764, 1: 0.331}
+MOE_TOKENS_HALF: dict[int, float] = {2: 85.0, 1: 33.0}
+MOE_WIDTH_HALF = 325.0
+#: ... and with EP, per weight bytes at infinite width: the peer's DP 8 x EP 8 expert time is
+#: flat in the tokens (0.162 of the BF16 peak for Qwen3-235B's 1,536-wide experts, 0.099 of
+#: the FP8 peak for DeepSeek-V3's 2,048): the busiest rank's routed tokens set the pace.
+MOE_EP_GEMM_MFU: dict[int, float] = {2: 0.196, 1: 0.114}
 #: HBM bytes an add + RMSNorm kernel moves per hidden element (read residual and input, write
 #: both, at the datasheet bandwidth): Llama-3.1-8B TP1 4K 38 µs per norm for 16.8M elements,
 #: Llama-3.1-70B TP8 32K 10 B/element.  Not split by TP (vLLM keeps the residual whole).
@@ -67,6 +80,11 @@ DECODE_ALLREDUCE_ALPHA_S = 5.2e-6
 #: GEMMs exceed their weight streaming at 0.8 of HBM by 2.5 µs each on average (Llama-3.1-70B
 #: TP8, Llama-3.1-8B TP1, batch 1).
 DECODE_GEMM_FIXED_S = 2.5e-6
+#: ... and of one FP8 block-scaled decode GEMM of a GQA model: the peer's vLLM tables put each
+#: qkv / o / gate-up / down call ~56 µs above its weight streaming at batch 1-16, whatever its
+#: shape (Llama-3.1-8B TP1 and Llama-3.1-70B TP8 with ``gemm_quant_mode="fp8_block"``; bf16
+#: the same GEMMs 2-6 µs).  MLA models' projections are in :data:`MLA_DECODE_FIXED_S`.
+DECODE_FP8_GEMM_FIXED_S = 56e-6
 #: Fixed cost of one GQA decode-attention call (FlashAttention split-KV): Llama-3.1-8B TP1 at 4K
 #: batch 1, 16.6 µs per layer for 3.6 µs of KV streaming.
 DECODE_ATTENTION_FIXED_S = 12e-6
@@ -103,6 +121,23 @@ def ramp(points: tuple[tuple[int, float], ...], tokens: int) -> float:
     x = math.log2(max(tokens, 1))
     f = min(1.0, max(0.0, (x - math.log2(t0)) / (math.log2(t1) - math.log2(t0))))
     return m0 + f * (m1 - m0)
+
+
+def fp8_gemm_mfu(m: float, n: float, k: float) -> float:
+    """:data:`FP8_GEMM_SHAPE`'s efficiency of an ``m x k`` by ``k x n`` FP8 GEMM."""
+    e, n0, k0, w0 = FP8_GEMM_SHAPE
+    return e / ((1 + n0 / n) * (1 + k0 / k) * (1 + w0 / (m * n * k)))
+
+
+def moe_gemm_mfu(weight_bytes: int, tokens_per_expert: float, width: float, ep: bool) -> float:
+    """Fraction of the peak the routed experts reach in prefill (:data:`MOE_GEMM_PLATEAU`): a
+    ``width``-wide expert slice on ``tokens_per_expert`` tokens, or under EP
+    (:data:`MOE_EP_GEMM_MFU`) a whole expert whatever its tokens."""
+    wide = width / (width + MOE_WIDTH_HALF)
+    if ep:
+        return MOE_EP_GEMM_MFU[weight_bytes] * wide
+    half = MOE_TOKENS_HALF[weight_bytes]
+    return MOE_GEMM_PLATEAU[weight_bytes] * wide * tokens_per_expert / (tokens_per_expert + half)
 
 
 def attention_mfu(tokens: int) -> float:

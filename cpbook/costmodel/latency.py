@@ -99,12 +99,34 @@ class PrefillTime:
         return self.compute_s + comm + self.elementwise_s
 
 
+def dense_gemm_mfu(model: ModelSpec, tp: int, rows: int) -> float:
+    """Fraction of the weights' peak the dense (non-expert) prefill GEMMs reach on ``rows``
+    tokens per GPU at TP ``tp``: BF16 and FP8 MLA models by
+    :data:`~cpbook.costmodel.gpu_terms.GEMM_MFU`; FP8 GQA models each GEMM by its shape
+    (:func:`~cpbook.costmodel.gpu_terms.fp8_gemm_mfu`: qkv, o, and the dense MLP's gate-up and
+    down), combined by FLOPs (the harmonic mean the summed times give)."""
+    wb = 1 if model.weight_bytes_per_param <= 1 else 2
+    if wb == 2 or model.use_mla or not model.hidden_size:
+        return gt.ramp(gt.GEMM_MFU[wb], rows)
+    h, d = model.hidden_size, model.head_dim
+    q, kv = max(model.num_q_heads // tp, 1) * d, max(model.num_kv_heads // tp, 1) * d
+    shapes = [(q + 2 * kv, h, model.num_layers), (h, q, model.num_layers)]
+    if model.intermediate_size:
+        mlp, layers = model.intermediate_size // tp, model.num_layers - model.moe_layers
+        shapes += [(2 * mlp, h, layers), (h, mlp, layers)]
+    flops = [n * k * c for n, k, c in shapes]
+    times = [f / gt.fp8_gemm_mfu(rows, n, k) for f, (n, k, _) in zip(flops, shapes, strict=True)]
+    return sum(flops) / sum(times)
+
+
 def _prefill_compute_s(
     model: ModelSpec, gpu: GPUSpec, deployment: Deployment, tokens: int, mfu: float | None
 ) -> tuple[float, float]:
     """``(compute, attention)`` seconds of one prompt's prefill on one GPU of ``deployment``'s
-    replica; with ``mfu`` every FLOP at that one MFU (the former model)."""
+    replica; with ``mfu`` every FLOP at that one MFU (the former model).  Under PCP every
+    efficiency is read at one rank's share of the prompt, the tokens its kernels see."""
     gpus = deployment.tp * deployment.pcp
+    rows = padded_len(tokens, deployment.pcp) // deployment.pcp
     wb = 1 if model.weight_bytes_per_param <= 1 else 2
     dense, experts = prefill_gemm_flops(model, tokens)
     _, attn = prefill_flops(model, tokens)
@@ -115,12 +137,17 @@ def _prefill_compute_s(
         mm, attn = prefill_flops(model, tokens)
         mm *= model.params_per_token / model.num_params
         return (mm + attn) / gpus / (gpu.bf16_flops * mfu), attn / gpus / (gpu.bf16_flops * mfu)
-    attn_s = attn / gpus / (gpu.bf16_flops * gt.attention_mfu(tokens))
-    # EP: every DP rank prefills at once (the loaded case), so each GPU does one prompt's
-    # expert FLOPs, slowed by the busiest rank
-    ep = gt.EP_PREFILL_IMBALANCE if deployment.ep and deployment.num_gpus > 1 else 1.0
-    expert_s = experts * ep / gpus / (peak * gt.MOE_GEMM_MFU[wb])
-    gemm_s = dense / gpus / (peak * gt.ramp(gt.GEMM_MFU[wb], tokens))
+    attn_s = attn / gpus / (gpu.bf16_flops * gt.attention_mfu(rows))
+    # every replica prefills at once (the loaded case): the experts see the tokens of the
+    # dp x pcp ranks of the pool, each GPU one prompt's expert FLOPs
+    expert_s = 0.0
+    if experts:
+        ep = deployment.ep and deployment.num_gpus > 1
+        per_expert = rows * deployment.dp * deployment.pcp * model.num_experts_per_tok
+        width = model.expert_size_params / (3 * model.hidden_size) / deployment.moe_tp
+        eff = gt.moe_gemm_mfu(wb, per_expert / model.num_experts, width, ep)
+        expert_s = experts / gpus / (peak * eff)
+    gemm_s = dense / gpus / (peak * dense_gemm_mfu(model, deployment.tp, rows))
     return gemm_s + expert_s + attn_s, attn_s
 
 
@@ -138,8 +165,8 @@ def ttft(
     """Time to first token of one ``prompt_tokens`` prompt on one replica of ``deployment``.
 
     GEMMs (:func:`prefill_gemm_flops`: no embedding FLOPs, the LM head for the last token) at
-    :data:`~cpbook.costmodel.gpu_terms.GEMM_MFU` of the weights' peak (FP8 weights: the FP8
-    peak), routed experts at ``MOE_GEMM_MFU`` (EP: times ``EP_PREFILL_IMBALANCE``), attention
+    :func:`dense_gemm_mfu` of the weights' peak (FP8 weights: the FP8 peak), routed experts
+    at :func:`~cpbook.costmodel.gpu_terms.moe_gemm_mfu` of their shape, attention
     at :func:`~cpbook.costmodel.gpu_terms.attention_mfu` of the BF16 peak.  ``knobs.mfu`` instead
     gives the former model: :func:`prefill_flops`' count (MoE: active share), every FLOP at
     ``mfu`` of the BF16 peak, no elementwise or EP terms.  Norms and activations stream their

@@ -123,26 +123,26 @@ def parity(rows: Sequence[Mapping], train: Sequence[Mapping] = ()):
 
 
 def peer_parity(rows: Sequence[Mapping]):
-    """cpbook against AIConfigurator (``bench/vs_aiconfigurator.py``'s ``vs_aic`` rows), TTFT
-    (left, s) and TPOT (right, ms), log-log, one colour per model, filled for H200 and hollow
+    """cpbook against AIConfigurator (``bench/vs_aiconfigurator.py``'s ``vs_aic`` rows, the
+    fitting set, and ``vs_aic_held_out`` rows), TTFT (left, s) and TPOT (right, ms), log-log:
+    fitted cases as blue circles, held-out ones as orange triangles, filled for H200 and hollow
     for H100; the band is +-15 %, the target on the median."""
     fig, axes = figure(ncols=2, figsize=(7.2, 3.6))
-    models = sorted({r["model"] for r in rows})
+    sets = (("vs_aic", "fit", PALETTE[0], "o"), ("vs_aic_held_out", "held out", PALETTE[1], "^"))
     for ax, (key, scale, unit) in zip(axes, (("ttft", 1e-3, "s"), ("tpot", 1.0, "ms"))):
-        for i, m in enumerate(models):
+        for name, label, c, marker in sets:
             for gpu, filled in (("H200", True), ("H100", False)):
                 pts = [
                     (r[f"aic_{key}_ms"] * scale, r[f"{key}_ms"] * scale)
                     for r in rows
-                    if r["model"] == m and r["gpu"] == gpu
+                    if r["name"] == name and r["gpu"] == gpu
                 ]
                 if not pts:
                     continue
                 xs, ys = zip(*pts)
-                c = PALETTE[i % len(PALETTE)]
                 ax.scatter(
-                    xs, ys, s=18, color=c if filled else "none", edgecolors=c,
-                    marker="os^v"[i % 4], label=f"{m} ({gpu})",
+                    xs, ys, s=16, color=c if filled else "none", edgecolors=c,
+                    marker=marker, label=f"{label} ({gpu})",
                 )  # fmt: skip
         vals = [r[f"{k}_ms"] * scale for r in rows for k in (key, f"aic_{key}")]
         lo, hi = min(vals) / 1.3, max(vals) * 1.3
