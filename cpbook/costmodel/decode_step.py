@@ -78,6 +78,18 @@ def _kernel_counts(model: ModelSpec) -> tuple[int, int]:
     return gemms, elementwise
 
 
+def _gemm_bytes(model: ModelSpec, tp: int) -> list[tuple[float, int]]:
+    """``(weight bytes per GPU, calls per step)`` of a GQA model's qkv, o, and dense MLP
+    gate-up and down GEMMs at TP ``tp``."""
+    h, d, wb = model.hidden_size, model.head_dim, model.weight_bytes_per_param
+    q, kv = max(model.num_q_heads // tp, 1) * d, max(model.num_kv_heads // tp, 1) * d
+    out = [((q + 2 * kv) * h * wb, model.num_layers), (q * h * wb, model.num_layers)]
+    if model.intermediate_size:
+        mlp, dense = model.intermediate_size // tp, model.num_layers - model.moe_layers
+        out += [(2 * mlp * h * wb, dense), (mlp * h * wb, dense)]
+    return out
+
+
 def decode_step(
     model: ModelSpec,
     gpu: GPUSpec,
@@ -134,7 +146,7 @@ def decode_step(
     if model.expert_params:
         resident, per_layer = _expert_bytes(model, deployment, b * shards)
         weights -= resident
-        _, extra = gt.moe_decode_s(per_layer, wbytes, bw)
+        _, extra = gt.moe_decode_s(per_layer, wbytes, bw, gqa=not model.use_mla)
         expert_read = per_layer * model.moe_layers
         fixed += extra * model.moe_layers
     kv = deployment_kv_bytes_per_token(model, deployment, knobs.kv_dtype) * context_tokens * b
@@ -151,15 +163,16 @@ def decode_step(
     compute = 2 * model.params_per_token * b / cfg.tp / (gpu.peak_flops(wbytes) * gemm_mfu)
     compute += attn_flops * model.num_layers / (gpu.bf16_flops * gemm_mfu)
     gemms, elementwise = _kernel_counts(model)
-    # FP8 block-scaled GQA projections and dense MLPs; a MoE router stays bf16
-    fp8 = wbytes <= 1 and not model.use_mla
+    # FP8 block-scaled GQA projections and dense MLPs overlap their fixed cost with their
+    # weights; a MoE router stays bf16
     routers = model.moe_layers if model.expert_params and not model.use_mla else 0
-    gemm_fixed = gt.DECODE_FP8_GEMM_FIXED_S if fp8 else gt.DECODE_GEMM_FIXED_S
-    fixed += (
-        (gemms - routers) * gemm_fixed
-        + routers * gt.DECODE_GEMM_FIXED_S
-        + elementwise
-        * gt.elementwise_s(b * model.hidden_size, gt.NORM_BYTES_PER_ELEMENT, gpu.hbm_bw_bytes_per_s)
+    if wbytes <= 1 and not model.use_mla:
+        fixed += sum(n * gt.fp8_decode_gemm_s(w, bw, b) for w, n in _gemm_bytes(model, cfg.tp))
+        fixed += routers * gt.DECODE_GEMM_FIXED_S
+    else:
+        fixed += gemms * gt.DECODE_GEMM_FIXED_S
+    fixed += elementwise * gt.elementwise_s(
+        b * model.hidden_size, gt.NORM_BYTES_PER_ELEMENT, gpu.hbm_bw_bytes_per_s
     )
     if model.use_mla:
         per_layer_fixed = gt.MLA_DECODE_FIXED_S + gt.MLA_DECODE_PER_REQUEST_S * b

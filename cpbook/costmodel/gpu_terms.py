@@ -80,11 +80,14 @@ DECODE_ALLREDUCE_ALPHA_S = 5.2e-6
 #: GEMMs exceed their weight streaming at 0.8 of HBM by 2.5 µs each on average (Llama-3.1-70B
 #: TP8, Llama-3.1-8B TP1, batch 1).
 DECODE_GEMM_FIXED_S = 2.5e-6
-#: ... and of one FP8 block-scaled decode GEMM of a GQA model: the peer's vLLM tables put each
-#: qkv / o / gate-up / down call ~56 µs above its weight streaming at batch 1-16, whatever its
-#: shape (Llama-3.1-8B TP1 and Llama-3.1-70B TP8 with ``gemm_quant_mode="fp8_block"``; bf16
-#: the same GEMMs 2-6 µs).  MLA models' projections are in :data:`MLA_DECODE_FIXED_S`.
-DECODE_FP8_GEMM_FIXED_S = 56e-6
+#: ... and of one FP8 block-scaled decode GEMM of a GQA model, by requests in the step
+#: (:func:`fp8_decode_gemm_s`): the peer's vLLM tables put each qkv / o / gate-up / down call
+#: at ~58 µs with little weight to stream (Llama-3.1-70B TP8: 59.5 µs, Llama-3.1-8B TP1 qkv:
+#: 59 µs, batch 1-16), ~86 µs from 32 requests (72 µs at 24), and overlap it with the weight
+#: streaming rather than add to it: ``hypot(fixed, streaming)`` (Llama-3.1-70B TP1 batch 1:
+#: gate-up 131 µs for 122 µs of streaming, down 88 µs for 61; TP2's gate-up 86 µs for 61).
+#: MLA models' projections are in :data:`MLA_DECODE_FIXED_S`.
+DECODE_FP8_GEMM_FIXED_S: tuple[tuple[int, float], ...] = ((16, 58e-6), (32, 86e-6))
 #: Fixed cost of one GQA decode-attention call (FlashAttention split-KV): Llama-3.1-8B TP1 at 4K
 #: batch 1, 16.6 µs per layer for 3.6 µs of KV streaming.
 DECODE_ATTENTION_FIXED_S = 12e-6
@@ -105,6 +108,9 @@ MLA_DECODE_PER_REQUEST_S = 1.4e-6
 #: (bytes: the experts the batch touches on the busiest GPU, at 0.8 of HBM).  BF16 Qwen3-235B
 #: TP8: 31.8 µs at batch 1 for 9.8 µs of streaming, 77 / 153 µs at 8 / 32; FP8 block-scaled
 #: DeepSeek-V3 TP8: 126 µs at batch 1 (10 µs of streaming), 140 / 289 / 354 µs at 8 / 32 / 64.
+#: A GQA model's FP8 block-scaled experts decode in the BF16 time of the same experts (the
+#: peer's Qwen3-235B TP8 with ``gemm_quant_mode="fp8_block"``: 32 / 78 / 153 µs at batch 1 / 8
+#: / 32, for 5 / 32 / 69 µs of FP8 streaming), see :func:`moe_decode_s`.
 MOE_DECODE_FLOOR_S: dict[int, float] = {2: 32e-6, 1: 130e-6}
 MOE_DECODE_FIXED_S: dict[int, float] = {2: 15e-6, 1: 45e-6}
 #: EP all-to-all (dispatch and combine, each once per MoE layer): 14 µs per call at one token
@@ -170,13 +176,25 @@ def elementwise_s(elements: float, bytes_per_element: float, hbm_bw: float) -> f
     return max(ELEMENTWISE_FLOOR_S, elements * bytes_per_element / hbm_bw)
 
 
-def moe_decode_s(expert_bytes: float, weight_bytes: float, bw: float) -> tuple[float, float]:
+def moe_decode_s(
+    expert_bytes: float, weight_bytes: float, bw: float, gqa: bool = False
+) -> tuple[float, float]:
     """One MoE layer's routed experts in decode, ``(streaming, fixed)`` seconds:
-    ``max(floor, fixed + bytes / bw)`` split into the bytes' share and the rest."""
-    key = 1 if weight_bytes <= 1 else 2
+    ``max(floor, fixed + bytes / bw)`` split into the bytes' share and the rest.  FP8 experts
+    of a GQA model (``gqa``) take the BF16 terms at two bytes per weight."""
+    key = 1 if weight_bytes <= 1 and not gqa else 2
     stream = expert_bytes / bw
-    total = max(MOE_DECODE_FLOOR_S[key], MOE_DECODE_FIXED_S[key] + stream)
+    paced = stream * 2 / weight_bytes if key == 2 else stream
+    total = max(MOE_DECODE_FLOOR_S[key], MOE_DECODE_FIXED_S[key] + paced)
     return stream, total - stream
+
+
+def fp8_decode_gemm_s(weight_bytes: float, bw: float, requests: int) -> float:
+    """One FP8 block-scaled decode GEMM of ``weight_bytes`` per GPU for ``requests`` requests,
+    beyond its streaming at ``bw``: ``hypot(fixed, streaming) - streaming`` with
+    :data:`DECODE_FP8_GEMM_FIXED_S` (linear in ``log2(requests)`` between its points)."""
+    stream = weight_bytes / bw
+    return math.hypot(ramp(DECODE_FP8_GEMM_FIXED_S, requests), stream) - stream
 
 
 def all_to_all_s(bytes_per_rank: float, ep: int, link_bw: float) -> float:
