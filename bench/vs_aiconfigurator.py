@@ -18,8 +18,9 @@ decode steps.  The two sides are matched as follows:
   ``attention_dp_size=dp, moe_ep_size=dp`` with ``tp_size=1`` (cpbook's
   ``Deployment(dp=dp, ep=True)``); the peer's ``batch_size`` is per DP rank, cpbook's ``batch``
   is global, so cpbook decodes ``batch × dp``;
-- TTFT: the peer's is the prefill of the whole batch on one replica; cpbook's is
-  ``batch × ttft(prompt)`` (prefill is compute-bound, so batching does not change its FLOPs);
+- TTFT: the peer's is the prefill of the whole batch on one replica, each GEMM on the batch's
+  tokens at once; cpbook's is :func:`~cpbook.costmodel.latency.batch_ttft` of ``batch``
+  prompts;
 - TPOT: the peer averages the ``osl`` steps; cpbook's :func:`~cpbook.costmodel.latency.tpot`
   is evaluated at the mean context ``isl + osl / 2``.
 
@@ -171,7 +172,7 @@ def cases(models: list[str], gpus: list[str], held_out: bool = False) -> list[Ca
 def cpbook_ms(case: Case) -> tuple[float, float]:
     """cpbook's TTFT and TPOT of ``case`` in milliseconds (see the module docstring)."""
     spec, gpu = model_spec(case.model), cm.get_gpu(case.gpu)
-    ttft = case.batch * cm.ttft(spec, gpu, case.layout, case.isl).total_s
+    ttft = cm.batch_ttft(spec, gpu, case.layout, case.isl, case.batch).total_s
     step = cm.tpot(spec, gpu, case.layout, case.isl + OSL // 2, case.batch * case.layout.dp)
     return ttft * 1e3, step.total_s * 1e3
 

@@ -669,6 +669,19 @@ def test_small_batch_moe_and_mla_decode_are_far_from_bandwidth_bound():
     )
 
 
+def test_a_static_batch_prefills_its_tokens_through_each_gemm_at_once():
+    one = cm.ttft(L8B, H200, cm.Deployment(tp=1), 2048)
+    assert cm.batch_ttft(L8B, H200, cm.Deployment(tp=1), 2048, 1) == one
+    moe, tp8 = cm.MODELS["Qwen3-235B-A22B"], cm.Deployment(tp=8)
+    single = cm.ttft(moe, H200, tp8, 2048).total_s
+    batched = cm.batch_ttft(moe, H200, tp8, 2048, 16).total_s
+    assert batched < 16 * single  # more tokens per expert: the routed GEMMs run nearer the peak
+    wide = cm.ttft(moe, H200, tp8, 2048 * 16).total_s
+    assert batched < wide  # attention stays per prompt
+    with pytest.raises(ValueError, match="positive-tokens"):
+        cm.batch_ttft(L8B, H200, cm.Deployment(tp=1), 2048, 0)
+
+
 def test_fp8_decode_gemm_fixed_cost_overlaps_the_weights():
     """The peer's Llama-3.1-70B TP1 FP8 gate-up at batch 1: 131 µs for 122 µs of streaming."""
     bw = 4.8e12 * 0.8

@@ -244,6 +244,27 @@ def ttft(
     return PrefillTime(compute, tp_s, cp_s, elem, ep_s, moe_s)
 
 
+def batch_ttft(
+    model: ModelSpec,
+    gpu: GPUSpec,
+    deployment: Deployment,
+    prompt_tokens: int,
+    requests: int,
+    *,
+    knobs: CostKnobs = CostKnobs(),
+) -> PrefillTime:
+    """Prefill of ``requests`` prompts of ``prompt_tokens`` tokens together on one replica (a
+    static batch in one scheduler step): every GEMM, norm and collective on the batch's
+    ``requests × prompt_tokens`` tokens at once (:func:`ttft` of one prompt that long, the
+    efficiencies read at its width), attention per prompt (no token attends to another
+    prompt's)."""
+    check_tokens("requests", requests, minimum=1)
+    wide = ttft(model, gpu, deployment, prompt_tokens * requests, knobs=knobs)
+    _, attn_wide = _prefill_compute_s(model, gpu, deployment, prompt_tokens * requests, knobs.mfu)
+    _, attn_one = _prefill_compute_s(model, gpu, deployment, prompt_tokens, knobs.mfu)
+    return replace(wide, compute_s=wide.compute_s - attn_wide + requests * attn_one)
+
+
 # -------------------------------------------------------------------- decode (TPOT) of deployments
 
 
