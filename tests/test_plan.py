@@ -641,6 +641,22 @@ def test_cli_prints_the_command_table_and_reasons(capsys):
     assert "Why:" in out and f"  - {p.reasons[0]}" in out
 
 
+def test_cli_prints_one_line_per_node(capsys):
+    """A deployment over two nodes: the line for node 0, then node 1's (``--node-rank 1
+    --headless``), then the table; ``--json``'s summary holds both."""
+    argv = ["plan", "--model", "DeepSeek-V3", "--gpu", "H200", "--gpus", "16"]
+    argv += ["--context", "128K", "--output", "1K", "--concurrency", "96"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out.splitlines()
+    p = plan(DSV3, H200, 16, ServingWorkload(128 * K, 1 * K, 96))
+    assert len(p.commands()) == 2 and out[:2] == p.commands()
+    assert "--node-rank 0" in out[0] and "--headless" not in out[0]
+    assert "--node-rank 1" in out[1] and "--headless" in out[1]
+    assert main([*argv, "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert summary["commands"] == p.commands() and summary["command"] == out[0]
+
+
 def test_cli_json(capsys):
     argv = ["plan", "--model", "Llama-3.1-70B", "--gpus", "8", "--context", "32K"]
     argv += ["--concurrency", "64", "--tpot", "150ms", "--json"]

@@ -208,6 +208,7 @@ def _plan_summary(p: Plan) -> dict:
         "pareto": [e.label for e in p.frontier],
         "winner": best.label if best else None,
         "command": p.command() if best else None,
+        "commands": p.commands() if best else None,
         "serving": len(p.ranked),
         "dropped": len(p.dropped),
         "rejected": p.rejected,
@@ -233,5 +234,5 @@ def command(a: argparse.Namespace, p: argparse.ArgumentParser | None = None) -> 
         advice = _Plain(" ".join(f.lines + ((res.cp_note,) if res.cp_note else ())))
         raise RuleError(f.rule, "a deployment that serves the workload", serving=0, advice=advice)
     if not a.json:
-        print("\n".join([res.command()] + _plan_table(res, a.top)))
+        print("\n".join(res.commands() + _plan_table(res, a.top)))
     return 0
