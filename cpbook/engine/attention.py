@@ -106,19 +106,26 @@ class BatchKV:
         self.request_ids, self.block_tables = (), ()
 
     def refresh(
-        self, layer: int, cache: PagedKVCache, meta: "AttentionMetadata"
+        self,
+        layer: int,
+        cache: PagedKVCache,
+        meta: "AttentionMetadata",
+        new_rows: tuple[torch.Tensor, torch.Tensor | None],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Copy ``meta``'s fill slots from ``layer``'s ``cache`` (into fresh zeroed rows first
-        if ``meta.kv_reset``); returns the keys and values ``[num_reqs, Hkv, width, ·]``."""
+        if ``meta.kv_reset``) — or, when ``meta.fill_new`` (the fill is exactly this rank's new
+        rows, in order), from ``new_rows`` (their K and V) without reading the cache; returns
+        the keys and values ``[num_reqs, Hkv, width, ·]``."""
         if meta.kv_reset:
             k, v = cache.key_cache, cache.value_cache
             shape = (meta.num_reqs, k.shape[2], meta.kv_capacity)
             self.keys[layer] = k.new_zeros(*shape, k.shape[3])
             self.values[layer] = None if v is None else v.new_zeros(*shape, v.shape[3])
         bufs = (self.keys[layer], self.values[layer])
-        for buf, new in zip(bufs, cache.gather(meta.fill_src)):
+        src = new_rows if meta.fill_new else cache.gather(meta.fill_src)
+        for buf, new in zip(bufs, src):
             if buf is not None:
-                buf[meta.fill_req, :, meta.fill_key] = new
+                buf[meta.fill_req, :, meta.fill_key] = new.to(buf.dtype)
         width = meta.max_keys
         return tuple(None if x is None else x[:, :, :width] for x in bufs)
 
@@ -134,7 +141,8 @@ class AttentionMetadata:
     ``max_keys`` (the most local keys of a request), ``read_slots`` (the slots the step copies
     into the :class:`BatchKV`: the new rows', and every key of a request its rows did not
     hold).  Device: ``fill_src`` (those slots) and ``fill_req``/``fill_key`` (their places in
-    the :class:`BatchKV`: request row and local key; ``kv_reset``: fresh rows), the
+    the :class:`BatchKV`: request row and local key; ``kv_reset``: fresh rows; ``fill_new``:
+    the slots are exactly this rank's new rows, so the copy reads them, not the cache), the
     additive ``mask`` ``[num_reqs, 1, max_query_len, max_keys]`` (broadcast over heads;
     ``None`` when every request's rows are its first tokens and no DCP: row ``j`` sees keys
     ``0..j``, the kernel's own causal mask).
@@ -153,6 +161,7 @@ class AttentionMetadata:
     write_slots: torch.Tensor  # device
     kv_capacity: int
     kv_reset: bool
+    fill_new: bool  # the fill is exactly this rank's new rows, in order: copied from them
     fill_src: torch.Tensor  # device
     fill_req: torch.Tensor  # device
     fill_key: torch.Tensor  # device
@@ -237,8 +246,10 @@ def build_attention_metadata(
     width = max(1, int(local.max()))
     # local keys sit in position order: row at position p sees the first local_len(p + 1)
     sees = local_len(start[:, None] + np.arange(q)[None] + 1)  # [b, q]
-    kept = _kept_keys(kv, request_ids, block_tables, local_len(start), width)
+    before = local_len(start)
+    kept = _kept_keys(kv, request_ids, block_tables, before, width)
     reset = kept is None
+    fill_new = not reset and bool((kept == before).all())
     cap = -(-width // KV_CAPACITY_STEP) * KV_CAPACITY_STEP if reset else kv.capacity
     first = np.zeros(b, dtype=np.int64) if reset else kept
     count = local - first  # keys each request copies into the BatchKV
@@ -269,6 +280,7 @@ def build_attention_metadata(
         t(slots[mine]).to(dev),
         cap,
         reset,
+        fill_new,
         t(fill_src).to(dev),
         t(fr).to(dev),
         t(fj).to(dev),
@@ -326,8 +338,11 @@ def batched_attention(
 
     More than eight parameters: the attention inputs, the cache and the step's metadata, the
     DCP group and its combine, MLA's value width, and the batch's kept keys."""
-    cache.store(k, v, meta.write_slots, meta.write_rows)
-    k4, values = (BatchKV(1) if kv is None else kv).refresh(layer, cache, meta)
+    if meta.write_rows is not None:  # the rows this rank stores
+        k = k.index_select(0, meta.write_rows)
+        v = None if v is None else v.index_select(0, meta.write_rows)
+    cache.store(k, v, meta.write_slots)
+    k4, values = (BatchKV(1) if kv is None else kv).refresh(layer, cache, meta, (k, v))
     b, hkv, d = meta.num_reqs, k4.shape[1], k4.shape[3]
     v4 = k4 if values is None else values
     scale = 1.0 / math.sqrt(d) if scale is None else scale

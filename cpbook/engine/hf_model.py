@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cpbook.core.config import ConfigError
+from cpbook.engine.gemm import PackedLinear
 from cpbook.engine.models import ModelConfig, TinyModel, _rms
 
 __all__ = ["HFConfig", "HFModel", "rope_rotate", "rope_tables"]
@@ -109,13 +110,15 @@ class HFModel(TinyModel):
             q, latent = self.mla_q_and_latent(layer, h, positions, heads)
             q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
             return self.mla[layer].absorb_q(q_nope, q_pe, heads), latent[:, None], None
-        q, k, v = self.packed_qkv(layer, h, heads, kv_heads)
-        if cfg.qk_norm:
-            q = _rms(q, lw["q_norm"], cfg.rms_norm_eps)
-            k = _rms(k, lw["k_norm"], cfg.rms_norm_eps)
-        q, k = self._rope(torch.cat([q, k], dim=1), positions).split(
-            [q.shape[1], k.shape[1]], dim=1
-        )  # one RoPE for the query and key heads
+        qk, v, nq = self.packed_qkv(layer, h, heads, kv_heads)
+        if cfg.qk_norm:  # per-head RMSNorm: q_norm's weight on query heads, k_norm's on keys
+            nk = qk.shape[1] - nq
+            w = self.packed(
+                ("qk_norm", layer, nq, nk),
+                lambda: torch.cat([lw["q_norm"].expand(nq, -1), lw["k_norm"].expand(nk, -1)]),
+            )
+            qk = torch.nn.functional.rms_norm(qk, w.shape[-1:], None, cfg.rms_norm_eps).mul_(w)
+        q, k = self._rope(qk, positions).split([nq, qk.shape[1] - nq], dim=1)  # one RoPE
         return q, k, v
 
     def mla_q_and_latent(
@@ -158,11 +161,14 @@ class HFModel(TinyModel):
         rank, tp = (0, 1) if isinstance(cols, slice) else cols
         h = _rms(x, lw["mlp_norm"], cfg.rms_norm_eps)
         if not cfg.is_moe(layer):
-            gate_up = self.packed(("gate_up", layer, rank, tp), lambda: _gate_up(lw, rank, tp))
-            g, u = (h @ gate_up).chunk(2, dim=-1)
+            key = ("gate_up", layer, rank, tp)
+            gate_up = self.packed(key, lambda: PackedLinear(_gate_up(lw, rank, tp)))
+            g, u = gate_up(h).chunk(2, dim=-1)
             n = lw["w_down"].shape[0] // tp
+            key = ("down", layer, rank, tp)
+            down = self.packed(key, lambda: PackedLinear(lw["w_down"][rank * n : (rank + 1) * n]))
             g = torch.nn.functional.silu(g, inplace=True).mul_(u)  # in the matmul's output
-            return g @ lw["w_down"][rank * n : (rank + 1) * n]
+            return down(g)
         weights = self._route(layer, h)  # [T, E], zero off the top-k
         out = _swiglu(h, lw["s_gate"], lw["s_up"], lw["s_down"], rank, tp) if "s_gate" in lw else 0
         routed = torch.zeros_like(h)
@@ -195,9 +201,6 @@ class HFModel(TinyModel):
         if c.norm_topk_prob:
             w = w / (w.sum(-1, keepdim=True) + 1e-20)
         return torch.zeros_like(scores).scatter_(1, idx, w * c.routed_scaling_factor)
-
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        return _rms(x, self.final_norm, self.config.rms_norm_eps) @ self.lm_head
 
 
 def _gate_up(lw: dict[str, torch.Tensor], rank: int, tp: int) -> torch.Tensor:

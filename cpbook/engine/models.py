@@ -31,6 +31,7 @@ import torch
 from cpbook.core.attention import dense_attention, rope
 from cpbook.core.config import ConfigError
 from cpbook.dcp.mla import MLAWeights
+from cpbook.engine.gemm import PackedLinear
 
 __all__ = [
     "ModelConfig",
@@ -197,7 +198,7 @@ class TinyModel:
         )
 
     # -- packed weights: built once per (layer, slice), reused by every step -------------
-    def packed(self, key: tuple, build: Callable[[], torch.Tensor]) -> torch.Tensor:
+    def packed(self, key: tuple, build: Callable[[], Any]) -> Any:
         """``build()``, computed once per ``key`` for this object (weights packed for one
         matmul; not a dataclass field, so :meth:`to` and ``replace`` start afresh)."""
         cache = self.__dict__.setdefault("_packed", {})
@@ -207,28 +208,26 @@ class TinyModel:
 
     def packed_qkv(
         self, layer: int, h: torch.Tensor, heads: slice, kv_heads: slice
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """GQA's ``q [T, h, D]``, ``k``/``v [T, k, D]`` of ``heads``/``kv_heads`` (biases
-        included) in one matmul of the packed ``[H, (h + 2k) D]`` weight; no RoPE."""
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """GQA's projections of ``heads``/``kv_heads`` (biases included) in one matmul of the
+        packed ``[H, (h + 2k) D]`` weight, no RoPE: the query and key heads side by side
+        ``qk [T, h + k, D]`` (a view), the values ``v [T, k, D]`` and ``h``."""
         lw = self.layers[layer]
 
-        def build() -> torch.Tensor:
+        def build() -> tuple[PackedLinear, int, int]:
             parts = [lw["wq"][:, heads], lw["wk"][:, kv_heads], lw["wv"][:, kv_heads]]
             w = torch.cat([p.reshape(p.shape[0], -1) for p in parts], dim=1)
-            if "bq" not in lw:
-                return w
-            b = [lw["bq"][heads], lw["bk"][kv_heads], lw["bv"][kv_heads]]
-            return torch.cat([w, torch.cat([x.reshape(1, -1) for x in b], dim=1)])
+            b = None
+            if "bq" in lw:
+                b = torch.cat([x.reshape(-1) for x in (lw["bq"][heads], lw["bk"][kv_heads])])
+                b = torch.cat([b, lw["bv"][kv_heads].reshape(-1)])
+            return PackedLinear(w, b), parts[0].shape[1], parts[1].shape[1]
 
         key = ("qkv", layer, heads.start, heads.stop, kv_heads.start, kv_heads.stop)
-        w = self.packed(key, build)
-        out = h @ w if "bq" not in lw else torch.addmm(w[-1], h, w[:-1])
-        d = lw["wq"].shape[-1]
-        nq = lw["wq"][:, heads].shape[1]
-        nk = lw["wk"][:, kv_heads].shape[1]
-        q, k, v = out.split([nq * d, nk * d, nk * d], dim=1)
-        t = h.shape[0]
-        return q.reshape(t, nq, d), k.reshape(t, nk, d), v.reshape(t, nk, d)
+        proj, nq, nk = self.packed(key, build)
+        out = proj(h)
+        qk, v = out.view(h.shape[0], nq + 2 * nk, -1).split([nq + nk, nk], dim=1)
+        return qk, v, nq
 
     # -- the blocks, on a slice of heads / MLP columns ------------------------------------
     def attn_input(self, layer: int, x: torch.Tensor) -> torch.Tensor:
@@ -246,8 +245,9 @@ class TinyModel:
         """
         cfg = self.config
         if not cfg.use_mla:
-            q, k, v = self.packed_qkv(layer, h, heads, kv_heads)
-            return rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta), v
+            qk, v, nq = self.packed_qkv(layer, h, heads, kv_heads)
+            q, k = rope(qk, positions, cfg.rope_theta).split([nq, qk.shape[1] - nq], dim=1)
+            return q, k, v
         q, latent = self.mla_q_and_latent(layer, h, positions, heads)
         q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
         return self.mla[layer].absorb_q(q_nope, q_pe, heads), latent[:, None], None
@@ -276,8 +276,10 @@ class TinyModel:
         latent output goes through ``W_UV`` first).  Summing over all head slices is exact."""
         if self.config.use_mla:
             attn = self.mla[layer].v_up_proj(attn, heads)
-        wo = self.layers[layer]["wo"][heads]
-        return attn.reshape(attn.shape[0], -1) @ wo.reshape(-1, wo.shape[-1])
+        wo = self.layers[layer]["wo"]
+        key = ("wo", layer, heads.start, heads.stop)
+        proj = self.packed(key, lambda: PackedLinear(wo[heads].flatten(0, 1)))
+        return proj(attn.reshape(attn.shape[0], -1))
 
     def mlp_shard(self, tp_rank: int, tp: int) -> slice:
         """The MLP columns TP rank ``tp_rank`` of ``tp`` computes (what :meth:`mlp` takes)."""
@@ -293,7 +295,8 @@ class TinyModel:
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Final RMSNorm and LM head: ``[T, H] -> [T, vocab_size]``."""
-        return _rms(x, self.final_norm, self.config.rms_norm_eps) @ self.lm_head
+        head = self.packed(("lm_head",), lambda: PackedLinear(self.lm_head))
+        return head(_rms(x, self.final_norm, self.config.rms_norm_eps))
 
 
 def reference_forward(

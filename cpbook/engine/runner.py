@@ -338,6 +338,7 @@ class ModelRunner:
         return out
 
     # -- one step -----------------------------------------------------------------------------
+    @torch.inference_mode()  # as vLLM's model runner: no autograd bookkeeping on any tensor
     def execute(self, out: SchedulerOutput) -> tuple[dict[str, list[int]], dict[str, torch.Tensor]]:
         """Run the step; returns, for every sampling chunk, its greedy tokens (one per decode
         row; one for a prefill chunk) and their logits rows ``[n, vocab]``."""
@@ -353,12 +354,15 @@ class ModelRunner:
             h = model.attn_input(layer, x)
             q, k, v = model.qkv(layer, h, meta.positions, self.heads, self.kv_heads)
             parts = []
+            if pre is not None:  # the batched rows first, then this PCP rank's prefill rows
+                qp, kp, vp = q[nd:], k[nd:], None if v is None else v[nd:]
+                q, k, v = q[:nd], k[:nd], None if v is None else v[:nd]
             if dec is not None:
                 parts.append(
                     batched_attention(
-                        q[:nd],
-                        k[:nd],
-                        None if v is None else v[:nd],
+                        q,
+                        k,
+                        v,
                         self.caches[layer],
                         dec,
                         model.attn_scale(layer),
@@ -370,9 +374,7 @@ class ModelRunner:
                     )
                 )
             if pre is not None:
-                parts.append(
-                    self._prefill(layer, q[nd:], k[nd:], None if v is None else v[nd:], pre)
-                )
+                parts.append(self._prefill(layer, qp, kp, vp, pre))
             attn = parts[0] if len(parts) == 1 else torch.cat(parts)
             x = x + self._tp_sum(model.o_proj(layer, attn, self.heads))
             x = x + self._tp_sum(model.mlp(layer, x, self.cols))
