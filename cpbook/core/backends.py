@@ -28,9 +28,42 @@ __all__ = ["SimGroup", "SimWorld", "TorchGroup", "new_process_group", "new_group
 # Simulated ranks: one thread per rank
 # ------------------------------------------------------------------------------------------
 class _Rendezvous:
+    """Where the ``n`` ranks of one simulated communicator meet: each collective writes its
+    value in the round's slots, waits once for every rank and reads them all.  Rounds
+    alternate between two sets of slots, so one wait per collective is enough: a rank writes
+    round ``g + 2``'s slots only after every rank has reached round ``g + 1``, that is after
+    each has read round ``g``.  A timeout or :meth:`abort` breaks it for every rank
+    (``threading.BrokenBarrierError``, as a broken ``threading.Barrier``)."""
+
     def __init__(self, n: int) -> None:
-        self.barrier = threading.Barrier(n)
-        self.slots: list[object] = [None] * n
+        self.n, self.arrived, self.round, self.broken = n, 0, 0, False
+        self.cond = threading.Condition()
+        self.slots: tuple[list[object], list[object]] = ([None] * n, [None] * n)
+
+    def exchange(self, rank: int, value: object, timeout: float) -> list:
+        """Every rank's ``value`` of this round, in rank order."""
+        with self.cond:
+            g = self.round
+            slots = self.slots[g % 2]
+            slots[rank] = value
+            self.arrived += 1
+            if self.broken:
+                raise threading.BrokenBarrierError
+            if self.arrived == self.n:
+                self.arrived, self.round = 0, g + 1
+                self.cond.notify_all()
+            elif not self.cond.wait_for(lambda: self.round != g or self.broken, timeout):
+                self.broken = True  # timed out: nobody else may wait on it
+                self.cond.notify_all()
+                raise threading.BrokenBarrierError
+            elif self.round == g:  # woken by abort
+                raise threading.BrokenBarrierError
+            return list(slots)
+
+    def abort(self) -> None:
+        with self.cond:
+            self.broken = True
+            self.cond.notify_all()
 
 
 class SimWorld:
@@ -57,7 +90,7 @@ class SimWorld:
         self.aborted.set()
         with self._lock:
             for r in self._rdv.values():
-                r.barrier.abort()
+                r.abort()
 
 
 class SimGroup(Group):
@@ -71,9 +104,10 @@ class SimGroup(Group):
         self._key = (name, self.ranks)
         self._rdv = world.rendezvous(self._key)
 
-    def _wait(self, what: str) -> None:
+    def _exchange(self, what: str, value: object) -> list:
+        """Every rank's ``value``, in group-rank order (one rendezvous)."""
         try:
-            self._rdv.barrier.wait(self.timeout)
+            return self._rdv.exchange(self.rank, value, self.timeout)
         except threading.BrokenBarrierError:
             if self.world.aborted.is_set():
                 raise CommAborted(
@@ -85,13 +119,6 @@ class SimGroup(Group):
                 f"{what} on group {self.name!r} {list(self.ranks)} timed out after "
                 f"{self.timeout:g} s at group rank {self.rank}: a peer never called it"
             ) from None
-
-    def _exchange(self, what: str, value: object) -> list:
-        self._rdv.slots[self.rank] = value
-        self._wait(what)
-        out = list(self._rdv.slots)
-        self._wait(what)  # nobody overwrites a slot before everyone has read it
-        return out
 
     def _all_gather_start(self, t):
         got = self._exchange("all_gather", t)
