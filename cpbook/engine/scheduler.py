@@ -101,6 +101,9 @@ class Request:
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """``tokens_with_spec[start:end]`` without building the whole list."""
+        n = len(self.prompt)
+        if start >= n and not self.spec_token_ids:  # a decode step: output tokens only
+            return self.output[start - n : end - n]
         out: list[int] = []
         for part in (self.prompt, self.output, self.spec_token_ids):
             if start < len(part) and end > 0:
@@ -346,7 +349,8 @@ class Scheduler:
                         c.start + c.num_tokens,
                     )
                 )
-            self.written.update(c.block_table[: req.num_computed_tokens // vb])
+            # the virtual blocks this chunk filled (those before it were recorded already)
+            self.written.update(c.block_table[c.start // vb : req.num_computed_tokens // vb])
             if not c.sample:
                 continue
             req.prefill_done = True
