@@ -144,8 +144,9 @@ class AttentionMetadata:
     the :class:`BatchKV`: request row and local key; ``kv_reset``: fresh rows; ``fill_new``:
     the slots are exactly this rank's new rows, so the copy reads them, not the cache), the
     additive ``mask`` ``[num_reqs, 1, max_query_len, max_keys]`` (broadcast over heads;
-    ``None`` when every request's rows are its first tokens and no DCP: row ``j`` sees keys
-    ``0..j``, the kernel's own causal mask).
+    ``None`` with ``causal`` when every request's rows are its first tokens and no DCP: row
+    ``j`` sees keys ``0..j``, the kernel's own causal mask; ``None`` without ``causal`` when
+    every request has one row that sees all ``max_keys`` keys).
     """
 
     num_reqs: int
@@ -166,7 +167,8 @@ class AttentionMetadata:
     fill_req: torch.Tensor  # device
     fill_key: torch.Tensor  # device
     query_index: torch.Tensor | None  # device: row -> padded (request, row) slot; None: 1 row each
-    mask: torch.Tensor | None  # device, additive; None: causal, every request from position 0
+    mask: torch.Tensor | None  # device, additive; None: ``causal``, or every row sees all keys
+    causal: bool  # no mask: every request's rows are its first keys, the kernel's causal mode
     has_key: torch.Tensor  # device [num_rows, 1]: the row sees at least one local key
 
     @property
@@ -262,10 +264,9 @@ def build_attention_metadata(
     mine = slots != PAD_SLOT_ID
     dev = torch.device(device)
     t = torch.from_numpy
-    mask = None
-    if n > 1 or start.any():  # else every request's rows are its first keys: plain causal
-        mask = torch.zeros(b, 1, q, width, dtype=dtype)
-        mask.masked_fill_(torch.arange(width) >= t(sees)[:, None, :, None], -math.inf)
+    mask, causal = None, n == 1 and not start.any()  # every request's rows its first keys
+    if not causal and (q > 1 or (sees != width).any()):  # else each row sees every key
+        mask = t(np.where(np.arange(width) >= sees[:, None, :, None], -np.inf, 0.0)).to(dtype)
     return AttentionMetadata(
         b,
         q,
@@ -286,28 +287,36 @@ def build_attention_metadata(
         t(fj).to(dev),
         None if q == 1 else t(req * q + qi).to(dev),
         None if mask is None else mask.to(dev),
+        causal,
         t(sees[req, qi][:, None] > 0).to(dev),
     )
 
 
 def _attend(
-    q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, mask: torch.Tensor | None, scale: float
+    q4: torch.Tensor,
+    k4: torch.Tensor,
+    v4: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[B, H, Tq, D]`` queries against ``[B, Hkv, L, D]`` keys with an additive mask (``None``:
-    causal, ``Tq == L``; query head ``h`` reads KV head ``h // (H / Hkv)``); ``(out, lse [B,
-    H, Tq])``.  CPU: the fused flash kernel (it broadcasts the KV heads itself; causal, it
-    skips the blocks above the diagonal); elsewhere the same maths."""
+    """``[B, H, Tq, D]`` queries against ``[B, Hkv, L, D]`` keys with ``meta``'s additive mask
+    (``None``: causal if ``meta.causal``, ``Tq == L``, else every key; query head ``h`` reads
+    KV head ``h // (H / Hkv)``); ``(out, lse [B, H, Tq])``.  CPU: the fused flash kernel (it
+    broadcasts the KV heads itself; causal, it skips the blocks above the diagonal); elsewhere
+    the same maths."""
+    mask = meta.mask
     if q4.device.type == "cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q4, k4, v4, 0.0, mask is None, attn_mask=mask, scale=scale
+            q4, k4, v4, 0.0, meta.causal, attn_mask=mask, scale=scale
         )
-    if mask is None:
+    if mask is None and meta.causal:
         tq, length = q4.shape[2], k4.shape[2]
         mask = torch.full((tq, length), -math.inf, dtype=q4.dtype, device=q4.device).triu(1)
     if k4.shape[1] != q4.shape[1]:
         group = q4.shape[1] // k4.shape[1]
         k4, v4 = k4.repeat_interleave(group, dim=1), v4.repeat_interleave(group, dim=1)
-    s = torch.matmul(q4, k4.transpose(-1, -2)) * scale + mask
+    s = torch.matmul(q4, k4.transpose(-1, -2)) * scale
+    s = s if mask is None else s + mask
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse.nan_to_num(neginf=0.0)[..., None])
     return torch.matmul(p, v4), lse
@@ -349,7 +358,7 @@ def batched_attention(
     dcp, qlen = group.size, meta.max_query_len
     dv = v_head_dim if values is None and v_head_dim is not None else v4.shape[-1]
     if dcp == 1 and qlen == 1:  # plain decode: the heads of a KV head as one KV head's rows
-        out, _ = _attend(q.view(b, hkv, -1, d), k4, v4, meta.mask, scale)
+        out, _ = _attend(q.view(b, hkv, -1, d), k4, v4, meta, scale)
         return out[..., :dv].reshape(b, q.shape[1], dv)
     if dcp > 1:
         q = group.all_gather(q, dim=1)  # [R, dcp*h, D]: rank r's heads are block r
@@ -359,7 +368,7 @@ def batched_attention(
         q = q.view(rows, dcp, hkv, g, d).transpose(1, 2).reshape(rows, heads, d)
     if meta.query_index is not None:  # rows of a request side by side, padded to max_query_len
         q = q.new_zeros(b * qlen, heads, d).index_copy_(0, meta.query_index, q)
-    out, lse = _attend(q.view(b, qlen, heads, d).transpose(1, 2), k4, v4, meta.mask, scale)
+    out, lse = _attend(q.view(b, qlen, heads, d).transpose(1, 2), k4, v4, meta, scale)
     out = out[..., :dv].transpose(1, 2).reshape(b * qlen, heads, dv)
     lse = lse.transpose(1, 2).reshape(b * qlen, heads)
     if meta.query_index is not None:
