@@ -202,7 +202,8 @@ class Engine:
         sampled, rows = ({}, {}) if not out.chunks else self.runner.execute(out)
         upd = self.scheduler.update(out, sampled)
         for rid, n in upd.emitted.items():
-            self.logits[rid].append(rows[rid][:n])
+            r = rows[rid]
+            self.logits[rid].append(r if len(r) == n else r[:n])
         for rb in upd.rollbacks:
             self.runner.rollback(rb.block_table, rb.start, rb.end)
         for r in upd.finished:

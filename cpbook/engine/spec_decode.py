@@ -320,6 +320,8 @@ def greedy_accept(drafts: Sequence[int], targets: Sequence[int]) -> list[int]:
             drafts=len(drafts),
             targets=len(targets),
         )
+    if not drafts:  # no speculation: the target's token
+        return [targets[0]]
     a = 0
     while a < len(drafts) and drafts[a] == targets[a]:
         a += 1

@@ -116,6 +116,8 @@ class KVCacheManager:
     def _register_full_blocks(self, req: _Request) -> None:
         if not (self.enable_prefix_caching and req.token_ids is not None):
             return
+        if len(req.token_ids) // self.virtual_block_size == len(req.hashes):
+            return  # no block filled since the last call
         new = self._hashes(req.token_ids, len(req.hashes), req.hashes[-1] if req.hashes else None)
         for b, h in enumerate(new, start=len(req.hashes)):
             blk = req.blocks[b]
@@ -222,7 +224,8 @@ class KVCacheManager:
                 len_token_ids=None if token_ids is None else len(token_ids),
             )
         vb = self.virtual_block_size  # ceil((tokens + new) / vb) ids in all
-        new = self._take(-(-(req.num_tokens + num_new_tokens) // vb) - len(req.blocks))
+        need = -(-(req.num_tokens + num_new_tokens) // vb) - len(req.blocks)
+        new = self._take(need) if need > 0 else []
         req.blocks += new
         req.num_tokens += num_new_tokens
         if token_ids is not None:
