@@ -100,6 +100,7 @@ class BatchKV:
         self.request_ids: tuple[str, ...] = ()
         self.block_tables: tuple[tuple[int, ...], ...] = ()
         self.filled = np.zeros(0, dtype=np.int64)
+        self._rows: tuple["AttentionMetadata", torch.Tensor] | None = None
 
     def forget(self) -> None:
         """Hold no request: the next step copies every key it reads."""
@@ -123,11 +124,22 @@ class BatchKV:
             self.values[layer] = None if v is None else v.new_zeros(*shape, v.shape[3])
         bufs = (self.keys[layer], self.values[layer])
         src = new_rows if meta.fill_new else cache.gather(meta.fill_src)
+        rows = self._fill_rows(meta, bufs[0].shape[1])
         for buf, new in zip(bufs, src):
-            if buf is not None:
-                buf[meta.fill_req, :, meta.fill_key] = new.to(buf.dtype)
+            if buf is not None:  # one index_copy_ into the flattened rows
+                d = buf.shape[-1]
+                buf.view(-1, d).index_copy_(0, rows, new.reshape(-1, d).to(buf.dtype))
         width = meta.max_keys
         return tuple(None if x is None else x[:, :, :width] for x in bufs)
+
+    def _fill_rows(self, meta: "AttentionMetadata", hkv: int) -> torch.Tensor:
+        """The rows of the flattened ``[num_reqs * Hkv * capacity, ·]`` buffers that ``meta``'s
+        fill writes, ordered (key, KV head); built once per step, every layer reuses them."""
+        if self._rows is None or self._rows[0] is not meta:
+            heads = torch.arange(hkv, device=meta.fill_req.device)
+            rows = (meta.fill_req[:, None] * hkv + heads) * meta.kv_capacity
+            self._rows = (meta, (rows + meta.fill_key[:, None]).reshape(-1))
+        return self._rows[1]
 
 
 @dataclass(frozen=True)
