@@ -171,7 +171,8 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor
     read_slots: torch.Tensor
     write_rows: torch.Tensor | None  # device: rows this rank stores (None: all of them)
-    write_slots: torch.Tensor  # device
+    new_slots: torch.Tensor  # host: their slots (``slot_mapping`` without ``-1``)
+    write_slots: torch.Tensor  # device: the same
     kv_capacity: int
     kv_reset: bool
     fill_new: bool  # the fill is exactly this rank's new rows, in order: copied from them
@@ -276,6 +277,7 @@ def build_attention_metadata(
     mine = slots != PAD_SLOT_ID
     dev = torch.device(device)
     t = torch.from_numpy
+    new_slots = t(slots[mine])
     mask, causal = None, n == 1 and not start.any()  # every request's rows its first keys
     if not causal and (q > 1 or (sees != width).any()):  # else each row sees every key
         mask = t(np.where(np.arange(width) >= sees[:, None, :, None], -np.inf, 0.0)).to(dtype)
@@ -290,7 +292,8 @@ def build_attention_metadata(
         t(slots),
         t(fill_src),
         None if mine.all() else t(np.flatnonzero(mine)).to(dev),
-        t(slots[mine]).to(dev),
+        new_slots,
+        new_slots.to(dev),
         cap,
         reset,
         fill_new,

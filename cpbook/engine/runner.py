@@ -266,7 +266,8 @@ class ModelRunner:
                 sample_rows = torch.tensor([cu[j + 1] - 1 for j in keep], device=dev)
         self._check(
             [m.read_slots for m in (attn, prefill) if m is not None],
-            [m.slot_mapping[m.slot_mapping != PAD_SLOT_ID] for m in (attn, prefill) if m],
+            [a.new_slots for a in (attn,) if a is not None]
+            + [p.slot_mapping[p.slot_mapping != PAD_SLOT_ID] for p in (prefill,) if p is not None],
         )
         ids_t = torch.tensor(ids, dtype=torch.long)
         if pre:

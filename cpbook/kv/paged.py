@@ -103,7 +103,8 @@ class PagedKVCache:
 
     def _slots_in_cache(self, mine: torch.Tensor) -> torch.Tensor:
         """``mine`` (slots other than ``-1``), checked to lie in this store."""
-        if mine.numel() and (int(mine.min()) < 0 or int(mine.max()) >= self.num_slots):
+        lo, hi = torch.aminmax(mine) if mine.numel() else (0, 0)
+        if int(lo) < 0 or int(hi) >= self.num_slots:
             raise ConfigError(
                 "slot-in-cache",
                 "every slot in [0, num_blocks*block_size) or -1",
