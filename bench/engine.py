@@ -20,8 +20,9 @@ Prints, after a ``{"name": "engine_run", "date_utc": ..., "machine": ...}`` line
   ``--repeats`` rounds taken in turns (load on the machine only ever adds time).
 * ``{"name": "engine_dcp_cpu", ...}``: CPU seconds of TP 2 x DCP 2 on simulated ranks (threads
   of this process) against one rank, same tokens.
-* ``{"name": "engine_targets", ...}``: decode step >= 1.2x at batch 8 and 32, whole run >= 1.0x
-  at batch >= 8 and >= 1.5x on mixed lengths, TP 2 x DCP 2 <= 1.5x one rank's CPU: met or not.
+* ``{"name": "engine_targets", ...}``: decode step >= 1.2x at batch 8 and 32 for prompts of 32
+  and 512, whole run >= 1.0x at batch >= 8 and >= 1.5x on mixed lengths, TP 2 x DCP 2 <= 1.5x
+  one rank's CPU: met or not.
 * with ``--configs``: per deployment ``{"name": "engine", ...}`` (tokens/s of one
   :func:`cpbook.timing.serve_timing` run, inline), ``engine_capacity`` and
   ``engine_decode_overhead`` (the engine's decode steps against a plain
@@ -286,18 +287,19 @@ QUICK_SHAPES = [(1, 32), (8, 32), (32, 32), (8, 512), (8, "mixed")]
 
 
 def targets(rows: list[dict], dcp_row: dict) -> dict:
-    """The speed targets, met or not: decode step >= 1.2x ``generate`` at batch 8 and 32,
-    whole run >= 1.0x at batch >= 8 and >= 1.5x on mixed lengths, TP2 x DCP2 <= 1.5x."""
+    """The speed targets, met or not: decode step >= 1.2x ``generate`` at batch 8 and 32 for
+    both prompt lengths (32 and 512), whole run >= 1.0x at batch >= 8 and >= 1.5x on mixed
+    lengths, TP2 x DCP2 <= 1.5x."""
     big = [r for r in rows if r["batch"] >= 8]
     fixed = [r for r in big if r["prompt_len"] != "mixed"]
     mixed = [r for r in big if r["prompt_len"] == "mixed"]
     return {
         "name": "engine_targets",
-        "decode_ge_1.2": min(r["decode_ratio"] for r in big) >= 1.2,
+        "decode_ge_1.2": min(r["decode_ratio"] for r in fixed) >= 1.2,
         "run_ge_1.0": min(r["ratio"] for r in fixed) >= 1.0,
         "mixed_ge_1.5": min(r["ratio"] for r in mixed) >= 1.5,
         "dcp_cpu_le_1.5": dcp_row["ratio"] <= 1.5,
-        "min_decode_ratio": min(r["decode_ratio"] for r in big),
+        "min_decode_ratio": min(r["decode_ratio"] for r in fixed),
         "min_run_ratio": min(r["ratio"] for r in fixed),
         "min_mixed_ratio": min(r["ratio"] for r in mixed),
     }
