@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -9,6 +11,7 @@ from hypothesis import strategies as st
 
 from cpbook.core.attention import dense_attention
 from cpbook.core.launch import run
+from cpbook.engine import attention, blocks
 from cpbook.engine.attention import (
     batch_slot_mapping,
     batched_attention,
@@ -124,4 +127,34 @@ def test_one_batched_call_equals_dense_causal_attention(dcp, interleave, mla, re
         ),
         report=False,
     )
+    assert max(res) <= 1e-10
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    dcp=st.sampled_from([1, 2]),
+    mla=st.booleans(),
+    reqs=st.lists(st.tuples(st.integers(0, 12), st.integers(1, 14)), min_size=1, max_size=4),
+)
+def test_attention_in_blocks_equals_dense_causal_attention(dcp, mla, reqs):
+    """With blocks of 4 rows and keys (used whatever they save), a step whose requests have up
+    to 14 rows (after up to 12 cached keys) attends in (row block, key block) pairs merged by
+    LSE: exact, on every rank."""
+    with (
+        mock.patch.object(attention, "ATTN_BLOCK", 4),
+        mock.patch.object(blocks, "BLOCKS_PAY_OFF", 9),
+    ):
+        res = run(
+            batched_rank,
+            dcp,
+            fn_kwargs=dict(
+                reqs=reqs,
+                num_q_heads=4,
+                num_kv_heads=1 if mla else 2,
+                mla=mla,
+                interleave=1,
+                seed=len(reqs) + 7,
+            ),
+            report=False,
+        )
     assert max(res) <= 1e-10

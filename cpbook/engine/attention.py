@@ -42,6 +42,7 @@ import torch
 
 from cpbook.core.comm import Group
 from cpbook.dcp.decode import dcp_combine
+from cpbook.engine.blocks import ATTN_BLOCK, AttentionBlocks, block_pairs, gather_pairs, merge_pairs
 from cpbook.kv.layout import PAD_SLOT_ID, DCPShard
 from cpbook.kv.paged import PagedKVCache
 
@@ -129,7 +130,7 @@ class BatchKV:
             if buf is not None:  # one index_copy_ into the flattened rows
                 d = buf.shape[-1]
                 buf.view(-1, d).index_copy_(0, rows, new.reshape(-1, d).to(buf.dtype))
-        width = meta.max_keys
+        width = meta.kv_width
         return tuple(None if x is None else x[:, :, :width] for x in bufs)
 
     def _fill_rows(self, meta: "AttentionMetadata", hkv: int) -> torch.Tensor:
@@ -158,7 +159,10 @@ class AttentionMetadata:
     additive ``mask`` ``[num_reqs, 1, max_query_len, max_keys]`` (broadcast over heads;
     ``None`` with ``causal`` when every request's rows are its first tokens and no DCP: row
     ``j`` sees keys ``0..j``, the kernel's own causal mask; ``None`` without ``causal`` when
-    every request has one row that sees all ``max_keys`` keys).
+    every request has one row that sees all ``max_keys`` keys, or when a request has more
+    than :data:`~cpbook.engine.blocks.ATTN_BLOCK` rows and blocks pay off: then ``blocks`` cuts
+    the rows and keys into pairs of blocks, each with its own mask, read ``kv_width`` keys
+    wide).
     """
 
     num_reqs: int
@@ -182,6 +186,8 @@ class AttentionMetadata:
     query_index: torch.Tensor | None  # device: row -> padded (request, row) slot; None: 1 row each
     mask: torch.Tensor | None  # device, additive; None: ``causal``, or every row sees all keys
     causal: bool  # no mask: every request's rows are its first keys, the kernel's causal mode
+    blocks: AttentionBlocks | None  # a request of more than ATTN_BLOCK rows: attend in blocks
+    kv_width: int  # keys per request the call reads: max_keys (in blocks: whole blocks)
     has_key: torch.Tensor  # device [num_rows, 1]: the row sees at least one local key
 
     @property
@@ -279,7 +285,10 @@ def build_attention_metadata(
     t = torch.from_numpy
     new_slots = t(slots[mine])
     mask, causal = None, n == 1 and not start.any()  # every request's rows its first keys
-    if not causal and (q > 1 or (sees != width).any()):  # else each row sees every key
+    blocks = block_pairs(rows, sees, dtype, dev, ATTN_BLOCK) if q > ATTN_BLOCK else None
+    if blocks is not None:  # each pair has its own mask
+        causal = False
+    elif not causal and (q > 1 or (sees != width).any()):  # else each row sees every key
         mask = t(np.where(np.arange(width) >= sees[:, None, :, None], -np.inf, 0.0)).to(dtype)
     return AttentionMetadata(
         b,
@@ -300,9 +309,11 @@ def build_attention_metadata(
         t(fill_src).to(dev),
         t(fr).to(dev),
         t(fj).to(dev),
-        None if q == 1 else t(req * q + qi).to(dev),
+        None if q == 1 or blocks is not None else t(req * q + qi).to(dev),
         None if mask is None else mask.to(dev),
         causal,
+        blocks,
+        width if blocks is None else -(-width // blocks.size) * blocks.size,
         t(sees[req, qi][:, None] > 0).to(dev),
     )
 
@@ -311,20 +322,19 @@ def _attend(
     q4: torch.Tensor,
     k4: torch.Tensor,
     v4: torch.Tensor,
-    meta: AttentionMetadata,
+    mask: torch.Tensor | None,
+    causal: bool,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[B, H, Tq, D]`` queries against ``[B, Hkv, L, D]`` keys with ``meta``'s additive mask
-    (``None``: causal if ``meta.causal``, ``Tq == L``, else every key; query head ``h`` reads
-    KV head ``h // (H / Hkv)``); ``(out, lse [B, H, Tq])``.  CPU: the fused flash kernel (it
-    broadcasts the KV heads itself; causal, it skips the blocks above the diagonal); elsewhere
-    the same maths."""
-    mask = meta.mask
+    """``[B, H, Tq, D]`` queries against ``[B, Hkv, L, D]`` keys with an additive ``mask``
+    (``None``: ``causal``, ``Tq == L``, or every key; query head ``h`` reads KV head
+    ``h // (H / Hkv)``); ``(out, lse [B, H, Tq])``.  CPU: the fused flash kernel (it
+    broadcasts the KV heads itself); elsewhere the same maths."""
     if q4.device.type == "cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q4, k4, v4, 0.0, meta.causal, attn_mask=mask, scale=scale
+            q4, k4, v4, 0.0, causal, attn_mask=mask, scale=scale
         )
-    if mask is None and meta.causal:
+    if mask is None and causal:
         tq, length = q4.shape[2], k4.shape[2]
         mask = torch.full((tq, length), -math.inf, dtype=q4.dtype, device=q4.device).triu(1)
     if k4.shape[1] != q4.shape[1]:
@@ -373,7 +383,7 @@ def batched_attention(
     dcp, qlen = group.size, meta.max_query_len
     dv = v_head_dim if values is None and v_head_dim is not None else v4.shape[-1]
     if dcp == 1 and qlen == 1:  # plain decode: the heads of a KV head as one KV head's rows
-        out, _ = _attend(q.view(b, hkv, -1, d), k4, v4, meta, scale)
+        out, _ = _attend(q.view(b, hkv, -1, d), k4, v4, meta.mask, meta.causal, scale)
         return out[..., :dv].reshape(b, q.shape[1], dv)
     if dcp > 1:
         q = group.all_gather(q, dim=1)  # [R, dcp*h, D]: rank r's heads are block r
@@ -381,13 +391,20 @@ def batched_attention(
     g = heads // (hkv * dcp)
     if dcp > 1:  # (rank, kv head, g) -> (kv head, rank, g): a KV head's query heads adjacent
         q = q.view(rows, dcp, hkv, g, d).transpose(1, 2).reshape(rows, heads, d)
-    if meta.query_index is not None:  # rows of a request side by side, padded to max_query_len
-        q = q.new_zeros(b * qlen, heads, d).index_copy_(0, meta.query_index, q)
-    out, lse = _attend(q.view(b, qlen, heads, d).transpose(1, 2), k4, v4, meta, scale)
-    out = out[..., :dv].transpose(1, 2).reshape(b * qlen, heads, dv)
-    lse = lse.transpose(1, 2).reshape(b * qlen, heads)
-    if meta.query_index is not None:
-        out, lse = out.index_select(0, meta.query_index), lse.index_select(0, meta.query_index)
+    if meta.blocks is not None:  # the (row block, key block) pairs in one call, then merged
+        qp, kp, vp = gather_pairs(q, k4, v4, meta.blocks)
+        out, lse = _attend(qp, kp, vp, meta.blocks.mask, False, scale)
+        out, lse = merge_pairs(out[..., :dv], lse, meta.blocks)
+    else:
+        if meta.query_index is not None:  # a request's rows side by side, padded to the longest
+            q = q.new_zeros(b * qlen, heads, d).index_copy_(0, meta.query_index, q)
+        q4 = q.view(b, qlen, heads, d).transpose(1, 2)
+        out, lse = _attend(q4, k4, v4, meta.mask, meta.causal, scale)
+        out = out[..., :dv].transpose(1, 2).reshape(b * qlen, heads, dv)
+        lse = lse.transpose(1, 2).reshape(b * qlen, heads)
+        if meta.query_index is not None:
+            out = out.index_select(0, meta.query_index)
+            lse = lse.index_select(0, meta.query_index)
     if dcp > 1:  # back to (rank, kv head, g)
         out = out.view(rows, hkv, dcp, g, dv).transpose(1, 2).reshape(rows, heads, dv)
         lse = lse.view(rows, hkv, dcp, g).transpose(1, 2).reshape(rows, heads)
