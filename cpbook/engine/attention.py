@@ -17,9 +17,10 @@ Here:
   batch's :class:`BatchKV` up to date (the keys of each request side by side, kept from step to
   step), one attention call (plain decode folds the query heads of a KV head into its query
   rows; otherwise the rows of a request are padded to the longest, the query heads of a KV
-  head side by side), output and LSE; under DCP the query heads are all-gathered and the LSE
-  combine of chapter 3 (:func:`cpbook.dcp.decode.dcp_combine`) merges the shards.  No host
-  read and no per-request Python.
+  head side by side, or a long step of uneven requests is cut into blocks,
+  :mod:`cpbook.engine.blocks`), output and LSE; under DCP the query heads are all-gathered
+  and the LSE combine of chapter 3 (:func:`cpbook.dcp.decode.dcp_combine`) merges the
+  shards.  No host read and no per-request Python.
 
 The paged cache stays ``[num_blocks, block_size, num_kv_heads, head_dim]``, the layout every
 chapter's :class:`~cpbook.kv.paged.PagedKVCache` uses, and it is what the step writes and the

@@ -11,10 +11,12 @@ row block are merged exactly with their log-sum-exp, chapter 3's merge written a
     m = max_p lse_p,   w_p = exp(lse_p - m),   out = Σ_p w_p · out_p / Σ_p w_p,
     lse = m + log Σ_p w_p
 
-The same sum a GPU kernel makes when it walks a sequence's key blocks one by one (vLLM's
-FlashAttention varlen call): only the pairs a row needs are computed.  :func:`block_pairs`
-builds the pairs once per step on the host; :func:`gather_pairs` and :func:`merge_pairs` run
-in every layer.
+vLLM v0.34.0's CPU backend needs none of this: its own kernel takes every request's rows by
+``query_start_loc`` and ``seq_lens`` and reads the paged cache in place, so no request pays
+for another's length (``ops.cpu_attention_with_kv_cache`` in
+``vllm/v1/attention/backends/cpu_attn.py``).  With a stock kernel, the pairs come closest:
+only the blocks a row can see are computed.  :func:`block_pairs` builds the pairs once per
+step on the host; :func:`gather_pairs` and :func:`merge_pairs` run in every layer.
 """
 
 from __future__ import annotations
