@@ -101,6 +101,7 @@ class BatchKV:
         self.capacity = 0
         self.request_ids: tuple[str, ...] = ()
         self.block_tables: tuple[tuple[int, ...], ...] = ()
+        self.tables = np.zeros((0, 0), dtype=np.int64)  # the same, padded
         self.filled = np.zeros(0, dtype=np.int64)
         self._rows: tuple["AttentionMetadata", torch.Tensor] | None = None
 
@@ -203,7 +204,7 @@ KV_CAPACITY_STEP = 256
 def _kept_keys(
     kv: BatchKV | None,
     request_ids: Sequence[str],
-    block_tables: Sequence[Sequence[int]],
+    block_tables: tuple[tuple[int, ...], ...],
     before: np.ndarray,
     width: int,
 ) -> np.ndarray | None:
@@ -212,9 +213,11 @@ def _kept_keys(
     keys at or after a step's first new row (``before`` of them precede it) are copied again."""
     if kv is None or tuple(request_ids) != kv.request_ids or width > kv.capacity:
         return None
+    if block_tables == kv.block_tables:  # no request grew a block since the last step
+        return np.minimum(kv.filled, before)
     for new, old in zip(block_tables, kv.block_tables):
         n = min(len(new), len(old))
-        if tuple(new[:n]) != old[:n]:
+        if new[:n] != old[:n]:
             return None
     return np.minimum(kv.filled, before)
 
@@ -243,9 +246,13 @@ def build_attention_metadata(
     start = np.asarray(starts, dtype=np.int64)
     rows = np.asarray(num_rows, dtype=np.int64)
     b, q = len(start), int(rows.max())
-    tables = np.zeros((b, max(len(t) for t in block_tables)), dtype=np.int64)
-    for r, t in enumerate(block_tables):
-        tables[r, : len(t)] = t
+    held = tuple(map(tuple, block_tables))
+    if kv is not None and held == kv.block_tables:  # the last step's padded tables
+        tables = kv.tables
+    else:
+        tables = np.zeros((b, max(len(t) for t in held)), dtype=np.int64)
+        for r, t in enumerate(held):
+            tables[r, : len(t)] = t
     qsl = np.zeros(b + 1, dtype=np.int64)
     qsl[1:] = rows.cumsum()
     req = np.repeat(np.arange(b), rows)
@@ -269,7 +276,7 @@ def build_attention_metadata(
     # local keys sit in position order: row at position p sees the first local_len(p + 1)
     sees = local_len(start[:, None] + np.arange(q)[None] + 1)  # [b, q]
     before = local_len(start)
-    kept = _kept_keys(kv, request_ids, block_tables, before, width)
+    kept = _kept_keys(kv, request_ids, held, before, width)
     reset = kept is None
     fill_new = not reset and bool((kept == before).all())
     cap = -(-width // KV_CAPACITY_STEP) * KV_CAPACITY_STEP if reset else kv.capacity
@@ -280,7 +287,7 @@ def build_attention_metadata(
     fill_src = tables[fr, fj // block_size] * block_size + fj % block_size
     if kv is not None:
         kv.request_ids, kv.filled, kv.capacity = tuple(request_ids), local, cap
-        kv.block_tables = tuple(tuple(t) for t in block_tables)
+        kv.block_tables, kv.tables = held, tables
     mine = slots != PAD_SLOT_ID
     dev = torch.device(device)
     t = torch.from_numpy
@@ -376,6 +383,8 @@ def batched_attention(
     if meta.write_rows is not None:  # the rows this rank stores
         k = k.index_select(0, meta.write_rows)
         v = None if v is None else v.index_select(0, meta.write_rows)
+    else:  # one copy of the new rows (views of the projection) for the cache and the kept rows
+        k, v = k.contiguous(), None if v is None else v.contiguous()
     cache.store(k, v, meta.write_slots)
     k4, values = (BatchKV(1) if kv is None else kv).refresh(layer, cache, meta, (k, v))
     b, hkv, d = meta.num_reqs, k4.shape[1], k4.shape[3]
