@@ -387,8 +387,8 @@ class ModelRunner:
         if groups.world.size > 1:  # everyone continues with rank 0's tokens
             tokens = groups.world.all_gather(tokens[None], dim=0)[0]
         # the step's one host read: the scheduler needs the sampled tokens
-        flat, per_tok, per_row, at = tokens.tolist(), {}, {}, 0
+        flat, per_tok, at = tokens.tolist(), {}, 0
         for name, n in zip(meta.sample_ids, meta.sample_counts):
-            per_tok[name], per_row[name] = flat[at : at + n], logits[at : at + n]
+            per_tok[name] = flat[at : at + n]
             at += n
-        return per_tok, per_row
+        return per_tok, dict(zip(meta.sample_ids, logits.split(meta.sample_counts)))

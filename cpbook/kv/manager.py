@@ -212,7 +212,8 @@ class KVCacheManager:
     ) -> list[int]:
         """Grow a request by ``num_new_tokens`` (decode); returns the ids newly allocated."""
         req = self._get(request_id)
-        check_positive(num_new_tokens=num_new_tokens)
+        if type(num_new_tokens) is not int or num_new_tokens < 1:
+            check_positive(num_new_tokens=num_new_tokens)
         if (token_ids is None) != (req.token_ids is None) or (
             token_ids is not None and len(token_ids) != num_new_tokens
         ):
