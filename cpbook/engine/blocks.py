@@ -71,14 +71,13 @@ def block_pairs(
     sees: np.ndarray,
     dtype: torch.dtype,
     device: torch.device | str,
-    size: int | None = None,
+    size: int,
 ) -> AttentionBlocks | None:
     """The pairs of requests with ``rows[r]`` rows this step, row ``j`` of request ``r`` seeing
-    its first ``sees[r, j]`` local keys (non-decreasing in ``j``); blocks of ``size`` (default
-    :data:`ATTN_BLOCK`).  A row block with no key to see still gets one (masked) pair.
+    its first ``sees[r, j]`` local keys (non-decreasing in ``j``); blocks of ``size`` rows and
+    keys.  A row block with no key to see still gets one (masked) pair.
     ``None`` when the pairs' scores exceed :data:`BLOCKS_PAY_OFF` of the padded call's
     (``len(rows) * max(rows) * max(sees)``: requests of about one length)."""
-    size = ATTN_BLOCK if size is None else size
     ar = np.arange(size)
     nqb = -(-rows // size)
     first = np.cumsum(nqb) - nqb  # each request's first row block

@@ -264,11 +264,10 @@ class ModelRunner:
             cu = prefill.pcp.cu_seq_lens
             if keep:
                 sample_rows = torch.tensor([cu[j + 1] - 1 for j in keep], device=dev)
-        self._check(
-            [m.read_slots for m in (attn, prefill) if m is not None],
-            [a.new_slots for a in (attn,) if a is not None]
-            + [p.slot_mapping[p.slot_mapping != PAD_SLOT_ID] for p in (prefill,) if p is not None],
-        )
+        written = [] if attn is None else [attn.new_slots]
+        if prefill is not None:
+            written.append(prefill.slot_mapping[prefill.slot_mapping != PAD_SLOT_ID])
+        self._check([m.read_slots for m in (attn, prefill) if m is not None], written)
         ids_t = torch.tensor(ids, dtype=torch.long)
         if pre:
             ids_t = torch.cat([ids_t, ids_pre])
