@@ -190,7 +190,8 @@ def attention_with_lse(
 def clean_lse(lse: torch.Tensor) -> torch.Tensor:
     """NaN and ``+inf`` LSEs mean "no valid keys" (vLLM's guard): map them to ``-inf``.  The one
     copy of the guard: every combine (here and in :mod:`cpbook.dcp.decode`) applies it."""
-    return torch.where(torch.isnan(lse) | (lse == float("inf")), float("-inf"), lse)
+    inf = float("inf")
+    return lse.nan_to_num(nan=-inf, posinf=-inf, neginf=-inf)
 
 
 def merge_attn_states_(

@@ -73,13 +73,10 @@ def correct_attn_out(
     range (≈ 88 in float32, ≈ 709 in float64) combine exactly too.
     """
     lses = clean_lse(lses)
-    m = lses.max(dim=0).values
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    total = torch.log(torch.exp(lses - m).sum(dim=0)) + m
-    factor = torch.exp(lses[rank] - total)
-    factor = torch.where(torch.isfinite(factor), factor, torch.zeros_like(factor))
+    total = torch.logsumexp(lses, dim=0)  # max-shifted; -inf where every shard is empty
+    factor = torch.exp(lses[rank] - total).nan_to_num_(nan=0.0)  # -inf - -inf: no keys at all
     factor = factor[..., None].to(out.dtype)
-    return torch.where(factor == 0, torch.zeros_like(out), out * factor), total
+    return torch.where(factor == 0, 0.0, out * factor), total
 
 
 def cp_lse_ag_out_rs(
