@@ -267,7 +267,11 @@ class ModelRunner:
         written = [] if attn is None else [attn.new_slots]
         if prefill is not None:
             written.append(prefill.slot_mapping[prefill.slot_mapping != PAD_SLOT_ID])
-        self._check([m.read_slots for m in (attn, prefill) if m is not None], written)
+        # a fill of only the new rows copies them, not the cache: nothing read to check
+        reads = [] if attn is None or attn.fill_new else [attn.read_slots]
+        if prefill is not None:
+            reads.append(prefill.read_slots)
+        self._check(reads, written)
         ids_t = torch.tensor(ids, dtype=torch.long)
         if pre:
             ids_t = torch.cat([ids_t, ids_pre])
