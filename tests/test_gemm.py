@@ -1,11 +1,12 @@
-"""PackedLinear: the plain product in float64 (bit for bit), oneDNN's to rounding in float32."""
+"""PackedLinear: the plain product in float64 and for small float32 weights (bit for bit),
+oneDNN's to rounding for large float32 weights."""
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cpbook.engine.gemm import PackedLinear
+from cpbook.engine.gemm import ONEDNN_MIN_WEIGHT_BYTES, PackedLinear
 
 
 @settings(max_examples=25, deadline=None)
@@ -25,14 +26,23 @@ def test_float64_is_the_plain_product(rows: int, k: int, n: int, bias: bool) -> 
 @pytest.mark.parametrize("bias", [False, True])
 def test_float32_agrees_to_rounding(rows: int, bias: bool) -> None:
     g = torch.Generator().manual_seed(rows)
-    w = torch.randn(256, 96, generator=g) / 16
-    b = torch.randn(96, generator=g) if bias else None
-    x = torch.randn(rows, 256, generator=g)
+    w = torch.randn(512, 256, generator=g) / 16  # 512 KiB: reordered
+    b = torch.randn(256, generator=g) if bias else None
+    x = torch.randn(rows, 512, generator=g)
     lin = PackedLinear(w, b)
     assert lin.onednn == torch.backends.mkldnn.is_available()
     want = (x.double() @ w.double()) + (0 if b is None else b.double())
-    assert lin(x).dtype == torch.float32 and lin(x).shape == (rows, 96)
+    assert lin(x).dtype == torch.float32 and lin(x).shape == (rows, 256)
     assert torch.allclose(lin(x).double(), want, rtol=1e-5, atol=1e-5)
     # a strided input (a transposed view) gives the same rows
     xt = x.t().contiguous().t()
     assert torch.allclose(lin(xt), lin(x), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("k,n", [(256, 256), (511, 256), (1, 1)])
+def test_small_float32_weights_keep_the_plain_product(k: int, n: int) -> None:
+    w = torch.randn(k, n, generator=torch.Generator().manual_seed(k))
+    assert w.numel() * 4 < ONEDNN_MIN_WEIGHT_BYTES
+    x = torch.randn(5, k)
+    lin = PackedLinear(w)
+    assert not lin.onednn and torch.equal(lin(x), x @ w)
