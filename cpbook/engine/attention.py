@@ -392,16 +392,17 @@ def batched_attention(
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     dcp, qlen = group.size, meta.max_query_len
     dv = v_head_dim if values is None and v_head_dim is not None else v4.shape[-1]
-    if dcp == 1 and qlen == 1:  # plain decode: the heads of a KV head as one KV head's rows
-        out, _ = _attend(q.view(b, hkv, -1, d), k4, v4, meta.mask, meta.causal, scale)
-        return out[..., :dv].reshape(b, q.shape[1], dv)
     if dcp > 1:
         q = group.all_gather(q, dim=1)  # [R, dcp*h, D]: rank r's heads are block r
     rows, heads = q.shape[0], q.shape[1]
     g = heads // (hkv * dcp)
-    if dcp > 1:  # (rank, kv head, g) -> (kv head, rank, g): a KV head's query heads adjacent
+    regroup = dcp > 1 and hkv > 1  # (rank, kv head, g) <-> (kv head, rank, g)
+    if regroup:  # a KV head's query heads adjacent
         q = q.view(rows, dcp, hkv, g, d).transpose(1, 2).reshape(rows, heads, d)
-    if meta.blocks is not None:  # the (row block, key block) pairs in one call, then merged
+    if qlen == 1:  # one row per request (decode): a KV head's query heads as its rows
+        out, lse = _attend(q.view(b, hkv, -1, d), k4, v4, meta.mask, meta.causal, scale)
+        out, lse = out[..., :dv].reshape(b, heads, dv), lse.reshape(b, heads)
+    elif meta.blocks is not None:  # the (row block, key block) pairs in one call, then merged
         qp, kp, vp = gather_pairs(q, k4, v4, meta.blocks)
         out, lse = _attend(qp, kp, vp, meta.blocks.mask, False, scale)
         out, lse = merge_pairs(out[..., :dv], lse, meta.blocks)
@@ -415,10 +416,10 @@ def batched_attention(
         if meta.query_index is not None:
             out = out.index_select(0, meta.query_index)
             lse = lse.index_select(0, meta.query_index)
-    if dcp > 1:  # back to (rank, kv head, g)
-        out = out.view(rows, hkv, dcp, g, dv).transpose(1, 2).reshape(rows, heads, dv)
-        lse = lse.view(rows, hkv, dcp, g).transpose(1, 2).reshape(rows, heads)
     if dcp == 1:
         return out
+    if regroup:  # back to (rank, kv head, g)
+        out = out.view(rows, hkv, dcp, g, dv).transpose(1, 2).reshape(rows, heads, dv)
+        lse = lse.view(rows, hkv, dcp, g).transpose(1, 2).reshape(rows, heads)
     lse = lse.masked_fill(~meta.has_key, -math.inf)  # the kernel's LSE of no key is 0
     return dcp_combine(out.contiguous(), lse.to(out.dtype), group, dcp_comm_backend)
