@@ -15,7 +15,10 @@ Prints, after a ``{"name": "engine_run", "date_utc": ..., "machine": ...}`` line
   ``min_new_tokens``, which would mask one logit in ``generate`` only).  ``ratio`` = ``generate``'s
   CPU seconds / the engine's for the whole run; ``decode_ratio`` the same for one decode step
   (``generate``: the median CPU time between two tokens, read by a stopping criterion that
-  never stops; the engine: the median of its all-decode steps).  Batch 1, 8, 32 x prompts of 32
+  never stops; the engine: the median of its all-decode steps).  ``bare_decode_step_ms``:
+  the same model's decode maths with nothing around it (:func:`bare_decode_step`), and
+  ``bare_decode_ratio`` = ``generate``'s step / that, the most ``decode_ratio`` could be
+  (fixed prompt lengths only).  Batch 1, 8, 32 x prompts of 32
   and 512 tokens, and batch 8 of mixed lengths 5..512 (``generate`` pads them); the least of
   ``--repeats`` rounds taken in turns (load on the machine only ever adds time).
 * ``{"name": "engine_dcp_cpu", ...}``: CPU seconds of TP 2 x DCP 2 on simulated ranks (threads
@@ -209,6 +212,46 @@ def hf_times(
     return out[:, width:].tolist(), t.seconds, step
 
 
+def bare_decode_step(model: TinyModel, batch: int, prompt_len: int, new_tokens: int) -> float:
+    """Median CPU seconds of one decode step of the engine's own maths with nothing around it:
+    the model's projections, RoPE, norms, MLP and LM head (the same prepared weights), the new
+    keys written in place into a preallocated contiguous cache, one attention call per layer
+    for the batch, the greedy pick read on the host.  No scheduler, paged cache or metadata.
+    ``batch`` prompts of ``prompt_len`` tokens (their keys random: only the time counts)."""
+    cfg = model.config
+    heads, kv_heads = slice(0, cfg.num_q_heads), slice(0, cfg.num_kv_heads)
+    cols = model.mlp_shard(0, 1)
+    size, hkv, d = prompt_len + new_tokens, cfg.num_kv_heads, cfg.head_dim
+    gen = torch.Generator().manual_seed(3)
+    keys = [torch.randn(batch, hkv, size, d, generator=gen) for _ in range(cfg.num_hidden_layers)]
+    values = [torch.randn(batch, hkv, size, d, generator=gen) for _ in range(cfg.num_hidden_layers)]
+    ids = torch.randint(cfg.vocab_size, (batch,), generator=gen)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    times = []
+    with torch.inference_mode():
+        for pos in range(prompt_len, size):
+            with stopwatch(clock="process") as t:
+                positions = torch.full((batch,), pos)
+                x = model.embed[ids]
+                for layer in range(cfg.num_hidden_layers):
+                    h = model.attn_input(layer, x)
+                    q, k, v = model.qkv(layer, h, positions, heads, kv_heads)
+                    keys[layer][:, :, pos], values[layer][:, :, pos] = k, v
+                    out, _ = flash(
+                        q.view(batch, hkv, -1, d),
+                        keys[layer][:, :, : pos + 1],
+                        values[layer][:, :, : pos + 1],
+                        0.0,
+                        False,
+                        scale=model.attn_scale(layer),
+                    )
+                    x = x + model.o_proj(layer, out.reshape(batch, -1, d), heads)
+                    x = x + model.mlp(layer, x, cols)
+                ids = torch.tensor(model.logits(x).argmax(dim=-1).tolist())
+            times.append(t.seconds)
+    return statistics.median(times)
+
+
 def engine_vs_hf(
     name: str, shapes: list[tuple[int, int | str]], new_tokens: int, repeats: int
 ) -> list[dict]:
@@ -225,12 +268,15 @@ def engine_vs_hf(
             else [plen] * batch
         )
         prompts = [torch.randint(vocab, (n,), generator=gen).tolist() for n in lens]
-        eng, ref = [], []
-        for _ in range(repeats + 1):  # the first round warms both up
+        eng, ref, bare = [], [], []
+        for _ in range(repeats + 1):  # the first round warms every one up
             eng.append(engine_times(model, prompts, new_tokens))
             ref.append(hf_times(hf, prompts, new_tokens))
+            if plen != "mixed":
+                bare.append(bare_decode_step(model, batch, plen, new_tokens))
         te, th = min(e[1] for e in eng[1:]), min(r[1] for r in ref[1:])
         de, dh = min(e[2] for e in eng[1:]), min(r[2] for r in ref[1:])
+        db = min(bare[1:]) if bare else None
         rows.append(
             {
                 "name": "engine_vs_hf",
@@ -244,6 +290,8 @@ def engine_vs_hf(
                 "decode_step_ms": round(1e3 * de, 3),
                 "hf_decode_step_ms": round(1e3 * dh, 3),
                 "decode_ratio": round(dh / de, 3),
+                "bare_decode_step_ms": None if db is None else round(1e3 * db, 3),
+                "bare_decode_ratio": None if db is None else round(dh / db, 3),
                 "tokens_match": eng[0][0] == ref[0][0],
             }
         )
