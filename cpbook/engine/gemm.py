@@ -16,8 +16,8 @@ float32 outputs agree with ``x @ w`` to rounding, not bit for bit.
 
 Small weights keep ``x @ w`` for the same reason vLLM sends weights of at most 1 MiB to a
 kernel with less dispatch work (``check_cpu_sgl_kernel``, same file; bf16/fp16 on AMX CPUs):
-on a small weight a oneDNN call spends up to 17 microseconds more than ``x @ w`` before any
-arithmetic, as long as the product itself takes.  Measured here (one thread, float32),
+on a small weight a oneDNN call spends up to 17 microseconds more than ``x @ w``, about what
+the whole product takes.  Measured here (one thread, float32),
 ``x @ w`` wins below 128 Ki weights (a ``[256, 256]`` weight at 8 rows: 18 µs against 25),
 the two tie at 128 Ki, and the reorder wins above (a ``[256, 1024]`` weight at 8 rows:
 59 µs against 90; ``[1024, 2816]``: 0.93 ms against 1.89).
