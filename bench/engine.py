@@ -1,6 +1,6 @@
 """The mini engine (chapter 9) against transformers' ``generate``, and its deployments.
 
-    python bench/engine.py --json            # a few minutes on 2 cores with --quick
+    python bench/engine.py --json            # about 22 minutes on 2 cores; --quick: 1
     python bench/engine.py --json --configs  # also the per-deployment rows
 
 Prints, after a ``{"name": "engine_run", "date_utc": ..., "machine": ...}`` line:
@@ -21,6 +21,10 @@ Prints, after a ``{"name": "engine_run", "date_utc": ..., "machine": ...}`` line
   (fixed prompt lengths only).  Batch 1, 8, 32 x prompts of 32
   and 512 tokens, and batch 8 of mixed lengths 5..512 (``generate`` pads them); the least of
   ``--repeats`` rounds taken in turns (load on the machine only ever adds time).
+* Every number is the median over ``--passes`` whole passes (``passes`` in each row), minutes
+  apart: on a shared machine both engines' CPU times move together by more between passes
+  than between the rounds of one (three passes on one tree: the engine's decode step at
+  batch 8, prompt 32, 2.33, 2.89 and 3.46 ms, the ratio 1.12, 1.25 and 1.36).
 * ``{"name": "engine_dcp_cpu", ...}``: CPU seconds of TP 2 x DCP 2 on simulated ranks (threads
   of this process) against one rank, same tokens; one row on a 256-wide checkpoint (the
   ``engine_vs_hf`` width, where a decode step's matrix products are a few microseconds each, so
@@ -42,6 +46,7 @@ import contextlib
 import io
 import json
 import statistics
+import sys
 import tempfile
 import time
 
@@ -295,7 +300,7 @@ def engine_vs_hf(
                 "tokens_match": eng[0][0] == ref[0][0],
             }
         )
-        print(json.dumps(rows[-1]), flush=True)
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)  # progress
     return rows
 
 
@@ -366,26 +371,49 @@ def targets(rows: list[dict], dcp_rows: list[dict]) -> dict:
     }
 
 
+def median_of_passes(passes: list[list[dict]]) -> list[dict]:
+    """Row by row, the median over ``passes`` (each a list of the same rows, in order) of every
+    measured number: a ratio is the median of the passes' ratios, each paired within its
+    pass; ``tokens_match`` holds if it held in every pass."""
+    out = []
+    for same in zip(*passes, strict=True):
+        row = dict(same[0], passes=len(same))
+        for k, v in same[0].items():
+            if isinstance(v, float):
+                row[k] = round(statistics.median(r[k] for r in same), 4)
+        row["tokens_match"] = all(r["tokens_match"] for r in same)
+        out.append(row)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", action="store_true", help="print JSON lines (the default output)")
     p.add_argument("--quick", action="store_true", help="fewer rows, tokens and repeats")
     p.add_argument("--requests", type=int, default=6)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--passes", type=int, default=3, help="whole passes, each row's median kept")
     p.add_argument("--device", default="cpu", help="the simulated ranks' device (cuda:0: a GPU)")
     p.add_argument("--configs", action="store_true", help="also the per-deployment rows")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     print(json.dumps({"name": "engine_run", **machine_record(a.device, "inline")}), flush=True)
-    repeats, new_tokens = (1, 16) if a.quick else (a.repeats, 32)
-    rows = []
-    for name in ("llama-h256-l4", "qwen3-h256-l4"):
-        rows += engine_vs_hf(name, QUICK_SHAPES if a.quick else SHAPES, new_tokens, repeats)
-    dcp_rows = []
-    for name in DCP_MODELS:
-        dcp_rows.append(simulated_dcp_cpu(name, new_tokens, repeats))
-        print(json.dumps(dcp_rows[-1]), flush=True)
-    print(json.dumps(targets(rows, dcp_rows)), flush=True)
+    repeats, new_tokens, passes = (1, 16, 1) if a.quick else (a.repeats, 32, a.passes)
+    runs = []
+    for _ in range(passes):
+        rows = []
+        for name in ("llama-h256-l4", "qwen3-h256-l4"):
+            rows += engine_vs_hf(name, QUICK_SHAPES if a.quick else SHAPES, new_tokens, repeats)
+        for name in DCP_MODELS:
+            rows.append(simulated_dcp_cpu(name, new_tokens, repeats))
+            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+        runs.append(rows)
+    rows = median_of_passes(runs)
+    for r in rows:
+        print(json.dumps(r), flush=True)
+    speed = [r for r in rows if r["name"] == "engine_vs_hf"]
+    dcp_rows = [r for r in rows if r["name"] == "engine_dcp_cpu"]
+    print(json.dumps(targets(speed, dcp_rows)), flush=True)
     if a.configs:
         configs(a)
 
