@@ -27,8 +27,8 @@ Prints, after a ``{"name": "engine_run", "date_utc": ..., "machine": ...}`` line
   batch 8, prompt 32, 2.33, 2.89 and 3.46 ms, the ratio 1.12, 1.25 and 1.36).
 * ``{"name": "engine_dcp_cpu", ...}``: CPU seconds of TP 2 x DCP 2 on simulated ranks (threads
   of this process) against one rank, same tokens; one row on a 256-wide checkpoint (the
-  ``engine_vs_hf`` width, where a decode step's matrix products are a few microseconds each, so
-  halving them saves little) and one 1024 wide (TinyLlama's proportions at half its width, where
+  ``engine_vs_hf`` width, where a decode step's matrix products take tens of microseconds each,
+  so halving them saves little) and one 1024 wide (TinyLlama's proportions at half its width, where
   the products are most of the step).
 * ``{"name": "engine_targets", ...}``: decode step >= 1.2x at batch 8 and 32 for prompts of 32
   and 512, whole run >= 1.0x at batch >= 8 and >= 1.5x on mixed lengths, TP 2 x DCP 2 <= 1.5x

@@ -1,7 +1,7 @@
 """The two interchangeable backends of the :class:`~cpbook.core.comm.Group` interface.
 
 * :class:`SimGroup` (with its :class:`SimWorld`) — simulated ranks, one Python thread per rank,
-  rendezvous through a ``threading.Barrier`` with a timeout (notebooks, fast tests);
+  one rendezvous per collective (:class:`_Rendezvous`) with a timeout (notebooks, fast tests);
 * :class:`TorchGroup` — a ``torch.distributed`` process group (gloo on CPU, NCCL on GPUs), as
   started by ``torchrun``.
 

@@ -1,7 +1,7 @@
 """The ``Group`` interface every algorithm calls, with two interchangeable backends.
 
 * :class:`SimGroup` — in-process simulated ranks, one Python thread per rank (notebooks, fast
-  tests).  Rendezvous through ``threading.Barrier`` with a timeout.
+  tests).  One rendezvous per collective on a condition variable, with a timeout.
 * :class:`TorchGroup` — ``torch.distributed`` process groups (gloo on CPU, NCCL on GPUs), as
   started by ``torchrun``.
 
